@@ -1,0 +1,46 @@
+"""Control codes: the public labels every record carries, and the prompts made from them.
+
+A control code is one string per record, built from one or more public columns as
+``col=value|col=value`` (e.g. ``topic=sport``). The vocabulary is public and fixed
+before the run; it never comes from counting private records.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+CODE_FIELD_SEP = "|"
+CODE_KV_SEP = "="
+# The separator between the control-code prompt and the text (paper eq. 3: the code is
+# the prompt). A newline pair keeps the prompt readable and is one or two BPE tokens.
+PROMPT_SEPARATOR = "\n\n"
+
+
+def make_code(values: Mapping[str, object], columns: Sequence[str]) -> str:
+    """Join a record's control-column values into one code string ``col=value|...``."""
+    return CODE_FIELD_SEP.join(f"{c}{CODE_KV_SEP}{_clean(values[c])}" for c in columns)
+
+
+def parse_code(code: str) -> dict[str, str]:
+    """Split ``col=value|col=value`` back into a column -> value dict."""
+    fields = {}
+    for part in code.split(CODE_FIELD_SEP):
+        key, _, value = part.partition(CODE_KV_SEP)
+        fields[key] = value
+    return fields
+
+
+def code_prompt(code: str) -> str:
+    """The generation / training prompt for a code: ``"topic: sport\\n\\n"``.
+
+    Training text is ``code_prompt(code) + text + eos``; generation prompts with the same
+    string, so the finetuned model continues in the code's style.
+    """
+    fields = parse_code(code)
+    return ", ".join(f"{k}: {v}" for k, v in fields.items()) + PROMPT_SEPARATOR
+
+
+def _clean(value: object) -> str:
+    # Separators inside a value would make the code unparseable; they are replaced,
+    # not escaped, because codes are labels, not free text.
+    return str(value).strip().replace(CODE_FIELD_SEP, "/").replace(CODE_KV_SEP, "-")

@@ -1,0 +1,189 @@
+"""The typed run configuration: every knob of ``[tool.flwr.app.config]``, validated once.
+
+``RunConfig.from_flower(context.run_config)`` is called by the ServerApp before anything
+is sent to a node and by every node on each message; an invalid value raises
+``ConfigError`` naming the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from common.dp import BudgetSplit, paper_delta, split_budget
+
+AGGREGATORS = ("fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "fedmedian", "fedtrimmedavg")
+FINETUNE_MODES = ("full", "lora")
+REFINEMENTS = ("knn-vote", "uniform", "none")
+VOTERS = ("weak", "all")
+
+
+class ConfigError(ValueError):
+    """An invalid run-config value; the message names key, value and what is allowed."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """All run-config keys (kebab-case in TOML, snake_case here) with their defaults."""
+
+    num_server_rounds: int = 2
+    local_steps: int = 8
+    batch_size: int = 8
+    learning_rate: float = 2e-3
+    server_learning_rate: float = 1.0
+    aggregator: str = "fedavg"
+    max_length: int = 64
+    model: str = "smollm2-135m"
+    finetune: str = "lora"
+    lora_rank: int = 8
+    max_grad_norm: float = 1.0
+    dataset: str = "bbc-news"
+    text_column: str = "text"
+    control_columns: tuple[str, ...] = ("topic",)
+    control_codes: tuple[str, ...] = ()
+    strong_fraction: float = 0.5
+    partitioning: str = "iid"
+    test_fraction: float = 0.1
+    epsilon: float = 8.0
+    epsilon_profile: float = 2.0
+    delta: str = "1e-5"
+    embedder: str = "all-MiniLM-L6-v2"
+    num_synthetic: int = 120
+    max_new_tokens: int = 64
+    sampling_rate: float = 0.5
+    num_votes: int = 4
+    temperature: float = 1.0
+    refinement: str = "knn-vote"
+    voters: str = "weak"
+    min_nodes: int = 0
+    node_timeout: float = 3600.0
+    out_dir: str = "outputs"
+    run_name: str = ""
+    seed: int = 0
+
+    # ------------------------------------------------------------------ parsing
+    @classmethod
+    def from_flower(cls, run_config: Mapping[str, Any]) -> RunConfig:
+        """Build and validate from Flower's run config (kebab-case keys, TOML types).
+
+        Unknown keys are rejected (a typo would otherwise silently use a default).
+        """
+        known = {f.name.replace("_", "-"): f for f in fields(cls)}
+        unknown = sorted(set(run_config) - set(known))
+        if unknown:
+            raise ConfigError(f"unknown run-config key(s) {unknown}; allowed keys: {sorted(known)}")
+        values: dict[str, Any] = {}
+        for key, raw in run_config.items():
+            f = known[key]
+            values[f.name] = _coerce(key, raw, f.type)
+        cfg = cls(**values)
+        cfg.validate()
+        return cfg
+
+    def to_flower(self) -> dict[str, Any]:
+        """The inverse of ``from_flower``: kebab-case keys, TOML-friendly values."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            out[f.name.replace("_", "-")] = ",".join(v) if isinstance(v, tuple) else v
+        return out
+
+    # --------------------------------------------------------------- validation
+    def validate(self) -> None:
+        """Raise ``ConfigError`` for the first invalid value (key, value, what is allowed)."""
+        checks: list[tuple[str, bool, str]] = [
+            ("num-server-rounds", self.num_server_rounds >= 0, "an integer >= 0 (0 skips finetuning)"),
+            ("local-steps", self.local_steps >= 1, "an integer >= 1"),
+            ("batch-size", self.batch_size >= 1, "an integer >= 1"),
+            ("learning-rate", 0 < self.learning_rate < 10, "a float in (0, 10)"),
+            ("server-learning-rate", 0 < self.server_learning_rate <= 10, "a float in (0, 10]"),
+            ("aggregator", self.aggregator in AGGREGATORS or "." in self.aggregator,
+             f"one of {list(AGGREGATORS)} or a class path 'package.module.Class'"),
+            ("max-length", 8 <= self.max_length <= 8192, "an integer in [8, 8192]"),
+            ("finetune", self.finetune in FINETUNE_MODES, f"one of {list(FINETUNE_MODES)}"),
+            ("lora-rank", self.lora_rank >= 1, "an integer >= 1"),
+            ("max-grad-norm", self.max_grad_norm > 0, "a float > 0"),
+            ("control-columns", len(self.control_columns) >= 1, "one or more comma-separated column names"),
+            ("strong-fraction", 0.0 <= self.strong_fraction <= 1.0, "a float in [0, 1]"),
+            ("test-fraction", 0.0 <= self.test_fraction < 0.9, "a float in [0, 0.9)"),
+            ("epsilon", self.epsilon > 0, "a float > 0, or inf for no DP"),
+            ("epsilon-profile", math.isinf(self.epsilon) or 0 < self.epsilon_profile < self.epsilon,
+             f"a float in (0, epsilon={self.epsilon})"),
+            ("num-synthetic", self.num_synthetic >= 1, "an integer >= 1"),
+            ("max-new-tokens", 1 <= self.max_new_tokens <= 4096, "an integer in [1, 4096]"),
+            ("sampling-rate", 0 < self.sampling_rate <= 1, "a float in (0, 1]"),
+            ("num-votes", self.num_votes >= 1, "an integer >= 1"),
+            ("temperature", 0 <= self.temperature <= 5, "a float in [0, 5] (0 = greedy)"),
+            ("refinement", self.refinement in REFINEMENTS, f"one of {list(REFINEMENTS)}"),
+            ("voters", self.voters in VOTERS, f"one of {list(VOTERS)}"),
+            ("min-nodes", self.min_nodes >= 0, "an integer >= 0 (0 = wait until the node count is stable)"),
+            ("node-timeout", self.node_timeout > 0, "seconds > 0"),
+            ("out-dir", bool(self.out_dir.strip()), "a non-empty path"),
+            ("run-name", "/" not in self.run_name and ".." not in self.run_name, "a folder name without '/' or '..'"),
+        ]
+        for key, ok, allowed in checks:
+            if not ok:
+                raise ConfigError(_message(key, getattr(self, key.replace("-", "_")), allowed))
+        try:
+            self.resolve_delta(num_nodes=2)
+        except ValueError:
+            raise ConfigError(_message("delta", self.delta, "a float in (0, 1) or 'paper' (1/(2N log N))")) from None
+        from common.data import parse_partitioning  # deferred: data pulls in pandas/datasets
+
+        try:
+            parse_partitioning(self.partitioning)
+        except ValueError as err:
+            raise ConfigError(_message("partitioning", self.partitioning, str(err))) from None
+
+    # ----------------------------------------------------------------- derived
+    @property
+    def private(self) -> bool:
+        """False when ``epsilon = inf``: every mechanism is switched off."""
+        return not math.isinf(self.epsilon)
+
+    def budget(self) -> BudgetSplit:
+        """The per-node epsilon split of appendix B (profile + train-or-vote)."""
+        return split_budget(self.epsilon, self.epsilon_profile)
+
+    def resolve_delta(self, num_nodes: int) -> float:
+        """Per-phase delta: the configured float, or the paper's 1/(2N log N) for 'paper'."""
+        if str(self.delta).strip().lower() == "paper":
+            return paper_delta(num_nodes)
+        value = float(self.delta)
+        if not 0 < value < 1:
+            raise ValueError(f"delta must be in (0, 1), got {value}")
+        return value
+
+
+def _message(key: str, value: Any, allowed: str) -> str:
+    return f"invalid run config: {key} = {value!r}; allowed: {allowed}"
+
+
+def _coerce(key: str, raw: Any, typ: Any) -> Any:
+    """Convert a TOML value to the field's type, with an error naming the key."""
+    conv: dict[str, Callable[[Any], Any]] = {
+        "int": _to_int, "float": _to_float, "str": str, "tuple[str, ...]": _to_tuple,
+    }
+    try:
+        return conv[str(typ)](raw)
+    except (TypeError, ValueError):
+        raise ConfigError(_message(key, raw, f"a value of type {typ}")) from None
+
+
+def _to_int(raw: Any) -> int:
+    if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+        raise ValueError(raw)
+    return int(raw)
+
+
+def _to_float(raw: Any) -> float:
+    if isinstance(raw, bool):
+        raise ValueError(raw)
+    return float(raw)  # float("inf") accepts "inf" as well as TOML's inf
+
+
+def _to_tuple(raw: Any) -> tuple[str, ...]:
+    items = raw if isinstance(raw, (list, tuple)) else str(raw).split(",")
+    return tuple(s.strip() for s in items if str(s).strip())

@@ -1,0 +1,151 @@
+"""Differential-privacy mechanisms shared by server and nodes: one home for the maths.
+
+- ``analytic_gaussian_sigma``: the analytic Gaussian mechanism (Balle & Wang 2018).
+- ``gaussian_release``: add that noise to a vector (used for profiles and votes).
+- ``dpsgd_noise_multiplier``: calibrate DP-SGD's noise once for the whole of phase 1.
+- ``split_budget``: the paper's appendix-B split of a node's total epsilon.
+- ``tight_epsilon``: compose a node's releases with a PLD accountant (tighter than
+  basic composition, which is what the paper reports).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+STRONG = "strong"
+WEAK = "weak"
+TIERS = (STRONG, WEAK)
+
+
+def analytic_gaussian_sigma(epsilon: float, delta: float, sensitivity: float) -> float:
+    """Noise std of the analytic Gaussian mechanism for an L2 ``sensitivity``.
+
+    Input: target (epsilon, delta) with epsilon > 0 (``inf`` gives 0: no noise) and
+    0 < delta < 1; the L2 sensitivity of the released vector. Output: sigma such that
+    adding N(0, sigma^2 I) is (epsilon, delta)-DP (Balle & Wang 2018, Theorem 8),
+    i.e. sensitivity times the exact sigma for sensitivity 1 from ``dp_accounting``.
+    """
+    from dp_accounting.gaussian_mechanism import get_sigma_gaussian
+
+    if sensitivity < 0:
+        raise ValueError(f"sensitivity must be >= 0, got {sensitivity}")
+    if math.isinf(epsilon):
+        return 0.0
+    if not epsilon > 0:
+        raise ValueError(f"epsilon must be > 0 (or inf for no DP), got {epsilon}")
+    if not 0 < delta < 1:
+        raise ValueError(f"delta must be in (0, 1), got {delta}")
+    return float(sensitivity * get_sigma_gaussian(epsilon, delta))
+
+
+def gaussian_release(values: Sequence[float] | np.ndarray, sigma: float, rng: np.random.Generator) -> np.ndarray:
+    """Return ``values + N(0, sigma^2 I)`` as float64 (sigma 0 returns a copy unchanged)."""
+    arr = np.asarray(values, dtype=np.float64)
+    if sigma == 0:
+        return arr.copy()
+    return arr + rng.normal(0.0, sigma, size=arr.shape)
+
+
+def dpsgd_noise_multiplier(epsilon: float, delta: float, sample_rate: float, steps: int) -> float:
+    """Noise multiplier for ``steps`` Poisson-subsampled DP-SGD steps at ``sample_rate``.
+
+    Calibrated once for the whole of phase 1 (R rounds x tau local steps) with Opacus's
+    RDP accountant so that the node's epsilon_train is met over all rounds, not per round.
+    ``epsilon = inf`` returns 0.0 (no noise).
+    """
+    if math.isinf(epsilon):
+        return 0.0
+    from opacus.accountants.utils import get_noise_multiplier
+
+    return float(
+        get_noise_multiplier(
+            target_epsilon=epsilon, target_delta=delta, sample_rate=sample_rate,
+            steps=steps, accountant="rdp", epsilon_tolerance=0.005,
+        )
+    )
+
+
+@dataclass(frozen=True)
+class BudgetSplit:
+    """A node's total epsilon split by phase (paper appendix B)."""
+
+    total: float
+    profile: float
+    main: float  # epsilon_train for strong nodes, epsilon_vote for weak nodes
+
+
+def split_budget(epsilon: float, epsilon_profile: float) -> BudgetSplit:
+    """Split a node's total ``epsilon`` into (profile, train-or-vote).
+
+    Strong: eps = eps_train + eps_prof; weak: eps = eps_vote + eps_prof (same eps_prof,
+    appendix B). ``epsilon = inf`` gives inf for both parts.
+    """
+    if math.isinf(epsilon):
+        return BudgetSplit(math.inf, math.inf, math.inf)
+    if not 0 < epsilon_profile < epsilon:
+        raise ValueError(f"epsilon-profile must be in (0, epsilon={epsilon}), got {epsilon_profile}")
+    return BudgetSplit(epsilon, epsilon_profile, epsilon - epsilon_profile)
+
+
+def paper_delta(num_nodes: int) -> float:
+    """The paper's per-phase delta 1 / (2 N log N) for N nodes (appendix B)."""
+    n = max(num_nodes, 2)
+    return 1.0 / (2 * n * math.log(n))
+
+
+def release_event(release: Mapping[str, Any]):
+    """The ``dp_accounting`` event of one ledger release (see ``common.ledger.Release``).
+
+    A Gaussian release of sigma at L2 sensitivity Delta is a Gaussian event with noise
+    multiplier sigma / Delta; a DP-SGD round is ``steps`` Poisson-subsampled Gaussians.
+    """
+    from dp_accounting import dp_event
+
+    if release["mechanism"] == "gaussian":
+        return dp_event.GaussianDpEvent(release["sigma"] / release["sensitivity"])
+    if release["mechanism"] == "dp-sgd":
+        step = dp_event.PoissonSampledDpEvent(
+            release["sample_rate"], dp_event.GaussianDpEvent(release["noise_multiplier"])
+        )
+        return dp_event.SelfComposedDpEvent(step, int(release["steps"]))
+    raise ValueError(f"unknown mechanism {release['mechanism']!r}")
+
+
+def tight_epsilon(releases: Sequence[Mapping[str, Any]], delta: float) -> float:
+    """Epsilon of all ``releases`` composed by a PLD accountant at total ``delta``.
+
+    Tighter than basic composition (sum of per-release epsilons, what the paper uses),
+    reported beside it. Any non-private release (sigma or noise multiplier 0) gives inf.
+    """
+    from dp_accounting.pld import pld_privacy_accountant
+
+    if not releases:
+        return 0.0
+    if any(not math.isfinite(float(r["epsilon"])) for r in releases):
+        return math.inf
+    accountant = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-3)
+    for r in releases:
+        accountant.compose(release_event(r))
+    return float(accountant.get_epsilon(delta))
+
+
+def dpsgd_epsilon(history: Sequence[Sequence[float]], delta: float) -> float:
+    """Epsilon of a DP-SGD accountant history ``[(noise_multiplier, sample_rate, steps), ...]``.
+
+    Uses Opacus's RDP accountant, the same one that calibrated the noise, so the node
+    can check a round's cost against its ledger *before* training.
+    """
+    from opacus.accountants import RDPAccountant
+
+    if not history:
+        return 0.0
+    if any(float(h[0]) == 0 for h in history):
+        return math.inf
+    acc = RDPAccountant()
+    acc.history = [(float(nm), float(q), int(s)) for nm, q, s in history]
+    return float(acc.get_epsilon(delta))

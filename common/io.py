@@ -1,0 +1,57 @@
+"""Atomic file writes: a reader (or a crash) never sees a half-written output."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    """Write ``text`` to ``path`` via a temp file in the same folder and ``os.replace``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def atomic_write_json(path: str | Path, obj: Any) -> Path:
+    """Write ``obj`` as indented JSON, atomically (non-finite floats become strings)."""
+    return atomic_write_text(path, json.dumps(_jsonable(obj), indent=2, sort_keys=False) + "\n")
+
+
+def atomic_write_jsonl(path: str | Path, rows: Iterable[dict]) -> Path:
+    """Write one JSON object per line, atomically; loadable with ``datasets.load_dataset("json")``."""
+    return atomic_write_text(path, "".join(json.dumps(_jsonable(r), ensure_ascii=False) + "\n" for r in rows))
+
+
+def read_json(path: str | Path) -> Any:
+    """Read a JSON file written by ``atomic_write_json``."""
+    return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def _jsonable(obj: Any) -> Any:
+    # JSON has no inf/nan; "inf" keeps epsilon = inf readable in reports.
+    if isinstance(obj, float) and (obj != obj or obj in (float("inf"), float("-inf"))):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if hasattr(obj, "item") and callable(obj.item) and getattr(obj, "ndim", 1) == 0:
+        return _jsonable(obj.item())
+    if hasattr(obj, "tolist"):
+        return _jsonable(obj.tolist())
+    return obj

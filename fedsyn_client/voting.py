@@ -1,0 +1,33 @@
+"""Stage 4 on a node: kNN votes of local records for synthetic texts (paper Algorithm A.2)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def knn_votes(
+    local_emb: np.ndarray, local_codes: list[str], syn_emb: np.ndarray, syn_codes: list[str], k: int
+) -> np.ndarray:
+    """Un-noised vote vector v_i over the synthetic texts (one int count per text).
+
+    Input: L2-normalised embeddings of the local records and of the synthetic texts,
+    each with its control code, and K. For every code, each local record votes +1 for
+    its K nearest synthetic texts *of the same code* by cosine similarity (fewer when
+    that code has fewer than K texts). Each record therefore adds at most K distinct
+    +1s, so adding or removing one record changes v by at most sqrt(K) in L2: the
+    sensitivity the vote mechanism is calibrated for. Records whose code has no
+    synthetic text cast no vote.
+    """
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    votes = np.zeros(len(syn_codes), dtype=np.int64)
+    local_codes_arr, syn_codes_arr = np.asarray(local_codes), np.asarray(syn_codes)
+    for code in set(local_codes) & set(syn_codes):
+        loc = local_emb[local_codes_arr == code]
+        syn_idx = np.flatnonzero(syn_codes_arr == code)
+        kk = min(k, syn_idx.size)
+        sims = loc @ syn_emb[syn_idx].T  # cosine: rows are unit vectors
+        # argpartition picks each row's kk largest (distinct columns by construction).
+        top = np.argpartition(-sims, kk - 1, axis=1)[:, :kk]
+        np.add.at(votes, syn_idx[top.ravel()], 1)
+    return votes

@@ -1,0 +1,68 @@
+"""Batched, seeded sampling of continuations from a causal LM (GPT-2, Llama/SmolLM2, PEFT-wrapped)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+
+def generate_texts(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[str],
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    batch_size: int = 16,
+    seed: int = 0,
+    progress: bool = True,
+) -> list[str]:
+    """Sample one continuation per prompt and return them in the order of `prompts`.
+
+    Each output is only the newly generated text (at most `max_new_tokens` tokens), decoded without
+    special tokens and stripped. `temperature == 0` decodes greedily; otherwise nucleus sampling with
+    `temperature` and `top_p`. The result is a deterministic function of (model, prompts, settings,
+    seed); the caller's global torch RNG state is left untouched and the model's train/eval mode
+    is restored afterwards.
+    """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not prompts:
+        return []
+    device = next(model.parameters()).device
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    # Explicit settings override the checkpoint's own generation_config (SmolLM2-Instruct ships one);
+    # top_k=0 turns off transformers' default top-k=50 so sampling is plain temperature/top-p.
+    settings = {"max_new_tokens": max_new_tokens, "pad_token_id": pad_id, "eos_token_id": tokenizer.eos_token_id}
+    if temperature > 0:
+        settings |= {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
+    else:
+        settings |= {"do_sample": False}
+    # Batching prompts of similar length wastes less compute on padding.
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    outputs: list[str] = [""] * len(prompts)
+    was_training = model.training
+    model.eval()
+    try:
+        rng_devices = [device.index or 0] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=rng_devices), torch.inference_mode():
+            for b, idx in enumerate(tqdm(batches, desc="generating", unit="batch", disable=not progress)):
+                # One seed per batch (not one stream) so a batch's samples do not depend on earlier batches.
+                torch.manual_seed(int(np.random.SeedSequence([seed, b]).generate_state(1)[0]))
+                enc = tokenizer([prompts[i] for i in idx], return_tensors="pt", padding=True, padding_side="left")
+                enc = enc.to(device)
+                out = model.generate(**enc, **settings)
+                texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+                for i, text in zip(idx, texts):
+                    outputs[i] = text.strip()
+    finally:
+        model.train(was_training)
+    return outputs

@@ -1,0 +1,184 @@
+"""Everything a run writes to ``<out-dir>/<run-name>/``, each file atomically.
+
+| file | what |
+|---|---|
+| ``synthetic.jsonl`` | the final set: ``text``, ``control_code`` and one field per control column |
+| ``pool.jsonl`` | the whole generated pool with its aggregated noisy votes and whether it was kept |
+| ``profile.json`` | vocabulary, each node's noisy profile, the global profile, the allocation |
+| ``privacy_report.json`` | per node: budget, spent, every release, basic and PLD totals |
+| ``metrics.json`` | held-out loss per round, phase timings, failures, sizes |
+| ``config.json`` | the validated run config |
+| ``model/`` | the finetuned trainable weights (a peft adapter or a full model folder) |
+| ``plots/*.png`` | votes per code, allocation vs. final counts, held-out loss per round |
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from common.codes import parse_code
+from common.config import RunConfig
+from common.dp import tight_epsilon
+from common.io import atomic_write_json, atomic_write_jsonl
+from strategies.fedsyn import FedSynResult
+
+
+def write_outputs(run_dir: Path, cfg: RunConfig, vocabulary: list[str], res: FedSynResult, delta: float) -> dict[str, Path]:
+    """Write all run outputs under ``run_dir``; returns the written paths by name."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    selected = set(int(i) for i in (res.selected if res.selected is not None else []))
+    final = [_row(res.pool_texts[i], res.pool_codes[i]) for i in sorted(selected)]
+    pool = [{**_row(t, c), "votes": (float(res.votes[i]) if res.votes is not None else None),
+             "selected": i in selected} for i, (t, c) in enumerate(zip(res.pool_texts, res.pool_codes))]
+    final_counts = Counter(r["control_code"] for r in final)
+    paths = {
+        "synthetic": atomic_write_jsonl(run_dir / "synthetic.jsonl", final),
+        "pool": atomic_write_jsonl(run_dir / "pool.jsonl", pool),
+        "profile": atomic_write_json(run_dir / "profile.json", {
+            "vocabulary": vocabulary,
+            "node_profiles": {str(n): p for n, p in res.node_profiles.items()},
+            "global_profile": res.profile, "allocation": res.allocation,
+            "final_counts": {c: final_counts.get(c, 0) for c in vocabulary},
+        }),
+        "privacy_report": atomic_write_json(run_dir / "privacy_report.json", privacy_report(cfg, res, delta)),
+        "metrics": atomic_write_json(run_dir / "metrics.json", {
+            "eval": {str(k): v for k, v in res.eval_metrics.items()},
+            "train": {str(k): v for k, v in res.train_metrics.items()},
+            "timings_s": res.timings, "failures": res.failures,
+            "pool_size": len(res.pool_texts), "final_size": len(final),
+            "nodes": {str(n): t for n, t in res.tiers.items()},
+        }),
+        "config": atomic_write_json(run_dir / "config.json", cfg.to_flower()),
+    }
+    paths.update(write_plots(run_dir / "plots", vocabulary, res, final_counts))
+    return paths
+
+
+def _row(text: str, code: str) -> dict[str, str]:
+    return {"text": text, "control_code": code, **parse_code(code)}
+
+
+def privacy_report(cfg: RunConfig, res: FedSynResult, delta: float) -> dict[str, Any]:
+    """Per node: budget, spent, releases, and totals by basic composition and by PLD.
+
+    The basic total sums this run's per-release epsilons (as the paper); the tight total
+    composes the same releases with a PLD accountant at the summed delta (one delta per
+    phase the node took part in).
+    """
+    nodes = []
+    for nid in sorted(set(res.tiers) | set(res.releases)):
+        releases = res.releases.get(nid, [])
+        run_releases = [_release_view(r) for r in releases]
+        basic = float(sum(r["epsilon"] for r in run_releases))
+        phases = {r["phase"] for r in run_releases}
+        total_delta = delta * len(phases)
+        tight = tight_epsilon(run_releases, total_delta) if run_releases else 0.0
+        last = releases[-1] if releases else {}
+        nodes.append({
+            "node_id": nid, "tier": res.tiers.get(nid, "unknown"),
+            "epsilon_budget": float(last.get("epsilon-budget", cfg.epsilon)),
+            "epsilon_spent": basic,
+            "epsilon_spent_all_runs": float(last.get("epsilon-spent", basic)),
+            "delta": total_delta, "delta_per_phase": delta,
+            "epsilon_basic_composition": basic, "epsilon_pld": min(tight, basic),
+            "releases": run_releases,
+            "failures": [f for f in res.failures if f["node_id"] == nid],
+        })
+    return {
+        "private": cfg.private,
+        "warning": None if cfg.private else "NO DIFFERENTIAL PRIVACY: epsilon = inf, no noise was added anywhere",
+        "unit": "one record of one node (sample-level DP, add/remove)",
+        "mechanisms": {"train": "DP-SGD (Opacus, Poisson sampling, RDP accountant over all rounds)",
+                       "profile": "analytic Gaussian, L2 sensitivity 1",
+                       "vote": "analytic Gaussian, L2 sensitivity sqrt(K)"},
+        "epsilon_split": {"epsilon": cfg.epsilon, "epsilon_profile": cfg.epsilon_profile,
+                          "voters": cfg.voters},
+        "nodes": nodes,
+    }
+
+
+def _release_view(r: dict[str, Any]) -> dict[str, Any]:
+    view = {k: v for k, v in r.items() if k not in ("epsilon-spent", "epsilon-budget")}
+    view["epsilon"] = float(view["epsilon"])
+    return view
+
+
+def save_model(model: Any, run_dir: Path) -> Path:
+    """Save the finetuned model (a peft adapter saves only the adapter) atomically to ``model/``."""
+    target = run_dir / "model"
+    tmp = Path(tempfile.mkdtemp(dir=run_dir, prefix=".model."))
+    try:
+        model.save_pretrained(tmp)
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def write_plots(plot_dir: Path, vocabulary: list[str], res: FedSynResult, final_counts: Counter) -> dict[str, Path]:
+    """Votes per code, allocation vs. final counts, held-out loss per round (PNG files)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    out: dict[str, Path] = {}
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    x = np.arange(len(vocabulary))
+    noisy = np.asarray(res.profile if res.profile is not None else np.zeros(len(vocabulary)))
+    share = np.clip(noisy, 0, None) / max(np.clip(noisy, 0, None).sum(), 1e-12)
+    total_final = max(sum(final_counts.values()), 1)
+    ax.bar(x - 0.2, share, 0.4, label="noisy profile share")
+    ax.bar(x + 0.2, [final_counts.get(c, 0) / total_final for c in vocabulary], 0.4, label="final set share")
+    ax.set_xticks(x, [c.split("=", 1)[-1] for c in vocabulary], rotation=30, ha="right")
+    ax.set_ylabel("share")
+    ax.set_title("Allocation: noisy profile vs. final synthetic set")
+    ax.legend()
+    out["plot_allocation"] = _save(fig, plot_dir / "allocation.png")
+
+    if res.votes is not None and len(res.votes):
+        codes = np.asarray(res.pool_codes)
+        present = [c for c in vocabulary if (codes == c).any()]
+        fig, axes = plt.subplots(1, max(len(present), 1), figsize=(3 * max(len(present), 1), 3), squeeze=False)
+        for ax, code in zip(axes[0], present):
+            ax.hist(np.asarray(res.votes)[codes == code], bins=20)
+            ax.set_title(code.split("=", 1)[-1])
+            ax.set_xlabel("noisy votes")
+        axes[0][0].set_ylabel("synthetic texts")
+        fig.suptitle("Vote distribution per control code")
+        out["plot_votes"] = _save(fig, plot_dir / "votes_per_code.png")
+
+    if res.eval_metrics:
+        rounds = sorted(res.eval_metrics)
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        ax.plot(rounds, [res.eval_metrics[r]["heldout_loss"] for r in rounds], marker="o")
+        ax.set_xlabel("round")
+        ax.set_ylabel("held-out loss")
+        ax.set_title("Phase 1: global model on held-out data")
+        out["plot_loss"] = _save(fig, plot_dir / "training_loss.png")
+    return out
+
+
+def _save(fig: Any, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    tmp = path.with_name(f".{path.stem}.tmp.png")
+    fig.tight_layout()
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
+    return path
+
+

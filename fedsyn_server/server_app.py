@@ -1,0 +1,65 @@
+"""The fedsyn ServerApp: validate, set up, run the strategy, write the outputs."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
+
+from common.config import RunConfig
+from common.federation import benchmark
+from common.io import atomic_write_jsonl
+from fedsyn_server.outputs import save_model, write_outputs
+from fedsyn_server.synthesis import ServerModel
+from strategies.aggregators import build_aggregator
+from strategies.fedsyn import FedSynStrategy
+from strategies.refinement import build_refinement
+
+log = logging.getLogger("fedsyn")
+APP_ROOT = Path(__file__).resolve().parent.parent
+app = ServerApp()
+
+
+def run_directory(cfg: RunConfig, run_id: int) -> Path:
+    """``<out-dir>/<run-name>`` as an absolute path; a relative out-dir is under the app root.
+
+    The ServerApp's working directory is not the app's, so a relative path is resolved
+    against the app root explicitly. The default run name is time + run id: unique.
+    """
+    out = Path(cfg.out_dir).expanduser()
+    if not out.is_absolute():
+        out = APP_ROOT / out
+    name = cfg.run_name or time.strftime("%Y%m%d-%H%M%S") + f"-{run_id}"
+    return (out / name).resolve()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    """Run fedsyn (Algorithm 1) over ``grid`` with the run config in ``context``."""
+    logging.getLogger("fedsyn").setLevel(logging.INFO)
+    cfg = RunConfig.from_flower(context.run_config)  # before anything is sent to a node
+    run_dir = run_directory(cfg, context.run_id)
+    log.info("fedsyn run %s -> %s", context.run_id, run_dir)
+    build_aggregator(cfg.aggregator, cfg.server_learning_rate, 1)  # fail early on a bad class path
+    refinement = build_refinement(cfg.refinement)
+    bench = benchmark(cfg)
+    server_model = ServerModel(cfg)
+
+    strategy = FedSynStrategy(
+        cfg, bench.vocabulary,
+        make_aggregator=lambda n: build_aggregator(cfg.aggregator, cfg.server_learning_rate, n),
+        refinement=refinement, generate_pool=server_model.generate_pool,
+        evaluate_fn=lambda rnd, arrays: server_model.heldout_loss(arrays, bench.test),
+    )
+    result = strategy.run(grid, server_model.initial_arrays())
+    delta = cfg.resolve_delta(len(result.tiers))
+    paths = write_outputs(run_dir, cfg, bench.vocabulary, result, delta)
+    if result.arrays is not None and result.train_metrics:
+        save_model(server_model.load(result.arrays), run_dir)
+    if len(bench.test):  # public benchmark records no node trained on, for `fedsyn evaluate`
+        atomic_write_jsonl(run_dir / "heldout.jsonl", bench.test.to_records())
+    log.info("wrote %s", ", ".join(str(p) for p in paths.values()))
+    log.info("synthetic set: %s", paths["synthetic"])

@@ -1,0 +1,72 @@
+"""The server's model work: initial weights, pool generation (stage 3), held-out loss."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord
+
+from common import records as R
+from common.codes import code_prompt
+from common.config import RunConfig
+from common.data import TextData
+from common.models import load_generator
+from common.weights import load_trainable_state, prepare_model, trainable_state
+from fedsyn_server.generation import generate_texts
+
+log = logging.getLogger("fedsyn")
+HELDOUT_EVAL_RECORDS = 64  # enough for a stable loss, ~5 s per round on CPU with SmolLM2
+
+
+class ServerModel:
+    """The global generator on the server: same base and adapter structure as the nodes'."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        model, self.tokenizer = load_generator(cfg.model, seed=cfg.seed)
+        self.model = prepare_model(model, cfg.finetune, cfg.lora_rank, seed=cfg.seed)
+
+    def initial_arrays(self) -> ArrayRecord:
+        """theta^0: the trainable weights every strong node starts round 1 from."""
+        return R.arrays_from_state(trainable_state(self.model))
+
+    def load(self, arrays: ArrayRecord | None) -> Any:
+        """Set the global weights (None keeps the pretrained ones) and return the model."""
+        if arrays is not None:
+            load_trainable_state(self.model, R.state_from_arrays(arrays))
+        return self.model
+
+    def generate_pool(self, arrays: ArrayRecord | None, allocation: dict[str, int]) -> tuple[list[str], list[str]]:
+        """Stage 3: s_j samples for each code c_j, prompted by the code (paper eq. 3)."""
+        model = self.load(arrays)
+        codes = [code for code, n in allocation.items() for _ in range(n)]
+        log.info("[phase 3] generating %d texts for %d codes", len(codes), sum(n > 0 for n in allocation.values()))
+        texts = generate_texts(model, self.tokenizer, [code_prompt(c) for c in codes],
+                               max_new_tokens=self.cfg.max_new_tokens, temperature=self.cfg.temperature,
+                               seed=self.cfg.seed)
+        return texts, codes
+
+    def heldout_loss(self, arrays: ArrayRecord, test: TextData) -> dict[str, float] | None:
+        """Mean conditional LM loss (eq. 5) of the global model on held-out records."""
+        from fedsyn_client.training import conditional_lm_loss, encode_examples
+
+        if len(test) == 0:
+            return None
+        sub = test.subset(range(min(HELDOUT_EVAL_RECORDS, len(test))))
+        model = self.load(arrays)
+        tok = self.tokenizer
+        old_side, tok.padding_side = tok.padding_side, "right"
+        try:
+            batch = encode_examples(tok, sub.texts, sub.codes, self.cfg.max_length)
+        finally:
+            tok.padding_side = old_side
+        losses = []
+        with torch.inference_mode():
+            for i in range(0, len(sub), 16):
+                part = {k: v[i:i + 16] for k, v in batch.items()}
+                out = model(input_ids=part["input_ids"], attention_mask=part["attention_mask"],
+                            position_ids=part["position_ids"])
+                losses.append(float(conditional_lm_loss(out.logits, part["labels"])) * part["labels"].shape[0])
+        return {"heldout_loss": sum(losses) / len(sub)}

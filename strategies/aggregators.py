@@ -1,0 +1,57 @@
+"""Plug-in point 1: the phase-1 aggregator, any Flower message-API strategy.
+
+``build_aggregator("fedavg", ...)`` gives Flower's ``FedAvg`` set up for fedsyn: train
+on every strong node each round (not Flower's default minimum of 2 nodes, which would
+wait forever with one strong node), no federated evaluation, uniform weights (A.3).
+A class path (``mypkg.strategies.MyStrategy``) plugs in any other strategy; the
+keyword arguments it accepts among the ones below are passed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any
+
+from flwr.serverapp.strategy import (
+    FedAdagrad, FedAdam, FedAvg, FedAvgM, FedMedian, FedTrimmedAvg, FedYogi, Strategy,
+)
+
+from common.records import ARRAYS, CONFIG, WEIGHT_KEY
+
+_BUILTIN: dict[str, type[Strategy]] = {
+    "fedavg": FedAvg, "fedavgm": FedAvgM, "fedadam": FedAdam, "fedyogi": FedYogi,
+    "fedadagrad": FedAdagrad, "fedmedian": FedMedian, "fedtrimmedavg": FedTrimmedAvg,
+}
+
+
+def build_aggregator(name: str, server_learning_rate: float, num_strong: int) -> Strategy:
+    """A Flower strategy that aggregates phase-1 replies from ``num_strong`` strong nodes.
+
+    Paper A.3's server step is theta <- theta + eta * Delta. FedAvg is that at eta = 1;
+    for ``fedavg`` with eta != 1 this returns ``FedAvgM(server_learning_rate=eta,
+    server_momentum=0)``, which is exactly that step. FedOpt variants take eta as ``eta``.
+    """
+    cls = _BUILTIN.get(name) or _import_class(name)
+    if cls is FedAvg and server_learning_rate != 1.0:
+        cls = FedAvgM
+    n = max(1, num_strong)
+    kwargs: dict[str, Any] = {
+        "fraction_train": 1.0, "fraction_evaluate": 0.0, "min_train_nodes": n, "min_evaluate_nodes": 0,
+        "min_available_nodes": n, "weighted_by_key": WEIGHT_KEY, "arrayrecord_key": ARRAYS,
+        "configrecord_key": CONFIG, "server_learning_rate": server_learning_rate, "eta": server_learning_rate,
+    }
+    params = inspect.signature(cls.__init__).parameters
+    return cls(**{k: v for k, v in kwargs.items() if k in params})
+
+
+def _import_class(path: str) -> type[Strategy]:
+    module_name, _, cls_name = path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), cls_name)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ValueError(f"aggregator {path!r} could not be imported ({err}); use a built-in name "
+                         f"{sorted(_BUILTIN)} or an importable 'package.module.Class'") from None
+    if not (inspect.isclass(cls) and issubclass(cls, Strategy)):
+        raise ValueError(f"aggregator {path!r} is not a flwr.serverapp.strategy.Strategy subclass")
+    return cls

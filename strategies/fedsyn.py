@@ -1,0 +1,288 @@
+"""The resource-adaptive strategy: every phase of Algorithm 1, top to bottom, over the Grid.
+
+``FedSynStrategy.run`` is the one place to read the server's logic:
+
+0. tiers      -- ask every node its tier and vocabulary check (no privacy spent)
+1. finetune   -- R rounds of DP federated finetuning on strong nodes (A.3), aggregated
+                 by a plug-in Flower strategy
+2. profile    -- every node sends its noisy per-code counts
+3. generate   -- the server allocates s by the noisy profile and generates the pool
+4. vote       -- voters send noisy kNN votes for the pool (A.2), if the refinement needs them
+5. resample   -- the refinement picks the final set (A.4)
+
+Nodes that fail or refuse are logged, recorded in ``result.failures`` and left out; the
+run goes on with the rest. The server only ever asks for noised statistics: every
+request type here has a noise mechanism on the node.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+
+from common import records as R
+from common.config import RunConfig
+from common.dp import STRONG, WEAK
+from fedsyn_server.allocation import aggregate_profiles, allocate
+from strategies.refinement import Refinement
+
+log = logging.getLogger("fedsyn")
+
+# (arrays, allocation per code) -> (texts, codes): the server's generator (stage 3).
+PoolGenerator = Callable[[ArrayRecord | None, dict[str, int]], tuple[list[str], list[str]]]
+# (round, arrays) -> metrics of the global model on held-out data, or None.
+EvaluateFn = Callable[[int, ArrayRecord], dict[str, float] | None]
+
+
+@dataclass
+class FedSynResult:
+    """Everything a run produced, for the outputs writer."""
+
+    tiers: dict[int, str] = field(default_factory=dict)
+    arrays: ArrayRecord | None = None
+    train_metrics: dict[int, dict[str, float]] = field(default_factory=dict)
+    eval_metrics: dict[int, dict[str, float]] = field(default_factory=dict)
+    node_profiles: dict[int, list[float]] = field(default_factory=dict)
+    profile: np.ndarray | None = None
+    allocation: dict[str, int] = field(default_factory=dict)
+    pool_texts: list[str] = field(default_factory=list)
+    pool_codes: list[str] = field(default_factory=list)
+    node_votes: dict[int, list[float]] = field(default_factory=dict)
+    votes: np.ndarray | None = None
+    selected: np.ndarray | None = None
+    releases: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class _SubGrid(Grid):
+    """A view of the Grid that shows only some nodes, so a Flower strategy's sampling
+    in ``configure_train`` picks strong nodes only."""
+
+    def __init__(self, grid: Grid, node_ids: Iterable[int]) -> None:
+        self._grid, self._ids = grid, list(node_ids)
+
+    def get_node_ids(self) -> Iterable[int]:  # noqa: D102
+        return list(self._ids)
+
+    def set_run(self, run):  # noqa: D102
+        return self._grid.set_run(run)
+
+    @property
+    def run(self):  # noqa: D102
+        return self._grid.run
+
+    def create_message(self, *args, **kwargs):  # noqa: D102
+        return self._grid.create_message(*args, **kwargs)
+
+    def push_messages(self, messages):  # noqa: D102
+        return self._grid.push_messages(messages)
+
+    def pull_messages(self, message_ids):  # noqa: D102
+        return self._grid.pull_messages(message_ids)
+
+    def send_and_receive(self, messages, *, timeout=None):  # noqa: D102
+        return self._grid.send_and_receive(messages, timeout=timeout)
+
+
+class FedSynStrategy(Strategy):
+    """Resource-adaptive federated DP synthetic text (paper Algorithm 1) as a Flower strategy.
+
+    Phase 1 training is delegated to an aggregator (any Flower strategy); this class's
+    ``configure_train``/``aggregate_train`` forward to it, restricted to strong nodes.
+    """
+
+    def __init__(
+        self, cfg: RunConfig, vocabulary: list[str], make_aggregator: Callable[[int], Strategy], refinement: Refinement,
+        generate_pool: PoolGenerator, evaluate_fn: EvaluateFn | None = None,
+        delta: float | None = None, stable_seconds: float = 3.0,
+    ) -> None:
+        self.cfg, self.vocabulary = cfg, list(vocabulary)
+        # The aggregator is built once the strong-node count is known (stage 0), so that
+        # its minimum node counts match the federation.
+        self.make_aggregator, self.refinement = make_aggregator, refinement
+        self.aggregator: Strategy = make_aggregator(1)
+        self.generate_pool, self.evaluate_fn = generate_pool, evaluate_fn
+        self._delta = delta
+        self.stable_seconds = stable_seconds
+        self.result = FedSynResult()
+        self._strong: list[int] = []
+
+    # ------------------------------------------------------------ Strategy API
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+        """Phase-1 messages for strong nodes, built by the aggregator."""
+        return self.aggregator.configure_train(server_round, arrays, config, _SubGrid(grid, self._strong))
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Aggregate phase-1 replies with the aggregator."""
+        return self.aggregator.aggregate_train(server_round, replies)
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+        """No federated evaluation: a loss on private data would be an un-noised statistic."""
+        return []
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        """Nothing to aggregate (see ``configure_evaluate``)."""
+        return None
+
+    def summary(self) -> None:
+        """Log the run's shape."""
+        c = self.cfg
+        log.info("fedsyn: R=%d tau=%d B=%d eps=%s refinement=%s voters=%s s=%d r=%g K=%d aggregator=%s",
+                 c.num_server_rounds, c.local_steps, c.batch_size, c.epsilon, self.refinement.name,
+                 c.voters, c.num_synthetic, c.sampling_rate, c.num_votes, type(self.aggregator).__name__)
+
+    # ------------------------------------------------------------- the phases
+    def run(self, grid: Grid, initial_arrays: ArrayRecord | None) -> FedSynResult:
+        """Run stages 0-5 of Algorithm 1 and return everything produced."""
+        self.summary()
+        res, t0 = self.result, time.time()
+        nodes = self._discover(grid)                                   # stage 0
+        res.tiers = nodes
+        self._strong = sorted(n for n, t in nodes.items() if t == STRONG)
+        self.aggregator = self.make_aggregator(len(self._strong))
+        delta = self._delta if self._delta is not None else self.cfg.resolve_delta(len(nodes))
+        res.timings["tiers"] = time.time() - t0
+
+        t = time.time()                                                 # stage 1
+        res.arrays = self._finetune(grid, initial_arrays, delta)
+        res.timings["finetune"] = time.time() - t
+
+        t = time.time()                                                 # stage 2
+        profile_replies = self._ask(grid, sorted(nodes), R.MSG_PROFILE, "profile", RecordDict(
+            {R.CONFIG: ConfigRecord({"codes": self.vocabulary, "delta": delta})}))
+        res.node_profiles = {n: R.read_vector(m.content, R.PROFILE).tolist() for n, m in profile_replies.items()}
+        if not res.node_profiles:
+            raise RuntimeError("no node returned a profile; nothing to allocate (see failures above)")
+        res.profile = aggregate_profiles(list(res.node_profiles.values()))
+        pool_size = self.refinement.pool_size(self.cfg.num_synthetic, self.cfg.sampling_rate)
+        res.allocation = dict(zip(self.vocabulary, (int(a) for a in allocate(res.profile, pool_size))))
+        log.info("noisy profile %s -> allocation %s", np.round(res.profile, 1).tolist(), res.allocation)
+        res.timings["profile"] = time.time() - t
+
+        t = time.time()                                                 # stage 3
+        res.pool_texts, res.pool_codes = self.generate_pool(res.arrays, res.allocation)
+        res.timings["generate"] = time.time() - t
+
+        t = time.time()                                                 # stage 4
+        if self.refinement.needs_votes and res.pool_texts:
+            voters = sorted(nodes) if self.cfg.voters == "all" else sorted(n for n, t_ in nodes.items() if t_ == WEAK)
+            if not voters:
+                log.warning("no voters (voters=%s and no weak node): votes are all zero", self.cfg.voters)
+            vote_replies = self._ask(grid, voters, R.MSG_VOTE, "vote", RecordDict({
+                R.CANDIDATES: ConfigRecord({"texts": res.pool_texts, "codes": res.pool_codes}),
+                R.CONFIG: ConfigRecord({"num-votes": self.cfg.num_votes, "delta": delta}),
+            }))
+            res.node_votes = {n: R.read_vector(m.content, R.VOTES).tolist() for n, m in vote_replies.items()}
+            res.votes = (np.sum([np.asarray(v) for v in res.node_votes.values()], axis=0)
+                         if res.node_votes else np.zeros(len(res.pool_texts)))
+        res.timings["vote"] = time.time() - t
+
+        res.selected = self.refinement.select(res.pool_codes, res.votes, self.cfg.sampling_rate, self.cfg.seed)  # stage 5
+        log.info("final synthetic set: %d of %d pool texts", len(res.selected), len(res.pool_texts))
+        res.timings["total"] = time.time() - t0
+        return res
+
+    # ------------------------------------------------------------ stage 0
+    def _discover(self, grid: Grid) -> dict[int, str]:
+        node_ids = self._wait_for_nodes(grid)
+        replies = self._ask(grid, node_ids, R.MSG_TIER, "tiers",
+                            RecordDict({R.CONFIG: ConfigRecord({"codes": self.vocabulary})}))
+        nodes: dict[int, str] = {}
+        for nid, msg in replies.items():
+            rec = msg.content.config_records[R.TIER]
+            if not rec["vocabulary-ok"]:
+                self._fail(nid, "tiers", "records with codes outside the public vocabulary; node left out")
+                continue
+            nodes[nid] = str(rec["tier"])
+        if not nodes:
+            raise RuntimeError("no usable node answered the tier query (see failures above)")
+        log.info("nodes: %d strong, %d weak", sum(t == STRONG for t in nodes.values()),
+                 sum(t == WEAK for t in nodes.values()))
+        return nodes
+
+    def _wait_for_nodes(self, grid: Grid) -> list[int]:
+        """Wait for ``min-nodes`` nodes, or (0) for a non-empty node count that stays stable.
+
+        Flower's ``get_node_ids()`` can be empty right after start while SuperNodes connect.
+        """
+        want, deadline = self.cfg.min_nodes, time.time() + self.cfg.node_timeout
+        last: list[int] = []
+        stable_since = time.time()
+        while time.time() < deadline:
+            ids = sorted(grid.get_node_ids())
+            if ids != last:
+                last, stable_since = ids, time.time()
+            if ids and (len(ids) >= want if want else time.time() - stable_since >= self.stable_seconds):
+                return ids
+            time.sleep(0.5)
+        raise RuntimeError(f"timed out after {self.cfg.node_timeout:g}s waiting for nodes "
+                           f"(have {len(last)}, min-nodes={want})")
+
+    # ------------------------------------------------------------ stage 1
+    def _finetune(self, grid: Grid, arrays: ArrayRecord | None, delta: float) -> ArrayRecord | None:
+        rounds = self.cfg.num_server_rounds
+        if arrays is None or rounds == 0 or not self._strong:
+            log.warning("phase 1 skipped (%s): generating with the pretrained model",
+                        "no strong node" if not self._strong else "num-server-rounds = 0")
+            return arrays
+        if self.evaluate_fn:
+            self._evaluate(0, arrays)
+        for rnd in range(1, rounds + 1):
+            log.info("[phase 1] round %d/%d on %d strong nodes", rnd, rounds, len(self._strong))
+            messages = list(self.configure_train(rnd, arrays, ConfigRecord({"delta": delta}), grid))
+            replies = list(grid.send_and_receive(messages, timeout=self.cfg.node_timeout))
+            good = self._collect(replies, {m.metadata.dst_node_id for m in messages}, "train")
+            if not good:
+                log.warning("round %d: no strong node replied; weights unchanged", rnd)
+                continue
+            new_arrays, metrics = self.aggregate_train(rnd, list(good.values()))
+            if new_arrays is not None:
+                arrays = new_arrays
+            if metrics is not None:
+                self.result.train_metrics[rnd] = {k: float(v) for k, v in metrics.items() if not isinstance(v, list)}
+            if self.evaluate_fn:
+                self._evaluate(rnd, arrays)
+        return arrays
+
+    def _evaluate(self, rnd: int, arrays: ArrayRecord) -> None:
+        metrics = self.evaluate_fn(rnd, arrays) if self.evaluate_fn else None
+        if metrics:
+            self.result.eval_metrics[rnd] = metrics
+            log.info("[phase 1] round %d held-out %s", rnd, {k: round(v, 4) for k, v in metrics.items()})
+
+    # ------------------------------------------------------------ messaging
+    def _ask(self, grid: Grid, node_ids: list[int], message_type: str, phase: str, content: RecordDict) -> dict[int, Message]:
+        """Send the same content to ``node_ids``; return the good replies by node id."""
+        if not node_ids:
+            return {}
+        messages = [Message(content=content, message_type=message_type, dst_node_id=n) for n in node_ids]
+        replies = list(grid.send_and_receive(messages, timeout=self.cfg.node_timeout))
+        return self._collect(replies, set(node_ids), phase)
+
+    def _collect(self, replies: list[Message], asked: set[int], phase: str) -> dict[int, Message]:
+        """Split replies into good ones (returned) and failures (logged and recorded)."""
+        good: dict[int, Message] = {}
+        for msg in replies:
+            nid = msg.metadata.src_node_id
+            if msg.has_error():
+                self._fail(nid, phase, f"error {msg.error.code}: {msg.error.reason}")
+                continue
+            good[nid] = msg
+            if R.RELEASE in msg.content.config_records:
+                self.result.releases.setdefault(nid, []).append(dict(msg.content.config_records[R.RELEASE]))
+        for nid in sorted(asked - set(good) - {m.metadata.src_node_id for m in replies}):
+            self._fail(nid, phase, "no reply before node-timeout")
+        return good
+
+    def _fail(self, node_id: int, phase: str, reason: str) -> None:
+        log.warning("node %d failed in %s: %s", node_id, phase, reason)
+        self.result.failures.append({"node_id": node_id, "phase": phase, "reason": reason})

@@ -1,0 +1,346 @@
+"""Tests for common/data.py: loading, codes, splits, simulated partitions, fingerprints."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from common import data as D
+from common.data import TextData
+
+BBC_TOPICS = ["business", "entertainment", "politics", "sport", "tech"]
+BBC_VOCAB = [f"topic={t}" for t in BBC_TOPICS]
+
+
+@pytest.fixture(scope="module")
+def bbc() -> TextData:
+    return D.to_text_data(D.load_table("bbc-news"), "text", ["topic"])
+
+
+def _toy(n_per_code: dict[str, int]) -> TextData:
+    texts, codes = [], []
+    for code, n in n_per_code.items():
+        texts += [f"{code} record {i}" for i in range(n)]
+        codes += [code] * n
+    return TextData(texts, codes)
+
+
+def _two_column_frame() -> pd.DataFrame:
+    return pd.DataFrame(
+        {
+            "body": ["first text", "second text", "third text", "fourth text"],
+            "a": ["x", "x", "z", "z"],
+            "b": ["y", "w", "y", "w"],
+        }
+    )
+
+
+# ------------------------------------------------------------------------ loading
+
+
+def test_bbc_news_table():
+    df = D.load_table("bbc-news")
+    assert len(df) == 2225
+    assert list(df.columns) == ["text", "title", "topic"]
+    assert sorted(df["topic"].unique()) == BBC_TOPICS
+    assert df["topic"].value_counts().to_dict() == {
+        "sport": 511, "business": 510, "politics": 417, "tech": 401, "entertainment": 386,
+    }
+    assert (df["text"].str.strip() != "").all()
+    assert all(text.startswith(title + "\n") for text, title in zip(df["text"], df["title"]))
+    # Whitespace is normalised: no blank lines, no runs of spaces, no decoding debris.
+    assert not df["text"].str.contains("\n\n|  |\ufffd").any()
+    assert df["title"].iloc[0] == "Ad sales boost Time Warner profit"  # business/001.txt
+
+
+def test_bbc_news_cache_returns_copies():
+    df = D.load_table("bbc-news")
+    df.loc[0, "text"] = "mutated"
+    df["title"] = "mutated too"
+    again = D.load_table()
+    assert again.loc[0, "text"] != "mutated" and again.loc[0, "title"] != "mutated too"
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl", ".json", ".parquet"])
+def test_local_file_round_trip_two_control_columns(tmp_path, suffix):
+    df = _two_column_frame()
+    path = tmp_path / f"data{suffix}"
+    if suffix == ".csv":
+        df.to_csv(path, index=False)
+    elif suffix == ".jsonl":
+        df.to_json(path, orient="records", lines=True)
+    elif suffix == ".json":
+        df.to_json(path, orient="records")  # a JSON array, not JSON Lines
+    else:
+        df.to_parquet(path)
+    loaded = D.load_table(str(path))
+    pd.testing.assert_frame_equal(loaded, df)
+    data = D.load_node_data(str(path), "body", ["a", "b"])
+    assert data.texts == df["body"].tolist()
+    assert data.codes == ["a=x|b=y", "a=x|b=w", "a=z|b=y", "a=z|b=w"]
+    vocab = D.code_vocabulary(loaded, ["a", "b"])
+    assert vocab == ["a=x|b=w", "a=x|b=y", "a=z|b=w", "a=z|b=y"]
+    assert data.code_counts(vocab).tolist() == [1, 1, 1, 1]
+
+
+def test_missing_column_names_it_and_lists_available():
+    with pytest.raises(ValueError, match=r"'c'.*available columns.*'body'.*'a'.*'b'"):
+        D.to_text_data(_two_column_frame(), "body", ["a", "c"])
+    with pytest.raises(ValueError, match="'txt'"):
+        D.to_text_data(_two_column_frame(), "txt", ["a"])
+    with pytest.raises(ValueError, match="cannot also be a control column"):
+        D.to_text_data(_two_column_frame(), "body", ["body"])
+
+
+def test_empty_texts_and_missing_codes_are_dropped_with_warning(caplog):
+    df = pd.DataFrame(
+        {"t": ["keep", "", None, "   ", "no code", "also keep"],
+         "stars": [4.0, 5.0, 5.0, 5.0, None, 5.0]}
+    )
+    with caplog.at_level(logging.WARNING, logger="common.data"):
+        data = D.to_text_data(df, "t", ["stars"])
+    assert data.texts == ["keep", "also keep"]
+    # A float column (NaN present) still gives integer-looking codes.
+    assert data.codes == ["stars=4", "stars=5"]
+    assert "dropped 4 of 6 rows" in caplog.text
+    assert D.code_vocabulary(df, ["stars"]) == ["stars=4", "stars=5"]
+
+
+def test_csv_keeps_na_like_labels(tmp_path):
+    path = tmp_path / "countries.csv"
+    path.write_text("text,country\nhello,NA\nworld,DE\n")
+    assert D.load_node_data(str(path), "text", ["country"]).codes == [
+        "country=NA", "country=DE",
+    ]
+
+
+def test_missing_path_and_bad_type(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.csv"):
+        D.load_table(str(tmp_path / "nope.csv"))
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        D.load_table("./some/nowhere/file")
+    bad = tmp_path / "data.txt"
+    bad.write_text("x")
+    with pytest.raises(ValueError, match="unsupported"):
+        D.load_table(str(bad))
+
+
+def test_hf_id_calls_load_dataset_and_wraps_offline_errors(monkeypatch):
+    import datasets
+
+    calls = []
+
+    def fake_load(name, config=None, split=None):
+        calls.append((name, config, split))
+        if name == "offline/thing":
+            raise ConnectionError("Couldn't reach the Hub")
+        return datasets.Dataset.from_dict({"text": ["a"], "label": [1]})
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load)
+    assert len(D.load_table("owner/name")) == 1
+    D.load_table("imdb:test")
+    D.load_table("glue:sst2:validation")
+    assert calls == [("owner/name", None, "train"), ("imdb", None, "test"),
+                     ("glue", "sst2", "validation")]
+    with pytest.raises(D.DatasetLoadError, match=r"'offline/thing' could not be loaded.*bbc-news"):
+        D.load_table("offline/thing")
+
+
+# ------------------------------------------------------------------ codes, counts
+
+
+def test_code_counts_and_unknown_code():
+    data = TextData(["a", "b", "c"], ["topic=x", "topic=y", "topic=x"])
+    assert data.code_counts(["topic=y", "topic=x", "topic=z"]).tolist() == [1, 2, 0]
+    assert data.code_counts(["topic=x", "topic=y"]).dtype == np.int64
+    with pytest.raises(ValueError, match="'topic=y'"):
+        data.code_counts(["topic=x"])
+
+
+def test_textdata_basics():
+    data = TextData(["a", "b", "c"], ["k=1", "k=2", "k=1"])
+    assert len(data) == 3
+    assert data.subset([2, 0]) == TextData(["c", "a"], ["k=1", "k=1"])
+    assert data.to_records()[1] == {"text": "b", "control_code": "k=2"}
+    with pytest.raises(ValueError):
+        TextData(["a"], [])
+
+
+def test_declared_vocabulary():
+    df = pd.DataFrame({"t": ["a"], "topic": ["x"]})
+    assert D.code_vocabulary(df, ["topic"], declared=["z", "topic=x"]) == ["topic=z", "topic=x"]
+    with pytest.raises(ValueError, match="repeats"):
+        D.code_vocabulary(df, ["topic"], declared=["x", "topic=x"])
+    with pytest.raises(ValueError, match="form"):
+        D.code_vocabulary(df, ["topic"], declared=["other=x"])
+
+
+# ----------------------------------------------------------------------- splitting
+
+
+def test_train_test_split(bbc):
+    train, test = D.train_test_split(bbc, 0.2, seed=3)
+    assert len(test) == 445 and len(train) + len(test) == len(bbc)
+    # BBC has duplicate articles, so compare multisets: together the sides are the data.
+    assert Counter(zip(train.texts, train.codes)) + Counter(zip(test.texts, test.codes)) == (
+        Counter(zip(bbc.texts, bbc.codes))
+    )
+    again = D.train_test_split(bbc, 0.2, seed=3)
+    assert again == (train, test)
+    assert D.train_test_split(bbc, 0.2, seed=4)[1] != test
+    shares = test.code_counts(BBC_VOCAB)
+    expected = bbc.code_counts(BBC_VOCAB) * 0.2
+    assert np.all(np.abs(shares - expected) <= 1)
+
+
+def test_train_test_split_disjoint_indices():
+    data = _toy({"c=a": 30, "c=b": 10})
+    train, test = D.train_test_split(data, 0.25, seed=0)
+    assert set(train.texts).isdisjoint(test.texts)
+    assert set(train.texts) | set(test.texts) == set(data.texts)
+    assert len(test) == 10
+    assert np.all(np.abs(test.code_counts(["c=a", "c=b"]) - [7.5, 2.5]) <= 1)
+
+
+def test_train_test_split_falls_back_when_a_code_is_rare():
+    data = _toy({"c=a": 20, "c=b": 1})
+    train, test = D.train_test_split(data, 0.2, seed=0)
+    assert len(train) + len(test) == 21 and len(test) == 5
+    assert D.train_test_split(data, 0.0, seed=0) == (data, TextData([], []))
+    with pytest.raises(ValueError, match="test_fraction"):
+        D.train_test_split(data, 1.0, seed=0)
+
+
+# ---------------------------------------------------------------------- partitions
+
+
+def _assert_exact_cover(parts: list[TextData], data: TextData) -> None:
+    texts = [t for p in parts for t in p.texts]
+    assert sorted(texts) == sorted(data.texts)  # toy texts are unique: disjoint + cover
+    assert all(len(p) > 0 for p in parts)
+
+
+def test_partition_iid_balanced_and_mixed():
+    data = _toy({"c=a": 50, "c=b": 50, "c=c": 3})
+    parts = D.partition(data, 4, "iid", ["strong", "weak", "weak", "weak"], seed=1)
+    _assert_exact_cover(parts, data)
+    sizes = [len(p) for p in parts]
+    assert max(sizes) - min(sizes) <= 1
+    # Shuffled before sharding: sorted input must not give one code per node.
+    assert all(len(set(p.codes)) >= 2 for p in parts)
+    assert parts == D.partition(data, 4, "iid", ["strong", "weak", "weak", "weak"], seed=1)
+    assert parts != D.partition(data, 4, "iid", ["strong", "weak", "weak", "weak"], seed=2)
+
+
+def test_partition_dirichlet_skewed(bbc):
+    tiers = ["strong", "strong", "weak", "weak", "weak"]
+    parts = D.partition(bbc, 5, "dirichlet:0.1", tiers, seed=0)
+    assert sum(len(p) for p in parts) == len(bbc) and all(len(p) > 0 for p in parts)
+    assert Counter(c for p in parts for c in p.codes) == Counter(bbc.codes)
+    top_shares = [p.code_counts(BBC_VOCAB).max() / len(p) for p in parts]
+    assert max(top_shares) > 0.5
+    assert parts == D.partition(bbc, 5, "dirichlet:0.1", tiers, seed=0)
+
+
+def test_partition_strong_codes(bbc):
+    tiers = ["strong", "weak", "strong", "weak", "weak"]
+    parts = D.partition(bbc, 5, "strong-codes:sport,topic=tech", tiers, seed=0)
+    assert sum(len(p) for p in parts) == len(bbc)
+    assert Counter(c for p in parts for c in p.codes) == Counter(bbc.codes)
+    for part, tier in zip(parts, tiers):
+        assert len(part) > 0
+        if tier == "strong":
+            assert set(part.codes) <= {"topic=sport", "topic=tech"}
+        else:
+            assert set(part.codes).isdisjoint({"topic=sport", "topic=tech"})
+    strong_sizes = [len(parts[0]), len(parts[2])]
+    assert abs(strong_sizes[0] - strong_sizes[1]) <= 1
+
+
+@pytest.mark.parametrize(
+    "scheme, message",
+    [
+        ("random", r"unknown partitioning 'random'.*iid.*dirichlet:<alpha>.*strong-codes"),
+        ("dirichlet:0", "alpha must be a number > 0"),
+        ("dirichlet:-1", "alpha must be a number > 0"),
+        ("dirichlet:abc", "alpha must be a number > 0"),
+        ("dirichlet", "unknown partitioning"),
+        ("iid:3", "unknown partitioning"),
+        ("strong-codes:", "lists no codes"),
+    ],
+)
+def test_bad_scheme_strings(scheme, message):
+    with pytest.raises(ValueError, match=message):
+        D.parse_partitioning(scheme)
+
+
+def test_parse_partitioning_values():
+    assert D.parse_partitioning("iid") == ("iid", None)
+    assert D.parse_partitioning(" Dirichlet:0.5 ") == ("dirichlet", 0.5)
+    assert D.parse_partitioning("strong-codes:a, b,a") == ("strong-codes", ["a", "b"])
+
+
+def test_strong_codes_errors():
+    data = _toy({"topic=a": 6, "topic=b": 6})
+    with pytest.raises(ValueError, match=r"'zzz'.*vocabulary.*topic=a"):
+        D.partition(data, 2, "strong-codes:zzz", ["strong", "weak"], seed=0)
+    with pytest.raises(ValueError, match="both strong and weak"):
+        D.partition(data, 2, "strong-codes:a", ["weak", "weak"], seed=0)
+    # A code in the declared vocabulary but with no records: the strong node would be empty.
+    with pytest.raises(ValueError, match="empty"):
+        D.partition(data, 2, "strong-codes:c", ["strong", "weak"], seed=0,
+                    vocabulary=["topic=a", "topic=b", "topic=c"])
+    two_cols = TextData(["x", "y"], ["a=1|b=2", "a=2|b=2"])
+    with pytest.raises(ValueError, match="not in the vocabulary"):
+        D.partition(two_cols, 2, "strong-codes:1", ["strong", "weak"], seed=0)
+
+
+def test_empty_partition_raises():
+    data = _toy({"c=a": 2, "c=b": 1})
+    with pytest.raises(ValueError, match="empty"):
+        D.partition(data, 5, "iid", ["weak"] * 5, seed=0)
+    with pytest.raises(ValueError, match="empty"):
+        D.partition(data, 5, "dirichlet:1.0", ["weak"] * 5, seed=0)
+    # Enough records, but alpha so small that some node always draws nothing.
+    ten = _toy({"c=a": 5, "c=b": 5})
+    with pytest.raises(ValueError, match="at least one record"):
+        D.partition(ten, 8, "dirichlet:0.01", ["weak"] * 8, seed=0)
+    with pytest.raises(ValueError, match="tiers"):
+        D.partition(data, 2, "iid", ["weak"], seed=0)
+
+
+# --------------------------------------------------------------------- fingerprint
+
+
+def test_fingerprint():
+    data = _toy({"c=a": 5, "c=b": 5})
+    fp = D.dataset_fingerprint(data)
+    assert len(fp) == 64 and int(fp, 16) >= 0
+    assert D.dataset_fingerprint(data.subset(list(range(9, -1, -1)))) == fp
+    changed = TextData(data.texts[:-1] + ["edited"], data.codes)
+    assert D.dataset_fingerprint(changed) != fp
+    recoded = TextData(data.texts, data.codes[:-1] + ["c=a"])
+    assert D.dataset_fingerprint(recoded) != fp
+    assert D.dataset_fingerprint(data.subset(range(9))) != fp
+
+
+def test_records_are_json_serialisable(bbc):
+    json.dumps(bbc.subset(range(3)).to_records())
+
+
+def test_file_like_names_are_not_hub_ids(tmp_path, monkeypatch):
+    import datasets
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError("must not reach the hub")
+
+    monkeypatch.setattr(datasets, "load_dataset", no_hub)
+    with pytest.raises(FileNotFoundError, match="notes.txt"):
+        D.load_table("notes.txt")
+    with pytest.raises(FileNotFoundError, match="train.jsonl"):
+        D.load_table("train.jsonl")

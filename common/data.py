@@ -22,7 +22,6 @@ import hashlib
 import importlib.util
 import itertools
 import json
-import logging
 import math
 import re
 import warnings
@@ -33,10 +32,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from common.logs import get_logger
 from common.codes import make_code, parse_code
 from common.dp import STRONG, TIERS, WEAK
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 DEFAULT_DATASET = "bbc-news"
 TEXT_FIELD = "text"

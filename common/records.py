@@ -49,8 +49,7 @@ def state_from_arrays(record: ArrayRecord) -> dict[str, np.ndarray]:
 
 def release_record(release: dict[str, Any], spent: float, budget: float) -> ConfigRecord:
     """A release's public description plus the node's ledger totals, for the report."""
-    payload = {k: (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
-               for k, v in release.items()}
+    payload = dict(release)
     payload.update({"epsilon-spent": float(spent), "epsilon-budget": float(budget)})
     return ConfigRecord(payload)
 

@@ -7,16 +7,16 @@ on disk -> reply. A weak node never imports the training stack.
 
 from __future__ import annotations
 
-import logging
 import math
 import traceback
 from collections.abc import Callable
 from functools import lru_cache
 
 import numpy as np
-from flwr.app import ArrayRecord, Context, Error, Message, MetricRecord, RecordDict
+from flwr.app import Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from common.logs import get_logger
 from common import records as R
 from common.config import ConfigError, RunConfig
 from common.dp import STRONG, analytic_gaussian_sigma, dpsgd_epsilon, dpsgd_noise_multiplier, gaussian_release
@@ -24,7 +24,7 @@ from common.ledger import BudgetExceeded, Release
 from fedsyn_client.node import Node, NodeSetupError, get_node
 from fedsyn_client.voting import knn_votes
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 app = ClientApp()
 
 # Error codes in replies (Flower reserves small ints; these are app-level).

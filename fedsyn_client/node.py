@@ -9,7 +9,6 @@ institution's own budget and wins over the run config's: the server cannot raise
 
 from __future__ import annotations
 
-import logging
 import math
 import tempfile
 from dataclasses import dataclass
@@ -17,13 +16,14 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from common.logs import get_logger
 from common.config import RunConfig
 from common.data import TextData, dataset_fingerprint, load_node_data
 from common.dp import STRONG, TIERS, split_budget
 from common.federation import simulation_node_data
 from common.ledger import PrivacyLedger
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 class NodeSetupError(RuntimeError):

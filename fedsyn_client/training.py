@@ -9,7 +9,6 @@ control-code prompt as conditioning, averaged over a record's tokens, then over 
 
 from __future__ import annotations
 
-import logging
 import math
 import sys
 import warnings
@@ -21,10 +20,11 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 from tqdm.auto import tqdm
 
+from common.logs import get_logger
 from common.codes import code_prompt
 from common.weights import trainable_state
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 IGNORE = -100  # label value that takes no loss (prompt tokens, padding)
 _KEYS = ("input_ids", "attention_mask", "labels", "position_ids")
@@ -127,12 +127,14 @@ class TrainResult:
 
 def dp_train(model, tokenizer, texts: list[str], codes: list[str], settings: TrainSettings,
              delta: float, accountant_history: list) -> TrainResult:
-    """Run ``settings.local_steps`` local steps on (texts, codes); train ``model`` in place.
+    """Run ``settings.local_steps`` local steps on (texts, codes), training ``model`` in place.
 
-    Private: Opacus DP-SGD with Poisson sampling at q = B/|D|; the node's previous
+    ``model`` comes from ``common.weights.prepare_model`` (only its trainable parameters
+    move). Private: Opacus DP-SGD with Poisson sampling at q = B/|D|; the node's previous
     ``accountant_history`` (Opacus RDPAccountant format) is restored first so the returned
-    ``epsilon`` covers every round so far. Not private: same loss and steps on uniform
-    batches of B records, no clipping or noise, history returned unchanged.
+    ``epsilon`` (at ``delta``) covers every round so far. Not private: the same loss and
+    number of steps on uniform batches of B records, no clipping or noise, history unchanged.
+    Returns the trained ``trainable_state`` with the losses and the privacy spent.
     """
     n = len(texts)
     if n == 0:
@@ -141,132 +143,150 @@ def dp_train(model, tokenizer, texts: list[str], codes: list[str], settings: Tra
         raise ValueError(f"got {n} texts but {len(codes)} codes")
     batch = settings.batch_size
     if batch > n:
-        warnings.warn(f"batch_size {batch} > {n} local records: using the whole dataset per step (q = 1)", stacklevel=2)
+        warnings.warn(f"batch_size {batch} > {n} local records: every step uses all of them (q = 1)", stacklevel=2)
         batch = n
-    sample_rate = batch / n
     history = _check_history(accountant_history)
-    torch.manual_seed(settings.seed)
-    enc = encode_examples(tokenizer, texts, codes, settings.max_length)
-    dataset = TensorDataset(*(enc[k] for k in _KEYS))
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("the model has no trainable parameters (call common.weights.prepare_model first)")
-    generator = torch.Generator()
-    if settings.reproducible_noise or not settings.private:
-        prior = sum(int(h[2]) for h in history)  # a different stream in every round
-        generator.manual_seed(int(np.random.SeedSequence([settings.seed, prior]).generate_state(1)[0]))
-    else:
-        generator.seed()  # OS entropy: noise and sampling must be unpredictable
-    # AdamW (weight decay 0), not SGD, by default: the paper's learning rates (5e-4 for
-    # DP GPT-2, 1e-3 for LoRA LLaMA) are Adam-scale, following Yue et al. 2022 /
-    # dp-transformers; Adam's per-coordinate scaling lets one lr serve LoRA and full
-    # finetuning and different noise levels. It only post-processes the privatised
-    # gradient, so the DP guarantee is unchanged. Its moments restart every round (the
-    # node gets new global weights). "sgd" is paper A.3's literal step.
+    torch.manual_seed(settings.seed)
+    enc = encode_examples(tokenizer, texts, codes, settings.max_length)
+    dataset = TensorDataset(*(enc[k] for k in _KEYS))
+    sampler_rng, noise_rng = _generators(settings, prior_steps=sum(h[2] for h in history), device=params[0].device)
+    # AdamW (weight decay 0) by default, not SGD: the paper's learning rates (5e-4 for DP
+    # GPT-2, 1e-3 for LoRA LLaMA) are Adam-scale, following Yue et al. 2022 / dp-transformers;
+    # Adam's per-coordinate scaling lets one lr serve LoRA and full finetuning at any noise
+    # level. It only post-processes the privatised gradient, so the DP guarantee holds. Its
+    # moments restart every round (the node starts from new global weights). "sgd" is
+    # paper A.3's literal step (e).
     if settings.optimizer == "adamw":
         optimizer = torch.optim.AdamW(params, lr=settings.learning_rate, weight_decay=0.0)
     else:
         optimizer = torch.optim.SGD(params, lr=settings.learning_rate)
+    was_training = model.training
     model.train()
-    if settings.private:
-        losses, history = _private_steps(model, optimizer, dataset, batch, sample_rate, settings, history, generator)
-        epsilon = _epsilon(history, delta)
-    else:
-        losses = _plain_steps(model, optimizer, dataset, batch, settings, generator)
-        epsilon = math.inf
-    model.zero_grad(set_to_none=True)
+    try:
+        if settings.private:
+            losses, history = _private_steps(model, optimizer, dataset, batch, settings, history, sampler_rng, noise_rng)
+        else:
+            losses = _plain_steps(model, optimizer, dataset, batch, settings, sampler_rng)
+    finally:
+        model.train(was_training)
+        model.zero_grad(set_to_none=True)
     done = [x for x in losses if not math.isnan(x)]
     return TrainResult(
         state=trainable_state(model), num_examples=n, mean_loss=float(np.mean(done)) if done else math.nan,
-        losses=losses, steps=settings.local_steps, sample_rate=sample_rate,
+        losses=losses, steps=settings.local_steps, sample_rate=batch / n,
         noise_multiplier=settings.noise_multiplier if settings.private else 0.0,
-        accountant_history=[list(h) for h in history], epsilon=epsilon,
+        accountant_history=[list(h) for h in history],
+        epsilon=_epsilon(history, delta) if settings.private else math.inf,
     )
 
 
-def _private_steps(model, optimizer, dataset, batch, sample_rate, settings, history, generator):
+def _generators(settings: TrainSettings, prior_steps: int, device) -> tuple[torch.Generator, torch.Generator]:
+    """(batch sampling on the CPU, noise on the parameters' device).
+
+    Private: seeded from OS entropy, because noise or a sample that can be recomputed from
+    a known seed protects nothing. Otherwise (or with ``reproducible_noise``): from the seed
+    and the steps already taken, so every round draws a different stream.
+    """
+    rngs = []
+    for i, dev in enumerate(("cpu", device)):
+        g = torch.Generator(device=dev)
+        if settings.private and not settings.reproducible_noise:
+            g.seed()
+        else:
+            g.manual_seed(int(np.random.SeedSequence([settings.seed, prior_steps, i]).generate_state(1)[0]))
+        rngs.append(g)
+    return rngs[0], rngs[1]
+
+
+def _private_steps(model, optimizer, dataset, batch, settings, history, sampler_rng, noise_rng):
     from opacus import PrivacyEngine
     from opacus.data_loader import DPDataLoader
 
+    sample_rate = batch / len(dataset)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Secure RNG turned off")
         engine = PrivacyEngine(accountant="rdp", secure_mode=False)
-    engine.accountant.history = [tuple(h) for h in history]  # epsilon accumulates over rounds
-    # Layers without an Opacus grad sampler (GPT-2's Conv1D and Llama's RMSNorm under full
-    # finetuning) fall back to functorch per-sample gradients automatically in "hooks" mode;
-    # frozen layers (the base model under LoRA) get no hooks at all.
+    engine.accountant.history = list(history)  # epsilon accumulates over rounds, never resets
+    # Layers with trainable weights but no Opacus grad sampler (GPT-2's Conv1D, Llama's
+    # RMSNorm: full finetuning only) fall back to functorch per-sample gradients in "hooks"
+    # mode by themselves; frozen layers (the base model under LoRA) get no hooks at all.
     gsm, dp_optimizer, _ = engine.make_private(
         module=model, optimizer=optimizer,
-        data_loader=DataLoader(dataset, batch_size=batch, generator=generator),
+        data_loader=DataLoader(dataset, batch_size=batch, generator=sampler_rng),
         noise_multiplier=settings.noise_multiplier, max_grad_norm=settings.max_grad_norm,
-        poisson_sampling=True, noise_generator=generator,
+        poisson_sampling=True, noise_generator=noise_rng,
     )
     # make_private derives q = 1/len(loader) = 1/ceil(|D|/B), which is not B/|D| unless B
-    # divides |D|. Sample, average and account at exactly q = B/|D| instead.
-    loader = DPDataLoader(dataset, sample_rate=sample_rate, generator=generator)
+    # divides |D|: sample, average and account at exactly q = B/|D| instead.
+    loader = DPDataLoader(dataset, sample_rate=sample_rate, generator=sampler_rng)
     dp_optimizer.expected_batch_size = batch
     dp_optimizer.attach_step_hook(engine.accountant.get_optimizer_hook_fn(sample_rate=sample_rate))
-    losses = []
     try:
-        batches = iter(loader)
-        for step in _progress(settings.local_steps, "DP-SGD"):
-            try:
-                tensors = next(batches)
-            except StopIteration:
-                batches = iter(loader)
-                tensors = next(batches)
-            dp_optimizer.zero_grad(set_to_none=True)
-            if tensors[0].shape[0] == 0:
-                # An empty Poisson batch is still a step: the optimizer releases noise
-                # only (sum of zero clipped gradients + N(0, sigma^2 C^2)) and the accountant
-                # counts it, as Opacus' empty-batch handling intends. The model is not run.
-                for p in dp_optimizer.params:
-                    p.grad_sample = p.new_zeros((0, *p.shape))
-                losses.append(math.nan)
-            else:
-                tensors = _trim(tensors)
-                loss = conditional_lm_loss(_forward(gsm, tensors), tensors[2])
-                loss.backward()
-                losses.append(float(loss.detach()))
-            dp_optimizer.step()
-            _log_step(step, settings.local_steps, losses[-1], int(tensors[0].shape[0]))
+        with warnings.catch_warnings():
+            # The embedding's backward hook fires on an integer input: harmless, torch warns.
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            losses = _run(lambda t: _private_step(gsm, dp_optimizer, t), _cycle(loader), settings.local_steps, "DP-SGD")
     finally:
-        gsm.to_standard_module()  # remove hooks and grad-sample attributes; `model` is usable again
-    return losses, [tuple(h) for h in engine.accountant.history]
+        gsm.to_standard_module()  # remove hooks and grad-sample attributes: `model` is usable again
+    return losses, list(engine.accountant.history)
+
+
+def _private_step(gsm, dp_optimizer, tensors) -> float:
+    dp_optimizer.zero_grad(set_to_none=True)
+    if tensors[0].shape[0] == 0:
+        # An empty Poisson batch is still a step: the optimizer releases noise only (zero
+        # clipped gradients + N(0, sigma^2 C^2), over B) and the accountant counts it, as
+        # Opacus' empty-batch handling intends; the model is just not run on zero rows.
+        for p in dp_optimizer.params:
+            p.grad_sample = p.new_zeros((0, *p.shape))
+        loss = math.nan
+    else:
+        loss = _loss(gsm, tensors)
+    dp_optimizer.step()
+    return loss
 
 
 def _plain_steps(model, optimizer, dataset, batch, settings, generator):
-    losses = []
-    for step in _progress(settings.local_steps, "SGD (non-private)"):
-        idx = torch.randperm(len(dataset), generator=generator)[:batch]
-        tensors = _trim(dataset[idx])
+    def step(tensors) -> float:
         optimizer.zero_grad(set_to_none=True)
-        loss = conditional_lm_loss(_forward(model, tensors), tensors[2])
-        loss.backward()
+        loss = _loss(model, tensors)
         optimizer.step()
-        losses.append(float(loss.detach()))
-        _log_step(step, settings.local_steps, losses[-1], batch)
+        return loss
+
+    def uniform_batches():
+        while True:
+            yield dataset[torch.randperm(len(dataset), generator=generator)[:batch]]
+
+    return _run(step, uniform_batches(), settings.local_steps, "training (non-private)")
+
+
+def _loss(model, tensors) -> float:
+    """Forward and backward on one non-empty batch; returns the loss."""
+    width = max(int(tensors[1].sum(dim=1).max()), 1)  # drop all-padding columns (right padding)
+    device = next(p for p in model.parameters() if p.requires_grad).device
+    input_ids, attention_mask, labels, position_ids = (t[:, :width].to(device) for t in tensors)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).logits
+    loss = conditional_lm_loss(logits, labels)
+    loss.backward()
+    return float(loss.detach())
+
+
+def _cycle(loader):
+    while True:
+        yield from loader
+
+
+def _run(step_fn, batches, steps: int, desc: str) -> list[float]:
+    losses = []
+    bar = tqdm(range(steps), desc=desc, disable=not sys.stderr.isatty(), leave=False)
+    for i, tensors in zip(bar, batches):
+        losses.append(step_fn(tensors))
+        bar.set_postfix(loss=f"{losses[-1]:.4f}")
+        log.info("%s step %d/%d: batch %d, loss %.4f", desc, i + 1, steps, tensors[0].shape[0], losses[-1])
     return losses
-
-
-def _trim(tensors):
-    """Drop padding columns beyond the longest record of the batch (right padding: exact)."""
-    width = max(int(tensors[1].sum(dim=1).max()), 1)
-    return [t[:, :width] for t in tensors]
-
-
-def _forward(model, tensors) -> torch.Tensor:
-    input_ids, attention_mask, _, position_ids = tensors
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    return out.logits
-
-
-def _progress(steps: int, desc: str):
-    return tqdm(range(steps), desc=desc, disable=not sys.stderr.isatty(), leave=False)
-
-
-def _log_step(step: int, steps: int, loss: float, size: int) -> None:
-    log.debug("local step %d/%d: batch %d, loss %.4f", step + 1, steps, size, loss)
 
 
 def _check_history(history) -> list[tuple]:

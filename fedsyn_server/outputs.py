@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import math
 import shutil
 import tempfile
 from collections import Counter

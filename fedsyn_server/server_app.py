@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import logging
 import time
 from pathlib import Path
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
+from common.logs import get_logger
 from common.config import RunConfig
 from common.federation import benchmark
 from common.io import atomic_write_jsonl
@@ -18,7 +18,7 @@ from strategies.aggregators import build_aggregator
 from strategies.fedsyn import FedSynStrategy
 from strategies.refinement import build_refinement
 
-log = logging.getLogger("fedsyn")
+log = get_logger("fedsyn")
 APP_ROOT = Path(__file__).resolve().parent.parent
 app = ServerApp()
 
@@ -39,7 +39,6 @@ def run_directory(cfg: RunConfig, run_id: int) -> Path:
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """Run fedsyn (Algorithm 1) over ``grid`` with the run config in ``context``."""
-    logging.getLogger("fedsyn").setLevel(logging.INFO)
     cfg = RunConfig.from_flower(context.run_config)  # before anything is sent to a node
     run_dir = run_directory(cfg, context.run_id)
     log.info("fedsyn run %s -> %s", context.run_id, run_dir)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 from flwr.app import ArrayRecord
 
+from common.logs import get_logger
 from common import records as R
 from common.codes import code_prompt
 from common.config import RunConfig
@@ -16,7 +16,7 @@ from common.models import load_generator
 from common.weights import load_trainable_state, prepare_model, trainable_state
 from fedsyn_server.generation import generate_texts
 
-log = logging.getLogger("fedsyn")
+log = get_logger("fedsyn")
 HELDOUT_EVAL_RECORDS = 64  # enough for a stable loss, ~5 s per round on CPU with SmolLM2
 
 

@@ -17,7 +17,6 @@ request type here has a noise mechanism on the node.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -28,13 +27,14 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
+from common.logs import get_logger
 from common import records as R
 from common.config import RunConfig
 from common.dp import STRONG, WEAK
 from fedsyn_server.allocation import aggregate_profiles, allocate
 from strategies.refinement import Refinement
 
-log = logging.getLogger("fedsyn")
+log = get_logger("fedsyn")
 
 # (arrays, allocation per code) -> (texts, codes): the server's generator (stage 3).
 PoolGenerator = Callable[[ArrayRecord | None, dict[str, int]], tuple[list[str], list[str]]]

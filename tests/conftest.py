@@ -1,0 +1,3 @@
+def pytest_configure(config):
+    # Deselect with `-m "not slow"`: these load the real SmolLM2 (tens of seconds on 2 cores).
+    config.addinivalue_line("markers", "slow: loads real model weights; takes tens of seconds")

@@ -1,0 +1,278 @@
+"""Local DP-SGD (fedsyn_client.training) and the weights that travel (common.weights)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np
+import pytest
+import torch
+
+from common.codes import code_prompt
+from common.dp import dpsgd_noise_multiplier
+from common.models import tiny_gpt2
+from common.weights import load_trainable_state, prepare_model, trainable_state
+from fedsyn_client.training import TrainSettings, conditional_lm_loss, dp_train, encode_examples
+
+DELTA = 1e-5
+TEXTS = [f"Record {i} talks about {'football' if i % 2 else 'markets'} and more." for i in range(40)]
+CODES = [f"topic={'sport' if i % 2 else 'business'}" for i in range(40)]
+
+
+def _settings(**kw) -> TrainSettings:
+    base = dict(local_steps=3, batch_size=8, learning_rate=1e-3, max_length=24, max_grad_norm=1.0,
+                noise_multiplier=1.0, private=True, seed=0, reproducible_noise=True)
+    return TrainSettings(**{**base, **kw})
+
+
+def _model(finetune: str = "lora", seed: int = 0):
+    model, tok = tiny_gpt2(seed)
+    return prepare_model(model, finetune, lora_rank=4, seed=seed), tok
+
+
+def _all_params(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _delta_norm(before: dict, after: dict) -> float:
+    return math.sqrt(sum(float(np.sum((after[k] - before[k]) ** 2)) for k in before))
+
+
+# --- common.weights ---------------------------------------------------------------------
+
+
+def test_prepare_model_lora_is_deterministic_and_only_adapters_train():
+    a, _ = _model("lora", seed=0)
+    b, _ = _model("lora", seed=0)
+    c = prepare_model(tiny_gpt2(0)[0], "lora", lora_rank=4, seed=1)
+    sa, sb, sc = trainable_state(a), trainable_state(b), trainable_state(c)
+    assert list(sa) == sorted(sa) and sa and all("lora_" in k for k in sa)
+    assert all(v.dtype == np.float32 for v in sa.values())
+    assert all(np.array_equal(sa[k], sb[k]) for k in sa)
+    assert any(not np.array_equal(sa[k], sc[k]) for k in sa)  # the seed drives the adapter init
+    assert sum(p.numel() for p in a.parameters() if p.requires_grad) < 0.01 * sum(p.numel() for p in a.parameters())
+
+
+def test_prepare_model_full_and_bad_mode():
+    model, _ = _model("full")
+    assert all(p.requires_grad for p in model.parameters())
+    # Tied input/output embedding: one parameter, listed once.
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert "lm_head.weight" not in trainable_state(model)
+    with pytest.raises(ValueError, match="'qlora'"):
+        prepare_model(tiny_gpt2(0)[0], "qlora", lora_rank=4)
+
+
+def test_load_trainable_state_round_trip_and_mismatch():
+    src, _ = _model("lora", seed=3)
+    dst, _ = _model("lora", seed=4)
+    load_trainable_state(dst, trainable_state(src))
+    assert all(np.array_equal(v, trainable_state(dst)[k]) for k, v in trainable_state(src).items())
+    state = trainable_state(src)
+    key = next(iter(state))
+    with pytest.raises(ValueError, match="missing"):
+        load_trainable_state(dst, {k: v for k, v in state.items() if k != key})
+    with pytest.raises(ValueError, match="unexpected"):
+        load_trainable_state(dst, {**state, "extra.weight": np.zeros(2, np.float32)})
+    with pytest.raises(ValueError, match="shape"):
+        load_trainable_state(dst, {**state, key: np.zeros((1, 1), np.float32)})
+    full, _ = _model("full")
+    with pytest.raises(ValueError):  # a LoRA server and a full-finetune node do not mix
+        load_trainable_state(full, state)
+
+
+# --- encoding and loss --------------------------------------------------------------------
+
+
+def test_encode_examples_masks_prompt_and_padding():
+    _, tok = tiny_gpt2(0)
+    texts = ["Hello world, this is a somewhat longer test sentence.", "Short."]
+    codes = ["topic=sport", "topic=tech|stars=4"]
+    enc = encode_examples(tok, texts, codes, max_length=64)
+    assert set(enc) == {"input_ids", "attention_mask", "labels", "position_ids"}
+    width = enc["input_ids"].shape[1]
+    assert torch.equal(enc["position_ids"], torch.arange(width).expand(2, width))
+    for i, (text, code) in enumerate(zip(texts, codes)):
+        n_prompt = len(tok(code_prompt(code))["input_ids"])
+        length = int(enc["attention_mask"][i].sum())
+        assert length == n_prompt + len(tok(text, add_special_tokens=False)["input_ids"]) + 1  # + eos
+        assert enc["attention_mask"][i, length:].sum() == 0  # right padding
+        labels = enc["labels"][i]
+        assert (labels[:n_prompt] == -100).all() and (labels[length:] == -100).all()
+        assert torch.equal(labels[n_prompt:length], enc["input_ids"][i, n_prompt:length])
+        kept = labels[labels != -100].tolist()
+        assert kept[-1] == tok.eos_token_id  # eos is predicted even though pad == eos here
+        assert tok.decode(kept[:-1]) == text
+        assert tok.decode(enc["input_ids"][i, :n_prompt].tolist()) == code_prompt(code)
+    cut = encode_examples(tok, texts, codes, max_length=6)
+    assert cut["input_ids"].shape[1] <= 6
+    with pytest.raises(ValueError):
+        encode_examples(tok, texts, codes[:1], max_length=6)
+
+
+def test_conditional_lm_loss_by_hand():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 4, 5)
+    labels = torch.tensor([[-100, 1, 2, 3], [-100, -100, 4, -100]])
+    logp = torch.log_softmax(logits, dim=-1)
+    rec0 = -(logp[0, 0, 1] + logp[0, 1, 2] + logp[0, 2, 3]) / 3  # position t predicts label t+1
+    rec1 = -logp[1, 1, 4]
+    assert torch.allclose(conditional_lm_loss(logits, labels), (rec0 + rec1) / 2, atol=1e-6)
+    empty = torch.full((1, 4), -100)  # a record with no label token adds 0
+    both = conditional_lm_loss(torch.cat([logits[:1], logits[:1]]), torch.cat([labels[:1], empty]))
+    assert torch.allclose(both, rec0 / 2, atol=1e-6)
+
+
+def test_record_loss_does_not_depend_on_other_records_length():
+    model, tok = tiny_gpt2(0)
+    model.eval()
+    a, short, long = "A record of medium length here.", "Tiny.", "A much longer record " * 6
+
+    def batch_loss(texts):
+        enc = encode_examples(tok, texts, ["topic=x"] * len(texts), max_length=64)
+        with torch.no_grad():
+            out = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], position_ids=enc["position_ids"])
+        return conditional_lm_loss(out.logits, enc["labels"])
+
+    alone_a = batch_loss([a])
+    for other in (short, long):
+        # mean over records: 2 * L([a, other]) - L([other]) recovers L([a]) exactly,
+        # whatever the other record's length (a token-level mean would weight by length).
+        assert torch.allclose(2 * batch_loss([a, other]) - batch_loss([other]), alone_a, atol=1e-4)
+
+
+# --- dp_train -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("finetune", ["lora", "full"])
+def test_dp_train_changes_only_trainable_weights(finetune):
+    model, tok = _model(finetune)
+    before = _all_params(model)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    mode = model.training
+    result = dp_train(model, tok, TEXTS, CODES, _settings(), DELTA, [])
+    after = _all_params(model)
+    assert len(result.losses) == result.steps == 3
+    assert all(math.isfinite(x) for x in result.losses) and math.isfinite(result.mean_loss)
+    for name in before:
+        changed = not torch.equal(before[name], after[name])
+        assert changed == (name in trainable), name  # noise moves every trainable weight
+    assert list(result.state) == list(trainable_state(model))
+    assert all(np.array_equal(result.state[k], v) for k, v in trainable_state(model).items())
+    assert result.num_examples == 40 and result.sample_rate == pytest.approx(0.2)
+    assert sum(h[2] for h in result.accountant_history) == 3
+    assert 0 < result.epsilon < math.inf
+    json.dumps(result.accountant_history)
+    # Opacus is gone: plain module, no hooks or per-sample attributes left behind.
+    assert type(model).__name__ != "GradSampleModule" and not hasattr(model, "autograd_grad_sample_hooks")
+    assert not any(hasattr(p, "grad_sample") or hasattr(p, "_forward_counter") for p in model.parameters())
+    assert model.training == mode  # train/eval mode restored
+
+
+def test_accountant_history_persists_across_rounds():
+    model, tok = _model("lora")
+    settings = _settings(local_steps=2, max_length=12)
+    first = dp_train(model, tok, TEXTS, CODES, settings, DELTA, [])
+    history = json.loads(json.dumps(first.accountant_history))  # as stored between rounds
+    second = dp_train(model, tok, TEXTS, CODES, settings, DELTA, history)
+    once, _ = _model("lora")
+    double = dp_train(once, tok, TEXTS, CODES, _settings(local_steps=4, max_length=12), DELTA, [])
+    assert second.epsilon == pytest.approx(double.epsilon, abs=1e-6)
+    assert second.epsilon > first.epsilon
+    assert sum(h[2] for h in second.accountant_history) == 4
+
+
+def test_calibrated_noise_meets_the_phase_budget():
+    eps, rounds, tau, batch = 3.0, 2, 2, 8
+    q = batch / len(TEXTS)
+    sigma = dpsgd_noise_multiplier(eps, DELTA, q, rounds * tau)
+    model, tok = _model("lora")
+    history: list = []
+    for _ in range(rounds):
+        result = dp_train(model, tok, TEXTS, CODES, _settings(local_steps=tau, noise_multiplier=sigma, max_length=12), DELTA, history)
+        history = result.accountant_history
+    assert 0.9 * eps <= result.epsilon <= eps + 0.01
+
+
+def test_non_private_training_learns():
+    model, tok = _model("full")
+    texts, codes = TEXTS[:8], CODES[:8]
+    history = [[1.5, 0.25, 7]]
+    settings = _settings(local_steps=30, learning_rate=1e-2, private=False, noise_multiplier=0.0, max_length=16)
+    result = dp_train(model, tok, texts, codes, settings, DELTA, history)
+    assert result.epsilon == math.inf and result.accountant_history == history and result.noise_multiplier == 0
+    assert len(result.losses) == 30
+    assert np.mean(result.losses[-3:]) < 0.5 * np.mean(result.losses[:3])
+
+
+def test_clipping_bounds_and_noise_moves_the_sgd_step():
+    """One SGD step at q = 1: clipped mean gradient has norm <= C, so |update| <= lr * C."""
+    texts, codes = TEXTS[:8], CODES[:8]
+    lr, clip = 1.0, 1e-3
+
+    def update(noise: float, max_grad_norm: float) -> float:
+        model, tok = _model("lora")
+        before = trainable_state(model)
+        settings = _settings(local_steps=1, batch_size=8, learning_rate=lr, max_grad_norm=max_grad_norm,
+                             noise_multiplier=noise, optimizer="sgd", max_length=16)
+        after = dp_train(model, tok, texts, codes, settings, DELTA, []).state
+        return _delta_norm(before, after), sum(v.size for v in before.values())
+
+    clipped, dim = update(1e-6, clip)
+    unclipped, _ = update(1e-6, 1e3)
+    noisy, _ = update(100.0, clip)
+    assert 0 < clipped <= lr * clip * 1.001
+    assert unclipped > 10 * lr * clip  # without clipping the step would be far larger
+    expected = lr * 100.0 * clip * math.sqrt(dim) / 8  # |N(0, (sigma C)^2 I)| / B
+    assert 0.7 * expected < noisy < 1.3 * expected
+
+
+def test_empty_poisson_batches_are_noise_steps():
+    model, tok = _model("lora")
+    settings = _settings(local_steps=8, batch_size=1, max_length=12, seed=1)  # q = 1/40
+    result = dp_train(model, tok, TEXTS, CODES, settings, DELTA, [])
+    assert any(math.isnan(x) for x in result.losses)  # P(empty) = 0.975^40 = 0.36 per step
+    assert sum(h[2] for h in result.accountant_history) == 8
+    assert math.isfinite(result.mean_loss) or all(math.isnan(x) for x in result.losses)
+
+
+def test_dp_train_validation():
+    model, tok = _model("lora")
+    with pytest.raises(ValueError, match="no training records"):
+        dp_train(model, tok, [], [], _settings(), DELTA, [])
+    with pytest.raises(ValueError):
+        _settings(noise_multiplier=0.0)  # private needs noise
+    with pytest.raises(ValueError):
+        _settings(optimizer="adagrad")
+    with pytest.warns(UserWarning, match="q = 1"):
+        result = dp_train(model, tok, TEXTS[:4], CODES[:4], _settings(local_steps=1, batch_size=10, max_length=12), DELTA, [])
+    assert result.sample_rate == 1.0
+
+
+# --- real model -----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_smollm2_lora_dp_steps():
+    models = pytest.importorskip("common.models")
+    if not hasattr(models, "load_generator"):
+        pytest.skip("common.models.load_generator not available")
+    try:
+        model, tok = models.load_generator("smollm2-135m")
+    except (OSError, RuntimeError) as err:
+        pytest.skip(f"SmolLM2 not available: {err}")
+    model = prepare_model(model, "lora", lora_rank=8)
+    texts = [("The match ended in a draw after a long and tense second half. " * 4)] * 16
+    codes = ["topic=sport"] * 16
+    settings = _settings(local_steps=2, batch_size=4, max_length=64, learning_rate=2e-3)
+    start = time.perf_counter()
+    result = dp_train(model, tok, texts, codes, settings, DELTA, [])
+    per_step = (time.perf_counter() - start) / 2
+    print(f"SmolLM2-135M LoRA r=8, DP-SGD, batch 4 x 64 tokens: {per_step:.2f} s/step")
+    assert all(math.isfinite(x) for x in result.losses if not math.isnan(x))
+    assert all("lora_" in k for k in result.state) and 0 < result.epsilon < math.inf

@@ -7,6 +7,8 @@ into a Flower ``ArrayRecord`` as ``trainable_state`` and come back via ``load_tr
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
@@ -43,7 +45,9 @@ def prepare_model(model, finetune: str, lora_rank: int, seed: int = 0):
         # flip this itself with a warning.
         fan_in_fan_out=any(isinstance(m, Conv1D) for m in model.modules()),
     )
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        # peft 0.21 reads a property transformers 5 deprecated; nothing to act on.
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")
         torch.manual_seed(seed)
         return get_peft_model(model, config)
 

@@ -55,7 +55,7 @@ def test_resolve_generator(tmp_path):
 
 
 def test_offline_hub_id_fails_with_hint():
-    with pytest.raises(OSError, match="no-such-owner/no-such-model.*smollm2-135m"):
+    with pytest.raises(OSError, match="(?s)no-such-owner/no-such-model.*smollm2-135m"):
         load_generator("no-such-owner/no-such-model")
 
 

@@ -1,0 +1,128 @@
+"""Allocation, kNN voting and A.4 resampling as pure functions."""
+
+import math
+
+import numpy as np
+import pytest
+
+from fedsyn_client.voting import knn_votes
+from fedsyn_server.allocation import aggregate_profiles, allocate
+from fedsyn_server.resampling import resample_by_code, sample_size, sample_without_replacement
+
+
+def _unit(rows):
+    a = np.asarray(rows, dtype=float)
+    return a / np.linalg.norm(a, axis=1, keepdims=True)
+
+
+# ----------------------------------------------------------------- allocation
+def test_allocation_follows_profile_and_clamps_negatives():
+    alloc = allocate(np.array([30.0, 10.0, -4.0, 60.0]), 200)
+    assert alloc.tolist() == [60, 20, 0, 120]
+
+
+def test_allocation_rounds_like_the_paper():
+    alloc = allocate(np.array([1.0, 1.0, 1.0]), 10)  # 3.33 each
+    assert alloc.tolist() == [3, 3, 3]
+
+
+def test_allocation_all_noise_is_uniform():
+    assert allocate(np.array([-1.0, -2.0]), 10).tolist() == [5, 5]
+
+
+def test_aggregate_profiles_sums_nodes():
+    assert aggregate_profiles([np.array([1.0, 2.0]), np.array([0.5, -1.0])]).tolist() == [1.5, 1.0]
+    with pytest.raises(ValueError):
+        aggregate_profiles([])
+
+
+# ----------------------------------------------------------------- voting
+def test_each_record_votes_for_its_k_nearest_same_code_candidates():
+    syn = _unit([[1, 0], [0.9, 0.1], [0, 1], [1, 0.05], [0.1, 1]])
+    syn_codes = ["a", "a", "a", "b", "b"]
+    local = _unit([[1, 0.01]])
+    v = knn_votes(local, ["a"], syn, syn_codes, k=2)
+    # nearest two among code-a candidates only: 0 and 1; candidate 3 is as close but code b
+    assert v.tolist() == [1, 1, 0, 0, 0]
+
+
+def test_k_larger_than_candidates_votes_for_all_of_them():
+    syn = _unit([[1, 0], [0, 1], [1, 1]])
+    v = knn_votes(_unit([[1, 0], [0, 1]]), ["a", "a"], syn, ["a", "a", "b"], k=5)
+    assert v.tolist() == [2, 2, 0]
+
+
+def test_records_without_candidates_of_their_code_do_not_vote():
+    syn = _unit([[1, 0]])
+    assert knn_votes(_unit([[1, 0]]), ["z"], syn, ["a"], k=1).tolist() == [0]
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_vote_sensitivity_is_at_most_sqrt_k(k):
+    rng = np.random.default_rng(k)
+    syn, syn_codes = _unit(rng.normal(size=(40, 8))), list(rng.choice(["a", "b"], size=40))
+    local, local_codes = _unit(rng.normal(size=(30, 8))), list(rng.choice(["a", "b"], size=30))
+    base = knn_votes(local, local_codes, syn, syn_codes, k)
+    for extra in range(10):
+        rec = _unit(rng.normal(size=(1, 8)))
+        code = ["a", "b"][extra % 2]
+        plus = knn_votes(np.vstack([local, rec]), local_codes + [code], syn, syn_codes, k)
+        diff = plus - base
+        assert np.linalg.norm(diff) <= math.sqrt(k) + 1e-12
+        assert diff.min() >= 0 and diff.max() <= 1  # distinct candidates
+    # and every record uses all its K votes when enough candidates exist
+    assert base.sum() == 30 * k
+
+
+def test_profile_sensitivity_is_one():
+    from common.data import TextData
+
+    data = TextData(["x", "y", "z"], ["a", "b", "a"])
+    more = TextData(["x", "y", "z", "w"], ["a", "b", "a", "b"])
+    diff = more.code_counts(["a", "b"]) - data.code_counts(["a", "b"])
+    assert np.linalg.norm(diff) == 1.0
+
+
+# ----------------------------------------------------------------- resampling (A.4)
+@pytest.mark.parametrize("n,rate,m", [(0, 0.2, 0), (1, 0.2, 1), (4, 0.2, 1), (10, 0.2, 2), (10, 1.0, 10), (7, 0.5, 3)])
+def test_sample_size(n, rate, m):
+    assert sample_size(n, rate) == m
+
+
+def test_draws_are_distinct_and_follow_weights():
+    rng = np.random.default_rng(0)
+    counts = np.zeros(4)
+    for _ in range(4000):
+        idx = sample_without_replacement(np.array([1.0, 0.0, 3.0, 0.0]), 0.25, rng)  # M = 1
+        counts[idx] += 1
+    assert counts[1] == counts[3] == 0
+    assert counts[2] / counts[0] == pytest.approx(3.0, rel=0.15)
+
+
+def test_zero_weights_draw_uniformly_and_run_out_gracefully():
+    rng = np.random.default_rng(1)
+    idx = sample_without_replacement(np.array([-1.0, 0.0, 0.0, 0.0]), 1.0, rng)
+    assert sorted(idx.tolist()) == [0, 1, 2, 3]
+    # one positive item: drawn first, then the rest uniformly
+    firsts = {int(sample_without_replacement(np.array([0.0, 5.0, 0.0]), 1.0, rng)[0]) for _ in range(20)}
+    assert firsts == {1}
+
+
+def test_resample_by_code_keeps_codes_separate_and_sizes():
+    codes = ["a"] * 10 + ["b"] * 5
+    votes = np.r_[np.arange(10.0), np.zeros(5)]
+    sel = resample_by_code(codes, votes, 0.2, seed=3)
+    picked = [codes[i] for i in sel]
+    assert picked.count("a") == 2 and picked.count("b") == 1
+    assert len(set(sel.tolist())) == len(sel)
+    assert np.array_equal(sel, resample_by_code(codes, votes, 0.2, seed=3))
+    with pytest.raises(ValueError):
+        resample_by_code(codes, votes[:3], 0.2, seed=0)
+
+
+def test_resampling_prefers_voted_texts():
+    codes = ["a"] * 100
+    votes = np.zeros(100)
+    votes[:10] = 50.0
+    sel = resample_by_code(codes, votes, 0.1, seed=0)
+    assert set(sel.tolist()) == set(range(10))

@@ -10,7 +10,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from common.logs import get_logger
 from common.config import RunConfig
-from common.federation import benchmark
+from common.federation import Benchmark, benchmark
 from common.io import atomic_write_jsonl
 from fedsyn_server.outputs import save_model, write_outputs
 from fedsyn_server.synthesis import ServerModel
@@ -36,23 +36,31 @@ def run_directory(cfg: RunConfig, run_id: int) -> Path:
     return (out / name).resolve()
 
 
-@app.main()
-def main(grid: Grid, context: Context) -> None:
-    """Run fedsyn (Algorithm 1) over ``grid`` with the run config in ``context``."""
-    cfg = RunConfig.from_flower(context.run_config)  # before anything is sent to a node
-    run_dir = run_directory(cfg, context.run_id)
-    log.info("fedsyn run %s -> %s", context.run_id, run_dir)
+def build_strategy(cfg: RunConfig) -> tuple[FedSynStrategy, Benchmark, ServerModel]:
+    """Everything the server needs for a run: the strategy, the public data, the model.
+
+    Raises (before any message is sent) on a bad aggregator or refinement name.
+    """
     build_aggregator(cfg.aggregator, cfg.server_learning_rate, 1)  # fail early on a bad class path
     refinement = build_refinement(cfg.refinement)
     bench = benchmark(cfg)
     server_model = ServerModel(cfg)
-
     strategy = FedSynStrategy(
         cfg, bench.vocabulary,
         make_aggregator=lambda n: build_aggregator(cfg.aggregator, cfg.server_learning_rate, n),
         refinement=refinement, generate_pool=server_model.generate_pool,
         evaluate_fn=lambda rnd, arrays: server_model.heldout_loss(arrays, bench.test),
     )
+    return strategy, bench, server_model
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    """Run fedsyn (Algorithm 1) over ``grid`` with the run config in ``context``."""
+    cfg = RunConfig.from_flower(context.run_config)  # before anything is sent to a node
+    run_dir = run_directory(cfg, context.run_id)
+    log.info("fedsyn run %s: outputs go to %s", context.run_id, run_dir)
+    strategy, bench, server_model = build_strategy(cfg)
     result = strategy.run(grid, server_model.initial_arrays())
     delta = cfg.resolve_delta(len(result.tiers))
     paths = write_outputs(run_dir, cfg, bench.vocabulary, result, delta)
@@ -60,5 +68,5 @@ def main(grid: Grid, context: Context) -> None:
         save_model(server_model.load(result.arrays), run_dir)
     if len(bench.test):  # public benchmark records no node trained on, for `fedsyn evaluate`
         atomic_write_jsonl(run_dir / "heldout.jsonl", bench.test.to_records())
-    log.info("wrote %s", ", ".join(str(p) for p in paths.values()))
-    log.info("synthetic set: %s", paths["synthetic"])
+    log.info("fedsyn run %s finished in %.0fs: %d synthetic texts in %s", context.run_id,
+             result.timings.get("total", 0.0), len(result.selected), paths["synthetic"])

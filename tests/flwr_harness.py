@@ -1,0 +1,130 @@
+"""Run the app with the real ``flwr run`` (local SuperLink, simulation) and clean up after it.
+
+``flwr run`` starts a detached local SuperLink that outlives the command. Every run here
+gets its own ``FLWR_HOME``; afterwards the processes whose command line names that
+FLWR_HOME (the SuperLink, its SuperExec) and their descendants are stopped by PID.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+APP_DIR = Path(__file__).resolve().parents[1]
+_RUN_DIR = re.compile(r"outputs go to (\S+)")
+
+
+@dataclass
+class FlwrRun:
+    """What a ``flwr run`` produced: exit code, combined output, the run's output folder."""
+
+    returncode: int
+    output: str
+    run_dir: Path | None
+    seconds: float
+
+
+def flwr_env(flwr_home: Path) -> dict[str, str]:
+    """Environment for a hermetic, offline ``flwr run``."""
+    env = dict(os.environ)
+    env.update({
+        "FLWR_HOME": str(flwr_home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
+        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+        # `flwr run` launches `flower-superlink` by name: the venv's bin must be on PATH.
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+    })
+    return env
+
+
+def run_app(run_config: dict[str, object], federation_config: str | None = None, timeout: float = 1800,
+            app_dir: Path = APP_DIR) -> FlwrRun:
+    """``flwr run <app_dir> --stream`` with ``run_config`` overrides; always cleans up."""
+    flwr_home = Path(tempfile.mkdtemp(prefix="fedsyn-flwr-home-"))
+    overrides = " ".join(f"{k}={_toml(v)}" for k, v in run_config.items())
+    cmd = [str(Path(sys.executable).with_name("flwr")), "run", str(app_dir), "--stream"]
+    if overrides:
+        cmd += ["--run-config", overrides]
+    if federation_config:
+        cmd += ["--federation-config", federation_config]
+    t0 = time.time()
+    try:
+        proc = subprocess.run(cmd, env=flwr_env(flwr_home), capture_output=True, text=True, timeout=timeout)
+        output, code = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as err:
+        output, code = f"{err.stdout or ''}{err.stderr or ''}\nTIMEOUT after {timeout}s", -1
+    finally:
+        stop_processes_of(flwr_home)
+    match = _RUN_DIR.findall(output)
+    return FlwrRun(code, output, Path(match[-1]) if match else None, time.time() - t0)
+
+
+def stop_processes_of(flwr_home: Path) -> list[int]:
+    """Stop (TERM, then KILL) every process whose command line names ``flwr_home``, and
+    their descendants. Returns the PIDs signalled."""
+    roots = [pid for pid, cmd in _processes().items() if str(flwr_home) in cmd]
+    pids = _with_descendants(roots)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.time() + 10
+        while time.time() < deadline and any(_alive(p) for p in pids):
+            time.sleep(0.2)
+    return pids
+
+
+def _processes() -> dict[int, str]:
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                out[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+    return out
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat.rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _with_descendants(roots: list[int]) -> list[int]:
+    found, frontier = set(roots), list(roots)
+    all_pids = list(_processes())
+    while frontier:
+        parent = frontier.pop()
+        for pid in all_pids:
+            if pid not in found and _parent(pid) == parent:
+                found.add(pid)
+                frontier.append(pid)
+    return sorted(found)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return state != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _toml(v: object) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v) if v == v and v not in (float("inf"), float("-inf")) else ("inf" if v > 0 else "-inf")
+    return '"' + str(v).replace('"', '\\"') + '"'

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 from tqdm.auto import tqdm
 
-from common.logs import get_logger
 from common.codes import code_prompt
+from common.logs import get_logger
 from common.weights import trainable_state
 
 log = get_logger(__name__)

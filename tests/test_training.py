@@ -252,6 +252,9 @@ def test_dp_train_validation():
     with pytest.warns(UserWarning, match="q = 1"):
         result = dp_train(model, tok, TEXTS[:4], CODES[:4], _settings(local_steps=1, batch_size=10, max_length=12), DELTA, [])
     assert result.sample_rate == 1.0
+    # B need not divide |D|: sampling and accounting use q = B/|D| exactly (not 1/ceil(|D|/B)).
+    result = dp_train(model, tok, TEXTS, CODES, _settings(local_steps=1, batch_size=6, max_length=12), DELTA, [])
+    assert result.sample_rate == result.accountant_history[0][1] == 6 / 40
 
 
 # --- real model -----------------------------------------------------------------------------

@@ -21,11 +21,12 @@ from common import records as R
 from common.config import ConfigError, RunConfig
 from common.dp import STRONG, analytic_gaussian_sigma, dpsgd_epsilon, dpsgd_noise_multiplier, gaussian_release
 from common.ledger import BudgetExceeded, Release
+from fedsyn_client.audit import audit_mod
 from fedsyn_client.node import Node, NodeSetupError, get_node
 from fedsyn_client.voting import knn_votes
 
 log = get_logger(__name__)
-app = ClientApp()
+app = ClientApp(mods=[audit_mod])
 
 # Error codes in replies (Flower reserves small ints; these are app-level).
 ERR_BUDGET = 1001  # refused: would exceed the node's privacy budget

@@ -1,0 +1,65 @@
+"""An outgoing-message audit log: what left this node, written on this node.
+
+Enabled by node-config ``audit-dir`` (or the ``FEDSYN_AUDIT_DIR`` environment variable,
+which reaches simulated nodes). Every reply the ClientApp sends is appended as one JSON
+line: message type, error if any, and for each record its kind, keys, value types,
+lengths and the values themselves. An institution can read exactly what it released;
+the leak tests read it to prove no record text ever leaves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from flwr.app import Context, Message
+from flwr.clientapp.typing import ClientAppCallable
+
+AUDIT_ENV = "FEDSYN_AUDIT_DIR"
+
+
+def audit_dir(context: Context) -> Path | None:
+    """The audit folder for this node, or None when auditing is off."""
+    value = context.node_config.get("audit-dir") or os.environ.get(AUDIT_ENV)
+    return Path(str(value)) if value else None
+
+
+def describe_reply(reply: Message) -> dict[str, Any]:
+    """A JSON-serialisable description of a reply's content (or its error)."""
+    out: dict[str, Any] = {"message_type": reply.metadata.message_type, "time": time.time()}
+    if reply.has_error():
+        out["error"] = {"code": reply.error.code, "reason": reply.error.reason}
+        return out
+    records: dict[str, Any] = {}
+    for key, rec in reply.content.array_records.items():
+        records[key] = {"kind": "array", "arrays": {k: {"shape": list(a.shape), "dtype": a.dtype}
+                                                    for k, a in rec.items()}}
+    for kind, group in (("metric", reply.content.metric_records), ("config", reply.content.config_records)):
+        for key, rec in group.items():
+            records[key] = {"kind": kind, "values": {k: _plain(v) for k, v in rec.items()}}
+    out["records"] = records
+    return out
+
+
+def audit_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+    """Flower mod: pass the message on, then append the reply's description to the audit log."""
+    reply = call_next(msg, context)
+    folder = audit_dir(context)
+    if folder is not None:
+        folder.mkdir(parents=True, exist_ok=True)
+        line = json.dumps({"node_id": context.node_id, **describe_reply(reply)}, ensure_ascii=False)
+        # One write of one line in append mode: concurrent writers never interleave lines.
+        with open(folder / f"node-{context.node_id}.jsonl", "a", encoding="utf-8") as fh:
+            fh.write(line + "\n")
+    return reply
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if isinstance(v, bytes):
+        return {"bytes": len(v)}
+    return v

@@ -1,0 +1,74 @@
+"""Canary leak test: a real `flwr run` where every outgoing reply is audited on the node."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+
+from tests.flwr_harness import run_app
+
+# What each reply may carry: record key -> (kind, allowed value keys)
+ALLOWED = {
+    "query.tier": {"tier": ("config", {"tier", "vocabulary-ok", "epsilon-budget"})},
+    "train": {"arrays": ("array", None), "metrics": ("metric", {"weight", "steps", "epsilon-train"}),
+              "release": ("config", None)},
+    "query.profile": {"profile": ("metric", {"profile"}), "release": ("config", None)},
+    "query.vote": {"votes": ("metric", {"votes"}), "release": ("config", None)},
+}
+RELEASE_KEYS = {"phase", "mechanism", "epsilon", "delta", "run_id", "round", "sigma", "sensitivity",
+                "noise_multiplier", "sample_rate", "steps", "max_grad_norm", "time",
+                "epsilon-spent", "epsilon-budget"}
+
+
+@pytest.mark.flwr
+def test_no_canary_or_record_text_leaves_any_node(tmp_path, monkeypatch):
+    import pandas as pd
+
+    topics = {"alpha": "markets rallied as the bank cut rates", "beta": "the team won the cup final",
+              "gamma": "the band released a new album"}
+    canaries = [f"CANARY-{uuid.uuid4().hex}" for _ in range(6)]
+    rows = [{"text": f"{base}, report {i} from the desk.", "topic": t}
+            for t, base in topics.items() for i in range(40)]
+    rows += [{"text": f"{c} secret patient note {j}", "topic": "alpha"} for j, c in enumerate(canaries)]
+    data = tmp_path / "private.csv"
+    pd.DataFrame(rows).to_csv(data, index=False)
+    audit = tmp_path / "audit"
+    monkeypatch.setenv("FEDSYN_AUDIT_DIR", str(audit))
+
+    res = run_app({"model": "tiny-gpt2", "dataset": str(data), "test-fraction": 0.0, "num-server-rounds": 1,
+                   "local-steps": 2, "batch-size": 4, "num-synthetic": 15, "max-new-tokens": 8,
+                   "out-dir": str(tmp_path / "out"), "run-name": "canary", "epsilon": 8.0,
+                   "strong-fraction": 0.34}, federation_config="num-supernodes=3", timeout=1200)
+    assert res.returncode == 0, res.output[-4000:]
+
+    lines = [json.loads(x) for f in sorted(audit.glob("node-*.jsonl")) for x in f.read_text().splitlines()]
+    assert {ln["message_type"] for ln in lines} == set(ALLOWED)
+    assert len({ln["node_id"] for ln in lines}) == 3
+    blob = json.dumps(lines)
+    for c in canaries:
+        assert c not in blob
+    for r in rows:
+        assert r["text"] not in blob
+    pool_size = json.loads((tmp_path / "out" / "canary" / "metrics.json").read_text())["pool_size"]
+    for ln in lines:
+        assert "error" not in ln, ln
+        spec = ALLOWED[ln["message_type"]]
+        assert set(ln["records"]) == set(spec)
+        for key, rec in ln["records"].items():
+            kind, keys = spec[key]
+            assert rec["kind"] == kind
+            if key == "release":
+                assert set(rec["values"]) <= RELEASE_KEYS
+            elif keys is not None:
+                assert set(rec["values"]) == keys
+        if ln["message_type"] == "query.profile":
+            prof = ln["records"]["profile"]["values"]["profile"]
+            assert len(prof) == 3 and all(isinstance(v, float) for v in prof)
+            assert any(v != round(v) for v in prof)  # noised
+        if ln["message_type"] == "query.vote":
+            assert len(ln["records"]["votes"]["values"]["votes"]) == pool_size
+        if ln["message_type"] == "train":
+            assert all(a["dtype"].startswith("float") or "float" in a["dtype"]
+                       for a in ln["records"]["arrays"]["arrays"].values())

@@ -11,7 +11,7 @@ import json
 import sys
 import tempfile
 
-from tests.flwr_harness import run_app
+from fedsyn_server.flwr_runner import run_app
 
 
 def main() -> int:

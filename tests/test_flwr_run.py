@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.flwr_harness import run_app
+from fedsyn_server.flwr_runner import run_app
 
 
 def _jsonl(path):

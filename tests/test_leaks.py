@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from tests.flwr_harness import run_app
+from fedsyn_server.flwr_runner import run_app
 
 # What each reply may carry: record key -> (kind, allowed value keys)
 ALLOWED = {

@@ -25,8 +25,8 @@ CODES = [f"topic={'sport' if i % 2 else 'business'}" for i in range(40)]
 
 
 def _settings(**kw) -> TrainSettings:
-    base = dict(local_steps=3, batch_size=8, learning_rate=1e-3, max_length=24, max_grad_norm=1.0,
-                noise_multiplier=1.0, private=True, seed=0, reproducible_noise=True)
+    base = {"local_steps": 3, "batch_size": 8, "learning_rate": 1e-3, "max_length": 24, "max_grad_norm": 1.0,
+            "noise_multiplier": 1.0, "private": True, "seed": 0, "reproducible_noise": True}
     return TrainSettings(**{**base, **kw})
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -17,7 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-APP_DIR = Path(__file__).resolve().parents[1]
+APP_DIR = Path(__file__).resolve().parents[1]  # the project root (this app)
 _RUN_DIR = re.compile(r"outputs go to (\S+)")
 
 
@@ -31,10 +32,23 @@ class FlwrRun:
     seconds: float
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def flwr_env(flwr_home: Path) -> dict[str, str]:
-    """Environment for a hermetic, offline ``flwr run``."""
+    """Environment for a hermetic, offline ``flwr run``.
+
+    The local SuperLink listens on fixed ports by default (39091/39093), and ``flwr run``
+    reuses whatever SuperLink answers there, even another FLWR_HOME's. Fresh ports per
+    run keep concurrent runs (and a user's own SuperLink) apart.
+    """
     env = dict(os.environ)
     env.update({
+        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(free_port()), "FLWR_LOCAL_CONTROL_API_PORT": str(free_port()),
         "FLWR_HOME": str(flwr_home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
         "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
         "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",

@@ -1,0 +1,418 @@
+"""The real deployment on loopback: ``flower-superlink`` + two ``flower-supernode`` + ``flwr run``.
+
+Two institutions (one strong, one weak) each run a SuperNode with their own CSV, their own
+``state-dir`` (privacy ledger) and their own budget in ``--node-config``; the operator
+submits fedsyn to the SuperLink through a ``[superlink.deploy-test]`` connection. Then the
+same nodes are asked again with their budgets spent: they must refuse, and their ledgers
+must not grow. Everything started here is stopped by PID in the fixture's teardown.
+
+Flower 1.41 facts this relies on (read from its source): the SuperLink serves the Fleet,
+Control and Runtime APIs over HTTP on one ``--host``/``--port`` (default 127.0.0.1:8000;
+``--fleet-api-address``/``--control-api-address`` are deprecated and only start the
+legacy gRPC servers when ``FLWR_INTERNAL_GRPC_*_API=1``); each SuperNode serves its
+Runtime API on ``--port`` (default 9094); ``flwr run --stream`` returns when the run
+ends, with exit code 0 even when the ServerApp failed, so the run's status is read
+with ``flwr list --run-id``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from fedsyn_server.flwr_runner import APP_DIR, flwr_env, stop_processes_of
+
+pytestmark = pytest.mark.flwr
+
+BIN = Path(sys.executable).parent
+CONNECTION = "deploy-test"
+EPSILON = 8.0
+TOPICS = {
+    "a": ["The river flows past the old mill number {}.", "Boats drift along the quiet river at dawn {}.",
+          "Fish swim under the stone river bridge {}."],
+    "b": ["The market opened with strong trading on day {}.", "Shares rose after the bank report {}.",
+          "Investors bought government bonds in week {}."],
+    "c": ["The home team won the final match {}.", "Fans cheered the striker's late goal {}.",
+          "The coach praised the defence after game {}."],
+}
+CODES = "topic=a,topic=b,topic=c"
+TINY = {
+    "model": "tiny-gpt2", "num-server-rounds": 1, "local-steps": 2, "batch-size": 4, "num-synthetic": 12,
+    "max-new-tokens": 8, "min-nodes": 2, "control-codes": CODES, "test-fraction": 0.1,
+}
+RUN_TIMEOUT = 240  # seconds per `flwr run`; two runs + start-up stay well under 6 minutes
+_STARTED = re.compile(r"Successfully started run (\d+)")
+
+
+# --------------------------------------------------------------------------- helpers
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _port_open(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+def _write_csv(path: Path, offset: int, n: int = 40) -> list[str]:
+    """``n`` records, topics a/b/c in turn, each sentence unique (numbered from ``offset``)."""
+    import csv
+
+    texts = []
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["text", "topic"])
+        for i in range(n):
+            topic = "abc"[i % 3]
+            text = TOPICS[topic][(i // 3) % 3].format(offset + i)
+            writer.writerow([text, topic])
+            texts.append(text)
+    return texts
+
+
+def _toml(value: object) -> str:
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(value)
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants (any thread's children), parents first."""
+    parents = {p: _parent(p) for p in _all_pids()}
+    out, frontier = [], [pid]
+    while frontier:
+        p = frontier.pop(0)
+        out.append(p)
+        frontier.extend(c for c, parent in parents.items() if parent == p)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return state != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _stop(pids: list[int], timeout: float = 15) -> None:
+    """TERM, wait, then KILL exactly ``pids``."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.time() + timeout
+        while time.time() < deadline and any(_alive(p) for p in pids):
+            time.sleep(0.2)
+        if not any(_alive(p) for p in pids):
+            return
+
+
+def _ledger(state_dir: Path) -> dict:
+    files = sorted(state_dir.glob("ledger-*.json"))
+    assert len(files) == 1, f"expected one ledger in {state_dir}, found {files}"
+    return json.loads(files[0].read_text())
+
+
+def _spent(ledger: dict) -> float:
+    return sum(float(r["epsilon"]) for r in ledger["releases"])
+
+
+# --------------------------------------------------------------------------- deployment
+@dataclass
+class Deployment:
+    """A running SuperLink + SuperNodes on loopback and the operator's CLI home."""
+
+    root: Path
+    port: int
+    cli_home: Path
+    nodes: dict[str, dict[str, Path]]  # name -> {"data", "state", "log"}
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    public_texts: list[str] = field(default_factory=list)
+    node_texts: list[str] = field(default_factory=list)
+
+    def env(self, home: Path) -> dict[str, str]:
+        env = flwr_env(home)
+        for key in ("FLWR_INTERNAL_GRPC_CONTROL_API", "FLWR_INTERNAL_GRPC_FLEET_API"):
+            env.pop(key, None)  # HTTP APIs only, as a default SuperLink
+        return env
+
+    def log(self, name: str) -> str:
+        path = self.root / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def flwr(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+        return subprocess.run([str(BIN / "flwr"), *args], env=self.env(self.cli_home), capture_output=True,
+                              text=True, timeout=timeout, check=False)
+
+    def online_nodes(self) -> int:
+        res = self.flwr("supernode", "list", CONNECTION, "--format", "json", timeout=30)
+        try:
+            return sum(n["status"] == "online" for n in json.loads(res.stdout)["nodes"])
+        except (ValueError, KeyError):
+            return 0
+
+    def run(self, run_config: dict[str, object]) -> tuple[int, str, dict]:
+        """``flwr run APP deploy-test --stream``; returns (exit code, output, `flwr list` record)."""
+        overrides = " ".join(f"{k}={_toml(v)}" for k, v in run_config.items())
+        try:
+            res = self.flwr("run", str(APP_DIR), CONNECTION, "--stream", "--run-config", overrides,
+                            timeout=RUN_TIMEOUT)
+            code, output = res.returncode, res.stdout + res.stderr
+        except subprocess.TimeoutExpired as err:
+            out = err.stdout or ""
+            output = (out.decode(errors="replace") if isinstance(out, bytes) else out)
+            code = -1
+            output += f"\nTIMEOUT after {RUN_TIMEOUT}s"
+        match = _STARTED.search(output)
+        status: dict = {}
+        if match:
+            listed = self.flwr("list", CONNECTION, "--run-id", match.group(1), "--format", "json")
+            try:
+                status = json.loads(listed.stdout)["runs"][0]
+            except (ValueError, KeyError, IndexError):
+                status = {"raw": listed.stdout + listed.stderr}
+        return code, output, status
+
+    def diagnostics(self) -> str:
+        return "\n".join(f"--- {n}.log (tail)\n{self.log(n)[-3000:]}" for n in ["superlink", *self.nodes])
+
+
+def _start(dep: Deployment, name: str, args: list[str], home: Path) -> None:
+    home.mkdir(parents=True, exist_ok=True)
+    log = (dep.root / f"{name}.log").open("w")
+    dep.procs[name] = subprocess.Popen(args, env=dep.env(home), stdout=log, stderr=subprocess.STDOUT,
+                                       stdin=subprocess.DEVNULL, cwd=dep.root)
+    log.close()
+
+
+@pytest.fixture
+def deployment(tmp_path):
+    # A uniquely named root: every process we start names it on its command line.
+    root = Path(tempfile.mkdtemp(prefix="fedsyn-deploy-", dir=tmp_path))
+    nodes = {}
+    node_texts = []
+    for offset, name in ((100, "strong"), (200, "weak")):
+        data = root / f"{name}.csv"
+        node_texts += _write_csv(data, offset)
+        nodes[name] = {"data": data, "state": root / f"state-{name}"}
+    public = root / "public.csv"  # the server's public dataset: vocabulary + held-out loss
+    dep = Deployment(root=root, port=_free_port(), cli_home=root / "home-cli", nodes=nodes,
+                     public_texts=_write_csv(public, 900, n=30), node_texts=node_texts)
+    dep.cli_home.mkdir()
+    (dep.cli_home / "config.toml").write_text(
+        f'[superlink]\ndefault = "{CONNECTION}"\n\n'
+        f'[superlink.{CONNECTION}]\naddress = "127.0.0.1:{dep.port}"\ninsecure = true\n'
+    )
+    t0 = time.time()
+    try:
+        _start(dep, "superlink", [
+            str(BIN / "flower-superlink"), "--insecure", "--host", "127.0.0.1", "--port", str(dep.port),
+            "--database", str(root / "superlink.db"), "--disable-runtime-dependency-installation",
+        ], root / "home-superlink")
+        deadline = time.time() + 60
+        while not _port_open(dep.port):
+            assert dep.procs["superlink"].poll() is None, "SuperLink exited\n" + dep.diagnostics()
+            assert time.time() < deadline, "SuperLink did not open its port\n" + dep.diagnostics()
+            time.sleep(0.3)
+        for name, node in nodes.items():
+            node_config = (f'tier="{name}" data-path="{node["data"]}" state-dir="{node["state"]}" '
+                           f"epsilon={EPSILON}")
+            _start(dep, name, [
+                str(BIN / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{dep.port}",
+                "--port", str(_free_port()), "--node-config", node_config,
+            ], root / f"home-{name}")
+        deadline = time.time() + 90
+        while dep.online_nodes() < len(nodes):
+            for name, proc in dep.procs.items():
+                assert proc.poll() is None, f"{name} exited\n" + dep.diagnostics()
+            assert time.time() < deadline, "SuperNodes did not come online\n" + dep.diagnostics()
+            time.sleep(1)
+        print(f"deployment up in {time.time() - t0:.1f}s on 127.0.0.1:{dep.port}")
+        yield dep
+    finally:
+        # SuperNodes first, then the SuperLink; each with its whole tree (SuperExec,
+        # flwr-serverapp, flwr-clientapp), collected before any signal is sent.
+        for name in [*nodes, "superlink"]:
+            if name in dep.procs:
+                _stop(_tree(dep.procs[name].pid))
+                dep.procs[name].wait(timeout=5)
+        stop_processes_of(root)  # anything else that names our folders (e.g. a stuck `flwr run`)
+        survivors = [p for p in _all_pids() if _alive(p) and str(root) in _cmdline(p)]
+        assert not survivors, f"processes still alive after teardown: {survivors}"
+
+
+def _all_pids() -> list[int]:
+    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+# --------------------------------------------------------------------------- the test
+def test_deployment_two_supernodes_then_budget_refusal(deployment):
+    dep = deployment
+    out = dep.root / "out"
+    public = dep.root / "public.csv"
+
+    # ---- run 1: a full fedsyn run over the real Fleet/Control/Runtime APIs
+    t0 = time.time()
+    code, output, status = dep.run({**TINY, "dataset": str(public), "out-dir": str(out), "run-name": "deploy"})
+    print(f"run 1: {time.time() - t0:.1f}s, status {status.get('status')}")
+    diag = output[-4000:] + "\n" + dep.diagnostics()
+    assert code == 0, diag
+    assert status.get("status") == "finished:completed", f"{status}\n{diag}"
+    run_id = status["run-id"]
+    run_dir = out / "deploy"
+    synthetic = [json.loads(line) for line in (run_dir / "synthetic.jsonl").read_text().splitlines() if line.strip()]
+    assert synthetic, diag
+
+    report = json.loads((run_dir / "privacy_report.json").read_text())
+    assert sorted(n["tier"] for n in report["nodes"]) == ["strong", "weak"]
+
+    ledgers = {}
+    for name, node in dep.nodes.items():
+        ledger = _ledger(node["state"])
+        ledgers[name] = ledger
+        this_run = [r for r in ledger["releases"] if r["run_id"] == run_id]
+        expected = {"strong": ["train", "profile"], "weak": ["profile", "vote"]}[name]
+        assert sorted(r["phase"] for r in this_run) == sorted(expected), ledger
+        assert ledger["budget"] == EPSILON
+        assert _spent(ledger) <= EPSILON + 1e-6
+        # The server's report agrees with the node's own bookkeeping.
+        reported = next(n for n in report["nodes"] if n["tier"] == name)
+        assert reported["epsilon_spent"] == pytest.approx(_spent(ledger), abs=1e-9)
+        assert reported["epsilon_budget"] == EPSILON
+
+    # No node record reached the server's outputs (only noised statistics travel).
+    server_files = "\n".join(p.read_text(errors="replace") for p in run_dir.rglob("*")
+                             if p.is_file() and p.suffix in {".json", ".jsonl"})
+    leaked = [t for t in dep.node_texts if t in server_files]
+    assert not leaked, f"node records in the server's outputs: {leaked[:3]}"
+    assert any(t in server_files for t in dep.public_texts)  # the check can see text at all
+
+    # ---- run 2: same nodes, same ledgers, budgets spent -> the nodes refuse
+    t0 = time.time()
+    code2, output2, status2 = dep.run({**TINY, "dataset": str(public), "out-dir": str(out),
+                                       "run-name": "deploy-again", "epsilon": EPSILON})
+    print(f"run 2: {time.time() - t0:.1f}s, exit code {code2}, status {status2.get('status')}")
+    diag2 = output2[-4000:] + "\n" + dep.diagnostics()
+    assert status2.get("run-id") not in (None, run_id), diag2
+    # Flower 1.41 `flwr run --stream` exits 0 even when the ServerApp raised; the status says it.
+    assert code2 != 0 or status2.get("status") == "finished:failed", f"{status2}\n{diag2}"
+    assert "no node returned a profile" in output2 + status2.get("status-details", ""), diag2
+    assert output2.count("refused") >= 2, diag2  # both nodes' error replies, in the server log
+    for name in dep.nodes:
+        assert "refused" in dep.log(name), f"{name} did not log a refusal\n{diag2}"
+    assert not (out / "deploy-again" / "synthetic.jsonl").exists()
+
+    for name, node in dep.nodes.items():
+        after = _ledger(node["state"])
+        assert after["releases"] == ledgers[name]["releases"], f"{name}'s ledger grew: {after}"
+        assert _spent(after) <= EPSILON + 1e-6
+        assert not [r for r in after["releases"] if r["run_id"] == status2["run-id"]]
+
+    # The nodes survive a failed run (they keep serving).
+    for name, proc in dep.procs.items():
+        assert proc.poll() is None, f"{name} exited\n{diag2}"
+
+
+# --------------------------------------------------------------------------- deploy/ scripts
+DEPLOY = APP_DIR / "deploy"
+
+
+def test_local_deployment_scripts_with_tls_and_node_auth(tmp_path):
+    """generate_certs.sh + start_local_deployment.sh --tls --auth: registered nodes come online
+    over TLS, an unregistered key is turned away, stop_local_deployment.sh stops every PID."""
+    root = Path(tempfile.mkdtemp(prefix="fedsyn-scripts-", dir=tmp_path))
+    data = root / "data"
+    data.mkdir()
+    _write_csv(data / "hospital_a.csv", 100)
+    _write_csv(data / "clinic_b.csv", 200)
+    work = root / "work"
+    env = flwr_env(root / "home")
+    env["FLWR_BIN"] = str(BIN)
+
+    def run(*args: object, timeout: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run([str(a) for a in args], env=env, capture_output=True, text=True, timeout=timeout,
+                              cwd=root, check=False)
+
+    started: list[int] = []
+    try:
+        certs = run(DEPLOY / "generate_certs.sh", root / "certs", "superlink.example.org")
+        assert certs.returncode == 0, certs.stdout + certs.stderr
+        san = run("openssl", "x509", "-in", root / "certs" / "server.pem", "-noout", "-ext", "subjectAltName")
+        assert "127.0.0.1" in san.stdout and "superlink.example.org" in san.stdout, san.stdout
+
+        start = run(DEPLOY / "start_local_deployment.sh", data, "--work", work, "--tls", root / "certs", "--auth",
+                    "--name", "local-tls", timeout=180)
+        pid_lines = (work / "pids").read_text().split() if (work / "pids").exists() else []
+        roles = {pid_lines[i + 2]: int(pid_lines[i]) for i in range(0, len(pid_lines) - 2, 3)}  # PID ROLE NAME
+        started = list(roles.values())
+        assert start.returncode == 0, start.stdout + start.stderr
+        assert len(started) == 3 and all(_alive(p) for p in started), start.stdout
+        for pid in started:
+            assert str(pid) in start.stdout  # the PIDs are printed too
+
+        cli = dict(env, FLWR_HOME=str(work / "cli"))
+        config = (work / "cli" / "config.toml").read_text()
+        assert 'root-certificates = "' in config and "insecure" not in config
+        listed = subprocess.run([str(BIN / "flwr"), "supernode", "list", "local-tls", "--format", "json"], env=cli,
+                                capture_output=True, text=True, timeout=60, check=False)
+        nodes = json.loads(listed.stdout)["nodes"]
+        assert [n["status"] for n in nodes] == ["online", "online"], listed.stdout
+        for name, tier in (("hospital_a", "weak"), ("clinic_b", "strong")):
+            assert f'tier="{tier}"' in _cmdline(roles[name])
+
+        # A SuperNode whose key the operator did not register is refused (no SuperExec:
+        # --isolation process, so the only process is this one).
+        keys = run(DEPLOY / "generate_node_keys.sh", root / "rogue", "node_key")
+        assert keys.returncode == 0, keys.stderr
+        port = (work / "cli" / "config.toml").read_text().split("127.0.0.1:")[1].split('"')[0]
+        rogue = run(BIN / "flower-supernode", "--superlink", f"127.0.0.1:{port}",
+                    "--root-certificates", root / "certs" / "ca.crt", "--isolation", "process",
+                    "--auth-supernode-private-key", root / "rogue" / "node_key", "--port", _free_port(),
+                    "--max-retries", "1", "--max-wait-time", "10",
+                    "--node-config", f'tier="weak" data-path="{data / "clinic_b.csv"}"', timeout=60)
+        assert rogue.returncode != 0 and "Failed to activate SuperNode" in rogue.stdout + rogue.stderr, (
+            rogue.stdout + rogue.stderr)
+
+        trees = [p for pid in started for p in _tree(pid)]
+        assert len(trees) > 3  # each SuperLink/SuperNode runs a SuperExec child
+        stop = run(DEPLOY / "stop_local_deployment.sh", work)
+        assert stop.returncode == 0, stop.stdout + stop.stderr
+        time.sleep(0.5)
+        assert not [p for p in trees if _alive(p)], stop.stdout
+        assert not (work / "pids").exists() and (work / "pids.stopped").exists()
+    finally:
+        _stop([p for pid in started for p in _tree(pid)])
+        stop_processes_of(root)

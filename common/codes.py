@@ -40,6 +40,13 @@ def code_prompt(code: str) -> str:
     return ", ".join(f"{k}: {v}" for k, v in fields.items()) + PROMPT_SEPARATOR
 
 
+def zero_shot_prompt(code: str, template: str) -> str:
+    """An appendix-C style instruction for a pretrained model, e.g. ``Please generate a
+    news article about topic: sport:\n\n``; ``{fields}`` is replaced by ``col: value, ...``."""
+    fields = ", ".join(f"{k}: {v}" for k, v in parse_code(code).items())
+    return template.replace("{fields}", fields)
+
+
 def _clean(value: object) -> str:
     # Separators inside a value would make the code unparseable; they are replaced,
     # not escaped, because codes are labels, not free text.

@@ -17,6 +17,7 @@ from common.dp import BudgetSplit, paper_delta, split_budget
 AGGREGATORS = ("fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "fedmedian", "fedtrimmedavg")
 FINETUNE_MODES = ("full", "lora")
 REFINEMENTS = ("knn-vote", "uniform", "none")
+PROMPTS = ("code", "zero-shot")
 VOTERS = ("weak", "all")
 
 
@@ -55,6 +56,9 @@ class RunConfig:
     sampling_rate: float = 0.5
     num_votes: int = 4
     temperature: float = 1.0
+    top_p: float = 1.0
+    prompt: str = "code"
+    zero_shot_template: str = "Please generate a news article about {fields}:\n\n"
     refinement: str = "knn-vote"
     voters: str = "weak"
     min_nodes: int = 0
@@ -116,6 +120,9 @@ class RunConfig:
             ("sampling-rate", 0 < self.sampling_rate <= 1, "a float in (0, 1]"),
             ("num-votes", self.num_votes >= 1, "an integer >= 1"),
             ("temperature", 0 <= self.temperature <= 5, "a float in [0, 5] (0 = greedy)"),
+            ("top-p", 0 < self.top_p <= 1, "a float in (0, 1] (1 = plain sampling)"),
+            ("prompt", self.prompt in PROMPTS, f"one of {list(PROMPTS)}"),
+            ("zero-shot-template", "{fields}" in self.zero_shot_template, "a string containing {fields}"),
             ("refinement", self.refinement in REFINEMENTS, f"one of {list(REFINEMENTS)}"),
             ("voters", self.voters in VOTERS, f"one of {list(VOTERS)}"),
             ("min-nodes", self.min_nodes >= 0, "an integer >= 0 (0 = wait until the node count is stable)"),

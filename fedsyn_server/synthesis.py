@@ -9,7 +9,7 @@ from flwr.app import ArrayRecord
 
 from common.logs import get_logger
 from common import records as R
-from common.codes import code_prompt
+from common.codes import code_prompt, zero_shot_prompt
 from common.config import RunConfig
 from common.data import TextData
 from common.models import load_generator
@@ -43,10 +43,16 @@ class ServerModel:
         model = self.load(arrays)
         codes = [code for code, n in allocation.items() for _ in range(n)]
         log.info("[phase 3] generating %d texts for %d codes", len(codes), sum(n > 0 for n in allocation.values()))
-        texts = generate_texts(model, self.tokenizer, [code_prompt(c) for c in codes],
+        texts = generate_texts(model, self.tokenizer, [self.prompt(c) for c in codes],
                                max_new_tokens=self.cfg.max_new_tokens, temperature=self.cfg.temperature,
-                               seed=self.cfg.seed)
+                               top_p=self.cfg.top_p, seed=self.cfg.seed)
         return texts, codes
+
+    def prompt(self, code: str) -> str:
+        """The generation prompt for ``code``: the code itself, or a zero-shot instruction."""
+        if self.cfg.prompt == "zero-shot":
+            return zero_shot_prompt(code, self.cfg.zero_shot_template)
+        return code_prompt(code)
 
     def heldout_loss(self, arrays: ArrayRecord, test: TextData) -> dict[str, float] | None:
         """Mean conditional LM loss (eq. 5) of the global model on held-out records."""

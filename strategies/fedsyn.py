@@ -230,9 +230,10 @@ class FedSynStrategy(Strategy):
     # ------------------------------------------------------------ stage 1
     def _finetune(self, grid: Grid, arrays: ArrayRecord | None, delta: float) -> ArrayRecord | None:
         rounds = self.cfg.num_server_rounds
-        if arrays is None or rounds == 0 or not self._strong:
-            log.warning("phase 1 skipped (%s): generating with the pretrained model",
-                        "no strong node" if not self._strong else "num-server-rounds = 0")
+        skip = ("prompt = zero-shot (pretrained baseline)" if self.cfg.prompt == "zero-shot"
+                else "no strong node" if not self._strong else "num-server-rounds = 0" if rounds == 0 else "")
+        if arrays is None or skip:
+            log.warning("phase 1 skipped (%s): generating with the pretrained model", skip or "no weights")
             return arrays
         if self.evaluate_fn:
             self._evaluate(0, arrays)

@@ -139,3 +139,13 @@ def test_epsilon_inf_adds_no_noise_and_says_so(dataset, tmp_path):
     prof = np.asarray(res.node_profiles[101])
     assert np.array_equal(prof, np.round(prof))  # exact counts: no noise
     assert all(math.isinf(float(r["epsilon"])) for rels in res.releases.values() for r in rels)
+
+
+def test_zero_shot_baseline_skips_phase_1_and_prompts_with_an_instruction(dataset, tmp_path):
+    from common.codes import zero_shot_prompt
+
+    rc = run_config(dataset, prompt="zero-shot")
+    res, grid, _ = run(rc, nodes_for(rc, 3, tmp_path))
+    assert not [m for m in grid.sent if m.metadata.message_type == R.MSG_TRAIN]
+    assert not res.train_metrics and res.votes is not None
+    assert zero_shot_prompt("topic=sport|stars=4", "Write about {fields}:\n") == "Write about topic: sport, stars: 4:\n"

@@ -1,0 +1,75 @@
+"""The experiment runner's grid parsing, resumption and summaries (no simulation needed)."""
+
+import json
+
+import pytest
+
+from common.config import ConfigError
+from fedsyn_server.experiment import collect, flatten, load_grid, summarise, write_summary
+
+GRID = """
+[experiment]
+out-dir = "exp"
+seeds = [0, 1]
+num-supernodes = 3
+metric = "utility/topic/accuracy"
+
+[base]
+num-synthetic = 30
+
+[grid]
+strong-fraction = [0.34, 0.67]
+epsilon = [inf, 8.0]
+
+[methods.zero-shot]
+prompt = "zero-shot"
+
+[methods.knn-vote]
+refinement = "knn-vote"
+"""
+
+
+def test_grid_expands_methods_combinations_and_seeds(tmp_path):
+    path = tmp_path / "g.toml"
+    path.write_text(GRID)
+    grid = load_grid(path)
+    assert len(grid.cells) == 2 * 2 * 2 * 2
+    assert grid.out_dir == (tmp_path / "exp").resolve()
+    names = {c.name for c in grid.cells}
+    assert len(names) == len(grid.cells)
+    cell = grid.cells[0]
+    assert dict(cell.run_config)["num-synthetic"] == 30 and dict(cell.run_config)["prompt"] == "zero-shot"
+
+
+def test_grid_with_a_bad_value_fails_before_any_run(tmp_path):
+    path = tmp_path / "g.toml"
+    path.write_text(GRID.replace('refinement = "knn-vote"', 'refinement = "magic"'))
+    with pytest.raises(ConfigError, match="refinement"):
+        load_grid(path)
+
+
+def test_summary_resumes_from_finished_cells_and_writes_tables_and_plots(tmp_path):
+    path = tmp_path / "g.toml"
+    path.write_text(GRID)
+    grid = load_grid(path)
+    done = grid.cells[::2]  # half the cells "finished"
+    for i, cell in enumerate(done):
+        run = grid.out_dir / "runs" / cell.name
+        run.mkdir(parents=True)
+        (run / "evaluation.json").write_text(json.dumps({"utility": {"topic": {"accuracy": 0.5 + 0.01 * i}}}))
+        (run / "pool.jsonl").write_text("\n".join(json.dumps({"text": "t", "votes": float(v)}) for v in range(5)))
+    rows = collect(grid)
+    assert len(rows) == len(done)
+    write_summary(grid, rows)
+    assert (grid.out_dir / "results.csv").read_text().count("\n") == len(done) + 1
+    md = (grid.out_dir / "results.md").read_text()
+    assert "utility/topic/accuracy" in md and "±" in md
+    assert (grid.out_dir / "plots" / "metric_vs_strong_fraction.png").exists()
+    assert (grid.out_dir / "plots" / "vote_distributions.png").exists()
+
+
+def test_flatten_and_summarise():
+    assert flatten({"a": {"b": 1, "c": "x"}, "d": 2.5, "e": True}) == {"a/b": 1.0, "d": 2.5}
+    rows = [{"method": "m", "seed": s, "x/acc": v} for s, v in enumerate([0.5, 0.7])]
+    (entry,) = summarise(rows, ["method"], ["x/acc"])
+    assert entry["n"] == 2 and entry["x/acc"][0] == pytest.approx(0.6) and entry["x/acc"][1] == pytest.approx(0.1)

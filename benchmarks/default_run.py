@@ -27,8 +27,8 @@ def main() -> int:
         overrides[k] = json.loads(v) if v[:1].isdigit() or v in ("true", "false") else v
     fed = f"num-supernodes={args.num_supernodes}" if args.num_supernodes else None
     res = run_app(overrides, federation_config=fed, timeout=3600)
-    print(f"flwr run exit {res.returncode}, wall time {res.seconds:.0f}s")
-    if res.returncode != 0 or res.run_dir is None:
+    print(f"flwr run exit {res.returncode}, status {res.status}, wall time {res.seconds:.0f}s")
+    if not res.ok or res.run_dir is None:
         print(res.output[-5000:])
         return res.returncode or 1
     metrics = json.loads((res.run_dir / "metrics.json").read_text())

@@ -446,14 +446,15 @@ def evaluate_sets(
     if len(syn) < 2 or len(real) < 2:
         raise ValueError(f"need at least 2 records in each set, got {len(syn)} synthetic and {len(real)} real")
 
-    model = load_embedder(embedder) if isinstance(embedder, str) else embedder
-    embedder_name = embedder if isinstance(embedder, str) else _embedder_name(embedder)
-    syn_emb, real_emb = embed(model, syn.texts), embed(model, real.texts)
-
+    # Labels first: a code without a requested column fails before the slow embedding.
     label_sets = {c: (_column_labels(syn.codes, c, "synthetic set"), _column_labels(real.codes, c, "real set"))
                   for c in control_columns}
     if len(control_columns) > 1:
         label_sets[JOINT_LABEL] = (syn.codes, real.codes)
+
+    model = load_embedder(embedder) if isinstance(embedder, str) else embedder
+    embedder_name = embedder if isinstance(embedder, str) else _embedder_name(embedder)
+    syn_emb, real_emb = embed(model, syn.texts), embed(model, real.texts)
     utility = {}
     for name, (syn_labels, real_labels) in label_sets.items():
         if classifier == "logreg":

@@ -120,9 +120,9 @@ def run_grid(grid: Grid, timeout: float = 3600) -> list[dict[str, Any]]:
     for cell in tqdm(todo, desc="experiment", unit="run"):
         rc = {**dict(cell.run_config), "out-dir": str(runs), "run-name": cell.name}
         res = run_app(rc, federation_config=fed, timeout=timeout)
-        if res.returncode != 0:
-            log.error("cell %s failed (exit %d); it will be retried next time:\n%s",
-                      cell.name, res.returncode, res.output[-3000:])
+        if not res.ok:
+            log.error("cell %s failed (exit %d, status %r); it will be retried next time:\n%s",
+                      cell.name, res.returncode, res.status, res.output[-3000:])
         else:
             log.info("cell %s done in %.0fs", cell.name, res.seconds)
     rows = collect(grid)

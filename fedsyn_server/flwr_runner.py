@@ -7,6 +7,7 @@ FLWR_HOME (the SuperLink, its SuperExec) and their descendants are stopped by PI
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -20,16 +21,25 @@ from pathlib import Path
 
 APP_DIR = Path(__file__).resolve().parents[1]  # the project root (this app)
 _RUN_DIR = re.compile(r"outputs go to (\S+)")
+_STARTED = re.compile(r"Successfully started run (\d+)")
 
 
 @dataclass
 class FlwrRun:
-    """What a ``flwr run`` produced: exit code, combined output, the run's output folder."""
+    """What a ``flwr run`` produced: exit code, combined output, the run's output folder,
+    and the SuperLink's status of the run (``flwr run --stream`` exits 0 even when the
+    ServerApp fails, so ``ok`` checks the status too)."""
 
     returncode: int
     output: str
     run_dir: Path | None
     seconds: float
+    status: str = ""
+
+    @property
+    def ok(self) -> bool:
+        """True when ``flwr run`` exited 0 and the SuperLink reports the run completed."""
+        return self.returncode == 0 and self.status == "finished:completed"
 
 
 def free_port() -> int:
@@ -68,16 +78,31 @@ def run_app(run_config: dict[str, object], federation_config: str | None = None,
         cmd += ["--run-config", overrides]
     if federation_config:
         cmd += ["--federation-config", federation_config]
-    t0 = time.time()
+    t0, env, status = time.time(), flwr_env(flwr_home), ""
     try:
-        proc = subprocess.run(cmd, env=flwr_env(flwr_home), capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         output, code = proc.stdout + proc.stderr, proc.returncode
+        status = run_status(output, env)
     except subprocess.TimeoutExpired as err:
         output, code = f"{err.stdout or ''}{err.stderr or ''}\nTIMEOUT after {timeout}s", -1
     finally:
         stop_processes_of(flwr_home)
     match = _RUN_DIR.findall(output)
-    return FlwrRun(code, output, Path(match[-1]) if match else None, time.time() - t0)
+    return FlwrRun(code, output, Path(match[-1]) if match else None, time.time() - t0, status)
+
+
+def run_status(output: str, env: dict[str, str], connection: str | None = None) -> str:
+    """The SuperLink's status of the run started in ``output`` (e.g. ``finished:completed``)."""
+    match = _STARTED.search(output)
+    if not match:
+        return ""
+    cmd = [str(Path(sys.executable).with_name("flwr")), "list"] + ([connection] if connection else [])
+    listed = subprocess.run(cmd + ["--run-id", match.group(1), "--format", "json"],
+                            env=env, capture_output=True, text=True, timeout=60)
+    try:
+        return str(json.loads(listed.stdout)["runs"][0]["status"])
+    except (ValueError, KeyError, IndexError):
+        return "unknown"
 
 
 def stop_processes_of(flwr_home: Path) -> list[int]:

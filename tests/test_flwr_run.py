@@ -20,7 +20,7 @@ def test_flwr_run_tiny_model_writes_all_outputs(tmp_path):
         "num-synthetic": 20, "max-new-tokens": 8, "out-dir": str(tmp_path), "run-name": "tiny",
         "test-fraction": 0.02, "strong-fraction": 0.34,
     }, federation_config="num-supernodes=3", timeout=1200)
-    assert res.returncode == 0, res.output[-4000:]
+    assert res.ok, f"{res.status}\n{res.output[-4000:]}"
     run_dir = tmp_path / "tiny"
     assert res.run_dir == run_dir
     for name in ("synthetic.jsonl", "pool.jsonl", "privacy_report.json", "profile.json", "metrics.json",

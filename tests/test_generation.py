@@ -30,7 +30,7 @@ def test_one_output_per_prompt_in_order(tiny):
 
 def test_seeded_and_rng_neutral(tiny):
     model, tok = tiny
-    kwargs = dict(max_new_tokens=8, batch_size=2, progress=False)
+    kwargs = {"max_new_tokens": 8, "batch_size": 2, "progress": False}
     torch.manual_seed(123)
     state = torch.get_rng_state()
     a = generate_texts(model, tok, PROMPTS, seed=1, **kwargs)

@@ -41,7 +41,7 @@ def test_no_canary_or_record_text_leaves_any_node(tmp_path, monkeypatch):
                    "local-steps": 2, "batch-size": 4, "num-synthetic": 15, "max-new-tokens": 8,
                    "out-dir": str(tmp_path / "out"), "run-name": "canary", "epsilon": 8.0,
                    "strong-fraction": 0.34}, federation_config="num-supernodes=3", timeout=1200)
-    assert res.returncode == 0, res.output[-4000:]
+    assert res.ok, f"{res.status}\n{res.output[-4000:]}"
 
     lines = [json.loads(x) for f in sorted(audit.glob("node-*.jsonl")) for x in f.read_text().splitlines()]
     assert {ln["message_type"] for ln in lines} == set(ALLOWED)

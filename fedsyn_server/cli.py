@@ -4,6 +4,8 @@ Subcommands:
 
 - ``fedsyn evaluate --synthetic S --real R``: utility, alignment and allocation metrics of
   a synthetic set against real data; prints a table and writes ``metrics.json``.
+- ``fedsyn experiment grid.toml``: a grid of simulations (``fedsyn_server.experiment``),
+  resumable, with results.csv, results.md and plots.
 
 ``main(argv)`` returns the exit code (0 ok, 2 bad input), so it can be called from Python
 and tests; new subcommands register a parser in ``build_parser`` and a handler.
@@ -74,11 +76,38 @@ def _run_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_experiment(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "experiment", help="run a grid of simulations (resumable) and summarise them",
+        description="Each cell of the grid is one real `flwr run` of this app; finished cells are "
+                    "skipped. See fedsyn_server/experiment.py for the grid file format.",
+    )
+    p.add_argument("grid", help="grid TOML file")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per simulation (default: 3600)")
+    p.add_argument("--summary-only", action="store_true", help="only rebuild results and plots from finished cells")
+    p.set_defaults(handler=_run_experiment)
+
+
+def _run_experiment(args: argparse.Namespace) -> int:
+    from fedsyn_server.experiment import collect, load_grid, run_grid, write_summary
+
+    grid = load_grid(args.grid)
+    if args.summary_only:
+        rows = collect(grid)
+        write_summary(grid, rows)
+    else:
+        rows = run_grid(grid, timeout=args.timeout)
+    missing = len(grid.cells) - len(rows)
+    print(f"{len(rows)} of {len(grid.cells)} cells finished; results in {grid.out_dir}")
+    return 0 if missing == 0 else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``fedsyn`` parser with one subparser per subcommand."""
     parser = argparse.ArgumentParser(prog="fedsyn", description="fedsyn: federated DP synthetic text")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_evaluate(subparsers)
+    _add_experiment(subparsers)
     return parser
 
 

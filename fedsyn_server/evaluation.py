@@ -155,7 +155,11 @@ def transformer_utility(
         return _utility_result(real_labels, [classes[0]] * len(real_labels), syn_labels)
 
     import torch
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer, get_linear_schedule_with_warmup
+    from transformers import (
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        get_linear_schedule_with_warmup,
+    )
     from transformers.utils import logging as hf_logging
 
     if model_name is None:
@@ -294,18 +298,24 @@ class _FaissClusterWarningFilter:
     output from other code is lost (only delayed).
     """
 
-    def __enter__(self) -> _FaissClusterWarningFilter:
+    def __enter__(self) -> None:
         import sys
 
-        sys.stderr.flush()
-        self._saved = os.dup(2)
+        self._saved = None
+        try:
+            sys.stderr.flush()
+            saved = os.dup(2)
+        except (OSError, ValueError):  # no usable descriptor 2 (daemon): nothing to filter
+            return
+        self._saved = saved
         self._tmp = tempfile.TemporaryFile(mode="w+b")
         os.dup2(self._tmp.fileno(), 2)
-        return self
 
     def __exit__(self, *exc: object) -> None:
         import sys
 
+        if self._saved is None:
+            return
         sys.stderr.flush()
         os.dup2(self._saved, 2)
         os.close(self._saved)
@@ -508,10 +518,16 @@ def _columns_from_codes(df: pd.DataFrame, path: str) -> list[str]:
     return columns
 
 
-def _load_records(path: str, text_column: str, control_columns: Sequence[str]) -> TextData:
-    """A file -> TextData with codes made from ``control_columns`` (derived from
-    ``control_code`` where a column is missing)."""
+def _load_table(path: str) -> pd.DataFrame:
     df = load_table(path)
+    if df.empty:
+        raise ValueError(f"{path}: no records")
+    return df
+
+
+def _to_records(df: pd.DataFrame, path: str, text_column: str, control_columns: Sequence[str]) -> TextData:
+    """A file's frame -> TextData with codes made from ``control_columns`` (derived from
+    ``control_code`` where a column is missing); errors name the file ``path``."""
     available = [str(c) for c in df.columns]
     if text_column not in df.columns:
         raise ValueError(f"{path}: no text column {text_column!r}; available columns: {available}")
@@ -563,12 +579,11 @@ def evaluate_files(
     synthetic, real = str(synthetic), str(real)
     if isinstance(control_columns, str):
         control_columns = [c.strip() for c in control_columns.split(",") if c.strip()]
+    syn_df, real_df = _load_table(synthetic), _load_table(real)
     if not control_columns:
-        syn_df = load_table(synthetic)
         if CODE_FIELD in syn_df.columns:
             control_columns = _columns_from_codes(syn_df, synthetic)
         else:
-            real_df = load_table(real)
             if CODE_FIELD not in real_df.columns:
                 raise ValueError(
                     f"cannot tell the control columns: neither {synthetic} nor {real} has a "
@@ -576,8 +591,8 @@ def evaluate_files(
                     f"{[str(c) for c in syn_df.columns]})"
                 )
             control_columns = _columns_from_codes(real_df, real)
-    syn = _load_records(synthetic, text_column, control_columns)
-    ref = _load_records(real, text_column, control_columns)
+    syn = _to_records(syn_df, synthetic, text_column, control_columns)
+    ref = _to_records(real_df, real, text_column, control_columns)
     result = {
         "synthetic_path": str(Path(synthetic).expanduser().resolve()) if Path(synthetic).expanduser().exists() else synthetic,
         "real_path": str(Path(real).expanduser().resolve()) if Path(real).expanduser().exists() else real,

@@ -11,11 +11,12 @@ from flwr.serverapp import Grid, ServerApp
 from common.logs import get_logger
 from common.config import RunConfig
 from common.federation import Benchmark, benchmark
-from common.io import atomic_write_jsonl
+from common.io import atomic_write_json, atomic_write_jsonl
+from fedsyn_server.experiment import EVALUATION_FILE
 from fedsyn_server.outputs import save_model, write_outputs
 from fedsyn_server.synthesis import ServerModel
 from strategies.aggregators import build_aggregator
-from strategies.fedsyn import FedSynStrategy
+from strategies.fedsyn import FedSynResult, FedSynStrategy
 from strategies.refinement import build_refinement
 
 log = get_logger("fedsyn")
@@ -54,6 +55,23 @@ def build_strategy(cfg: RunConfig) -> tuple[FedSynStrategy, Benchmark, ServerMod
     return strategy, bench, server_model
 
 
+def evaluate_run(run_dir: Path, cfg: RunConfig, result: FedSynResult, bench: Benchmark) -> None:
+    """Score the final synthetic set against the held-out split (utility, alignment,
+    allocation) and write ``evaluation.json``; an evaluation error never loses the run."""
+    from fedsyn_server.evaluation import evaluate_sets, format_report, mauve_available
+
+    final = [int(i) for i in result.selected]
+    try:
+        scores = evaluate_sets([result.pool_texts[i] for i in final], [result.pool_codes[i] for i in final],
+                               bench.test.texts, bench.test.codes, list(cfg.control_columns),
+                               embedder=cfg.embedder, seed=cfg.seed, mauve=mauve_available())
+    except Exception as err:  # noqa: BLE001 - the synthetic set is written already
+        log.error("evaluation against the held-out split failed: %s", err)
+        return
+    atomic_write_json(run_dir / EVALUATION_FILE, scores)
+    log.info("evaluation against %d held-out records:\n%s", len(bench.test), format_report(scores))
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """Run fedsyn (Algorithm 1) over ``grid`` with the run config in ``context``."""
@@ -68,5 +86,6 @@ def main(grid: Grid, context: Context) -> None:
         save_model(server_model.load(result.arrays), run_dir)
     if len(bench.test):  # public benchmark records no node trained on, for `fedsyn evaluate`
         atomic_write_jsonl(run_dir / "heldout.jsonl", bench.test.to_records())
+        evaluate_run(run_dir, cfg, result, bench)
     log.info("fedsyn run %s finished in %.0fs: %d synthetic texts in %s", context.run_id,
              result.timings.get("total", 0.0), len(result.selected), paths["synthetic"])

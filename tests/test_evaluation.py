@@ -217,7 +217,7 @@ def test_evaluate_sets_label_shuffled(text_sets):
     syn, real = text_sets
     codes, real_codes = codes_of(syn, ["topic"]), codes_of(real, ["topic"])
     shuffled = list(np.random.default_rng(0).permutation(codes))
-    args = dict(control_columns=["topic"], mauve=False)
+    args = {"control_columns": ["topic"], "mauve": False}
     good = E.evaluate_sets(syn.text.tolist(), codes, real.text.tolist(), real_codes, **args)
     bad = E.evaluate_sets(syn.text.tolist(), shuffled, real.text.tolist(), real_codes, **args)
     assert good["utility"]["topic"]["accuracy"] >= 0.9
@@ -357,7 +357,10 @@ def test_control_code_column_without_the_code(tmp_path):
     # A heldout-style file whose codes lack a requested column is an error naming it.
     (tmp_path / "a.jsonl").write_text(json.dumps({"text": "t", "control_code": "topic=x"}) + "\n")
     with pytest.raises(ValueError, match="no control column 'mood'.*do not contain it"):
-        E._load_records(str(tmp_path / "a.jsonl"), "text", ["topic", "mood"])
+        E.evaluate_files(tmp_path / "a.jsonl", tmp_path / "a.jsonl", control_columns=["topic", "mood"])
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(ValueError, match=r"empty\.jsonl: no records"):
+        E.evaluate_files(tmp_path / "empty.jsonl", tmp_path / "a.jsonl")
 
 
 def test_console_script_declared():

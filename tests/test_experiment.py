@@ -73,3 +73,13 @@ def test_flatten_and_summarise():
     rows = [{"method": "m", "seed": s, "x/acc": v} for s, v in enumerate([0.5, 0.7])]
     (entry,) = summarise(rows, ["method"], ["x/acc"])
     assert entry["n"] == 2 and entry["x/acc"][0] == pytest.approx(0.6) and entry["x/acc"][1] == pytest.approx(0.1)
+
+
+def test_cli_summary_only(tmp_path, capsys):
+    from fedsyn_server.cli import main
+
+    path = tmp_path / "g.toml"
+    path.write_text(GRID)
+    assert main(["experiment", str(path), "--summary-only"]) == 1  # nothing finished yet
+    assert "0 of 16 cells finished" in capsys.readouterr().out
+    assert main(["experiment", str(tmp_path / "missing.toml")]) == 2

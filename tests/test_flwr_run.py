@@ -24,7 +24,7 @@ def test_flwr_run_tiny_model_writes_all_outputs(tmp_path):
     run_dir = tmp_path / "tiny"
     assert res.run_dir == run_dir
     for name in ("synthetic.jsonl", "pool.jsonl", "privacy_report.json", "profile.json", "metrics.json",
-                 "config.json", "heldout.jsonl", "plots/allocation.png", "plots/votes_per_code.png",
+                 "config.json", "heldout.jsonl", "evaluation.json", "plots/allocation.png", "plots/votes_per_code.png",
                  "model/adapter_config.json"):
         assert (run_dir / name).exists(), name
     synthetic = _jsonl(run_dir / "synthetic.jsonl")
@@ -38,3 +38,6 @@ def test_flwr_run_tiny_model_writes_all_outputs(tmp_path):
         assert node["epsilon_pld"] <= node["epsilon_basic_composition"] + 1e-9
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["failures"] == [] and metrics["final_size"] == len(synthetic)
+    evaluation = json.loads((run_dir / "evaluation.json").read_text())
+    assert 0.0 <= evaluation["utility"]["topic"]["accuracy"] <= 1.0
+    assert evaluation["n_synthetic"] == len(synthetic) and evaluation["n_real"] > 0

@@ -30,15 +30,15 @@ class RunConfig:
     """All run-config keys (kebab-case in TOML, snake_case here) with their defaults."""
 
     num_server_rounds: int = 2
-    local_steps: int = 8
-    batch_size: int = 8
-    learning_rate: float = 2e-3
+    local_steps: int = 12
+    batch_size: int = 32
+    learning_rate: float = 5e-3
     server_learning_rate: float = 1.0
     aggregator: str = "fedavg"
     max_length: int = 64
     model: str = "smollm2-135m"
     finetune: str = "lora"
-    lora_rank: int = 8
+    lora_rank: int = 2
     max_grad_norm: float = 1.0
     dataset: str = "bbc-news"
     text_column: str = "text"

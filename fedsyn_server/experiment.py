@@ -34,7 +34,6 @@ per cell), ``results.md`` (mean ± std over seeds), ``plots/metric_vs_strong_fra
 
 from __future__ import annotations
 
-import csv
 import itertools
 import json
 import math

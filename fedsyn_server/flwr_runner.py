@@ -72,7 +72,7 @@ def run_app(run_config: dict[str, object], federation_config: str | None = None,
             app_dir: Path = APP_DIR) -> FlwrRun:
     """``flwr run <app_dir> --stream`` with ``run_config`` overrides; always cleans up."""
     flwr_home = Path(tempfile.mkdtemp(prefix="fedsyn-flwr-home-"))
-    overrides = " ".join(f"{k}={_toml(v)}" for k, v in run_config.items())
+    overrides = " ".join(f"{k}={toml_value(v)}" for k, v in run_config.items())
     cmd = [str(Path(sys.executable).with_name("flwr")), "run", str(app_dir), "--stream"]
     if overrides:
         cmd += ["--run-config", overrides]
@@ -106,23 +106,30 @@ def run_status(output: str, env: dict[str, str], connection: str | None = None) 
 
 
 def stop_processes_of(flwr_home: Path) -> list[int]:
-    """Stop (TERM, then KILL) every process whose command line names ``flwr_home``, and
-    their descendants. Returns the PIDs signalled."""
-    roots = [pid for pid, cmd in _processes().items() if str(flwr_home) in cmd]
-    pids = _with_descendants(roots)
+    """Stop every process whose command line names ``flwr_home``, and their descendants.
+    Returns the PIDs signalled."""
+    pids = with_descendants([pid for pid, cmd in processes().items() if str(flwr_home) in cmd])
+    stop_pids(pids)
+    return pids
+
+
+def stop_pids(pids: list[int], timeout: float = 10) -> None:
+    """TERM exactly ``pids``, wait up to ``timeout`` s, then KILL the ones still alive."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in pids:
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
-        deadline = time.time() + 10
-        while time.time() < deadline and any(_alive(p) for p in pids):
+        deadline = time.time() + timeout
+        while time.time() < deadline and any(alive(p) for p in pids):
             time.sleep(0.2)
-    return pids
+        if not any(alive(p) for p in pids):
+            return
 
 
-def _processes() -> dict[int, str]:
+def processes() -> dict[int, str]:
+    """PID -> command line of every process visible in /proc."""
     out = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -141,9 +148,10 @@ def _parent(pid: int) -> int | None:
         return None
 
 
-def _with_descendants(roots: list[int]) -> list[int]:
+def with_descendants(roots: list[int]) -> list[int]:
+    """``roots`` and all their descendants (by parent PID), sorted."""
     found, frontier = set(roots), list(roots)
-    all_pids = list(_processes())
+    all_pids = list(processes())
     while frontier:
         parent = frontier.pop()
         for pid in all_pids:
@@ -153,7 +161,8 @@ def _with_descendants(roots: list[int]) -> list[int]:
     return sorted(found)
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """True if ``pid`` exists and is not a zombie."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         return state != "Z"
@@ -161,9 +170,10 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _toml(v: object) -> str:
+def toml_value(v: object) -> str:
+    """A Python value as a TOML literal for ``--run-config``."""
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, float)):
         return repr(v) if v == v and v not in (float("inf"), float("-inf")) else ("inf" if v > 0 else "-inf")
-    return '"' + str(v).replace('"', '\\"') + '"'
+    return json.dumps(str(v))  # a JSON string is a valid TOML basic string (same escapes)

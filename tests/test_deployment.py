@@ -18,9 +18,7 @@ with ``flwr list --run-id``.
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -31,7 +29,9 @@ from pathlib import Path
 
 import pytest
 
-from fedsyn_server.flwr_runner import APP_DIR, flwr_env, stop_processes_of
+from fedsyn_server.flwr_runner import (
+    APP_DIR, alive, flwr_env, free_port, processes, stop_pids, stop_processes_of, toml_value, with_descendants,
+)
 
 pytestmark = pytest.mark.flwr
 
@@ -56,12 +56,6 @@ _STARTED = re.compile(r"Successfully started run (\d+)")
 
 
 # --------------------------------------------------------------------------- helpers
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _port_open(port: int) -> bool:
     try:
         socket.create_connection(("127.0.0.1", port), timeout=1).close()
@@ -84,53 +78,6 @@ def _write_csv(path: Path, offset: int, n: int = 40) -> list[str]:
             writer.writerow([text, topic])
             texts.append(text)
     return texts
-
-
-def _toml(value: object) -> str:
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    return repr(value)
-
-
-def _parent(pid: int) -> int | None:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _tree(pid: int) -> list[int]:
-    """``pid`` and all its descendants (any thread's children), parents first."""
-    parents = {p: _parent(p) for p in _all_pids()}
-    out, frontier = [], [pid]
-    while frontier:
-        p = frontier.pop(0)
-        out.append(p)
-        frontier.extend(c for c, parent in parents.items() if parent == p)
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        return state != "Z"
-    except (OSError, IndexError):
-        return False
-
-
-def _stop(pids: list[int], timeout: float = 15) -> None:
-    """TERM, wait, then KILL exactly ``pids``."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.time() + timeout
-        while time.time() < deadline and any(_alive(p) for p in pids):
-            time.sleep(0.2)
-        if not any(_alive(p) for p in pids):
-            return
 
 
 def _ledger(state_dir: Path) -> dict:
@@ -179,7 +126,7 @@ class Deployment:
 
     def run(self, run_config: dict[str, object]) -> tuple[int, str, dict]:
         """``flwr run APP deploy-test --stream``; returns (exit code, output, `flwr list` record)."""
-        overrides = " ".join(f"{k}={_toml(v)}" for k, v in run_config.items())
+        overrides = " ".join(f"{k}={toml_value(v)}" for k, v in run_config.items())
         try:
             res = self.flwr("run", str(APP_DIR), CONNECTION, "--stream", "--run-config", overrides,
                             timeout=RUN_TIMEOUT)
@@ -222,7 +169,7 @@ def deployment(tmp_path):
         node_texts += _write_csv(data, offset)
         nodes[name] = {"data": data, "state": root / f"state-{name}"}
     public = root / "public.csv"  # the server's public dataset: vocabulary + held-out loss
-    dep = Deployment(root=root, port=_free_port(), cli_home=root / "home-cli", nodes=nodes,
+    dep = Deployment(root=root, port=free_port(), cli_home=root / "home-cli", nodes=nodes,
                      public_texts=_write_csv(public, 900, n=30), node_texts=node_texts)
     dep.cli_home.mkdir()
     (dep.cli_home / "config.toml").write_text(
@@ -245,7 +192,7 @@ def deployment(tmp_path):
                            f"epsilon={EPSILON}")
             _start(dep, name, [
                 str(BIN / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{dep.port}",
-                "--port", str(_free_port()), "--node-config", node_config,
+                "--port", str(free_port()), "--node-config", node_config,
             ], root / f"home-{name}")
         deadline = time.time() + 90
         while dep.online_nodes() < len(nodes):
@@ -260,22 +207,11 @@ def deployment(tmp_path):
         # flwr-serverapp, flwr-clientapp), collected before any signal is sent.
         for name in [*nodes, "superlink"]:
             if name in dep.procs:
-                _stop(_tree(dep.procs[name].pid))
+                stop_pids(with_descendants([dep.procs[name].pid]), timeout=15)
                 dep.procs[name].wait(timeout=5)
         stop_processes_of(root)  # anything else that names our folders (e.g. a stuck `flwr run`)
-        survivors = [p for p in _all_pids() if _alive(p) and str(root) in _cmdline(p)]
+        survivors = [p for p, cmd in processes().items() if alive(p) and str(root) in cmd]
         assert not survivors, f"processes still alive after teardown: {survivors}"
-
-
-def _all_pids() -> list[int]:
-    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
 
 
 # --------------------------------------------------------------------------- the test
@@ -379,7 +315,7 @@ def test_local_deployment_scripts_with_tls_and_node_auth(tmp_path):
         roles = {pid_lines[i + 2]: int(pid_lines[i]) for i in range(0, len(pid_lines) - 2, 3)}  # PID ROLE NAME
         started = list(roles.values())
         assert start.returncode == 0, start.stdout + start.stderr
-        assert len(started) == 3 and all(_alive(p) for p in started), start.stdout
+        assert len(started) == 3 and all(alive(p) for p in started), start.stdout
         for pid in started:
             assert str(pid) in start.stdout  # the PIDs are printed too
 
@@ -391,7 +327,7 @@ def test_local_deployment_scripts_with_tls_and_node_auth(tmp_path):
         nodes = json.loads(listed.stdout)["nodes"]
         assert [n["status"] for n in nodes] == ["online", "online"], listed.stdout
         for name, tier in (("hospital_a", "weak"), ("clinic_b", "strong")):
-            assert f'tier="{tier}"' in _cmdline(roles[name])
+            assert f'tier="{tier}"' in processes().get(roles[name], "")
 
         # A SuperNode whose key the operator did not register is refused (no SuperExec:
         # --isolation process, so the only process is this one).
@@ -400,19 +336,19 @@ def test_local_deployment_scripts_with_tls_and_node_auth(tmp_path):
         port = (work / "cli" / "config.toml").read_text().split("127.0.0.1:")[1].split('"')[0]
         rogue = run(BIN / "flower-supernode", "--superlink", f"127.0.0.1:{port}",
                     "--root-certificates", root / "certs" / "ca.crt", "--isolation", "process",
-                    "--auth-supernode-private-key", root / "rogue" / "node_key", "--port", _free_port(),
+                    "--auth-supernode-private-key", root / "rogue" / "node_key", "--port", free_port(),
                     "--max-retries", "1", "--max-wait-time", "10",
                     "--node-config", f'tier="weak" data-path="{data / "clinic_b.csv"}"', timeout=60)
         assert rogue.returncode != 0 and "Failed to activate SuperNode" in rogue.stdout + rogue.stderr, (
             rogue.stdout + rogue.stderr)
 
-        trees = [p for pid in started for p in _tree(pid)]
+        trees = with_descendants(started)
         assert len(trees) > 3  # each SuperLink/SuperNode runs a SuperExec child
         stop = run(DEPLOY / "stop_local_deployment.sh", work)
         assert stop.returncode == 0, stop.stdout + stop.stderr
         time.sleep(0.5)
-        assert not [p for p in trees if _alive(p)], stop.stdout
+        assert not [p for p in trees if alive(p)], stop.stdout
         assert not (work / "pids").exists() and (work / "pids.stopped").exists()
     finally:
-        _stop([p for pid in started for p in _tree(pid)])
+        stop_pids(with_descendants(started), timeout=15)
         stop_processes_of(root)

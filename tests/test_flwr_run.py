@@ -41,3 +41,25 @@ def test_flwr_run_tiny_model_writes_all_outputs(tmp_path):
     evaluation = json.loads((run_dir / "evaluation.json").read_text())
     assert 0.0 <= evaluation["utility"]["topic"]["accuracy"] <= 1.0
     assert evaluation["n_synthetic"] == len(synthetic) and evaluation["n_real"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.flwr
+def test_default_run_with_real_weights_follows_the_noisy_profile(tmp_path):
+    """`flwr run .` with every pyproject default (SmolLM2, MiniLM, BBC News, 2 nodes)."""
+    from fedsyn_server.resampling import sample_size
+
+    res = run_app({"out-dir": str(tmp_path), "run-name": "default"}, timeout=2400)
+    assert res.ok, f"{res.status}\n{res.output[-4000:]}"
+    run_dir = tmp_path / "default"
+    profile = json.loads((run_dir / "profile.json").read_text())
+    assert len(profile["vocabulary"]) == 5
+    for code, n in profile["allocation"].items():
+        assert profile["final_counts"][code] == (sample_size(n, 0.5) if n else 0)
+    report = json.loads((run_dir / "privacy_report.json").read_text())
+    assert sorted(n["tier"] for n in report["nodes"]) == ["strong", "weak"]
+    for node in report["nodes"]:
+        assert 7.9 <= node["epsilon_spent"] <= node["epsilon_budget"] + 1e-6
+    texts = [r["text"] for r in _jsonl(run_dir / "synthetic.jsonl")]
+    assert len(texts) >= 50 and sum(len(t.split()) for t in texts) / len(texts) > 15
+    assert (run_dir / "evaluation.json").exists() and (run_dir / "model" / "adapter_config.json").exists()

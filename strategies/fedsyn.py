@@ -159,7 +159,7 @@ class FedSynStrategy(Strategy):
         t = time.time()                                                 # stage 2
         profile_replies = self._ask(grid, sorted(nodes), R.MSG_PROFILE, "profile", RecordDict(
             {R.CONFIG: ConfigRecord({"codes": self.vocabulary, "delta": delta})}))
-        res.node_profiles = {n: R.read_vector(m.content, R.PROFILE).tolist() for n, m in profile_replies.items()}
+        res.node_profiles = self._vectors(profile_replies, R.PROFILE, len(self.vocabulary), "profile")
         if not res.node_profiles:
             raise RuntimeError("no node returned a profile; nothing to allocate (see failures above)")
         res.profile = aggregate_profiles(list(res.node_profiles.values()))
@@ -181,7 +181,7 @@ class FedSynStrategy(Strategy):
                 R.CANDIDATES: ConfigRecord({"texts": res.pool_texts, "codes": res.pool_codes}),
                 R.CONFIG: ConfigRecord({"num-votes": self.cfg.num_votes, "delta": delta}),
             }))
-            res.node_votes = {n: R.read_vector(m.content, R.VOTES).tolist() for n, m in vote_replies.items()}
+            res.node_votes = self._vectors(vote_replies, R.VOTES, len(res.pool_texts), "vote")
             res.votes = (np.sum([np.asarray(v) for v in res.node_votes.values()], axis=0)
                          if res.node_votes else np.zeros(len(res.pool_texts)))
         res.timings["vote"] = time.time() - t
@@ -283,6 +283,22 @@ class FedSynStrategy(Strategy):
         for nid in sorted(asked - set(good) - {m.metadata.src_node_id for m in replies}):
             self._fail(nid, phase, "no reply before node-timeout")
         return good
+
+    def _vectors(self, replies: dict[int, Message], key: str, length: int, phase: str) -> dict[int, list[float]]:
+        """The noisy vectors of good replies; a malformed one (wrong length, not finite,
+        missing) is a node failure, not a crash of the run."""
+        out: dict[int, list[float]] = {}
+        for nid, msg in replies.items():
+            try:
+                vec = R.read_vector(msg.content, key)
+            except (KeyError, TypeError, ValueError) as err:
+                self._fail(nid, phase, f"malformed reply ({type(err).__name__})")
+                continue
+            if vec.shape != (length,) or not np.isfinite(vec).all():
+                self._fail(nid, phase, f"malformed reply: {vec.shape[0] if vec.ndim else 0} values, expected {length}")
+                continue
+            out[nid] = vec.tolist()
+        return out
 
     def _fail(self, node_id: int, phase: str, reason: str) -> None:
         log.warning("node %d failed in %s: %s", node_id, phase, reason)

@@ -149,3 +149,21 @@ def test_zero_shot_baseline_skips_phase_1_and_prompts_with_an_instruction(datase
     assert not [m for m in grid.sent if m.metadata.message_type == R.MSG_TRAIN]
     assert not res.train_metrics and res.votes is not None
     assert zero_shot_prompt("topic=sport|stars=4", "Write about {fields}:\n") == "Write about topic: sport, stars: 4:\n"
+
+
+def test_a_malformed_profile_reply_is_a_node_failure(dataset, tmp_path):
+    from flwr.app import ConfigRecord as CR
+
+    rc = run_config(dataset, **{"num-server-rounds": 0})
+    nodes = nodes_for(rc, 2, tmp_path)
+    real = nodes[101]
+
+    def liar(m):  # a node whose profile has the wrong length
+        if m.metadata.message_type == R.MSG_PROFILE:
+            return Message(R.vector_reply(R.PROFILE, np.ones(7), CR({"phase": "profile"})), reply_to=m)
+        return real(m)
+
+    nodes[101] = liar
+    res, _, _ = run(rc, nodes)
+    assert {(f["node_id"], f["phase"]) for f in res.failures} == {(101, "profile")}
+    assert sorted(res.node_profiles) == [100] and len(res.selected) > 0

@@ -91,3 +91,13 @@ def test_missing_tier_in_deployment_names_the_fix(csv_path, tmp_path):
     node = client_node(app, 5, {"data-path": csv_path}, rc)
     reply = _send(node, R.MSG_PROFILE, _profile_request(["topic=x", "topic=y"]))
     assert reply.has_error() and 'tier="strong"' in reply.error.reason
+
+
+def test_a_weak_node_never_imports_the_training_stack():
+    import subprocess
+    import sys
+
+    code = ("import sys, fedsyn_client.client_app, fedsyn_client.voting, common.models; "
+            "print(sorted(m for m in ('opacus', 'peft', 'fedsyn_client.training', 'common.weights') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

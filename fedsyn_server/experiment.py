@@ -95,10 +95,11 @@ def load_grid(path: str | Path) -> Grid:
             raise ValueError(f"[grid] {key} must be a non-empty list, got {values!r}")
     seeds = [int(s) for s in exp.get("seeds", [0])]
     cells = []
-    for method, overrides in methods.items():
+    # Seeds outermost: an interrupted experiment has whole seeds done, not whole methods.
+    for seed in seeds:
         for combo in itertools.product(*grid.values()) if grid else [()]:
             params = tuple(zip(grid.keys(), combo))
-            for seed in seeds:
+            for method, overrides in methods.items():
                 rc = {**base, **overrides, **dict(params), "seed": seed}
                 RunConfig.from_flower(rc)  # raises ConfigError naming the key
                 cells.append(Cell(method, params, seed, tuple(rc.items())))

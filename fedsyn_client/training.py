@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from tqdm.auto import tqdm
 
 from common.codes import code_prompt
+from common.dp import dpsgd_epsilon
 from common.logs import get_logger
 from common.weights import trainable_state
 
@@ -179,7 +180,7 @@ def dp_train(model, tokenizer, texts: list[str], codes: list[str], settings: Tra
         losses=losses, steps=settings.local_steps, sample_rate=batch / n,
         noise_multiplier=settings.noise_multiplier if settings.private else 0.0,
         accountant_history=[list(h) for h in history],
-        epsilon=_epsilon(history, delta) if settings.private else math.inf,
+        epsilon=dpsgd_epsilon(history, delta) if settings.private else math.inf,
     )
 
 
@@ -296,11 +297,3 @@ def _check_history(history) -> list[tuple]:
             raise ValueError(f"accountant history entries are [noise_multiplier, sample_rate, steps], got {h!r}")
         out.append((float(h[0]), float(h[1]), int(h[2])))
     return out
-
-
-def _epsilon(history: list[tuple], delta: float) -> float:
-    from opacus.accountants import RDPAccountant
-
-    accountant = RDPAccountant()
-    accountant.history = list(history)
-    return float(accountant.get_epsilon(delta=delta))

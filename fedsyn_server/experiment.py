@@ -49,6 +49,7 @@ from tqdm.auto import tqdm
 from common.config import RunConfig
 from common.io import atomic_write_text
 from common.logs import get_logger
+from fedsyn_server.outputs import save_figure
 
 log = get_logger(__name__)
 EVALUATION_FILE = "evaluation.json"
@@ -177,10 +178,11 @@ def write_summary(grid: Grid, rows: list[dict[str, Any]]) -> None:
         log.warning("no finished cells yet")
         return
     columns = list(dict.fromkeys(k for r in rows for k in r))
-    lines = [",".join(columns)]
-    for r in rows:
-        lines.append(",".join(_csv(r.get(c, "")) for c in columns))
-    atomic_write_text(grid.out_dir / "results.csv", "\n".join(lines) + "\n")
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write_text(grid.out_dir / "results.csv", buf.getvalue())
 
     group_keys = ["method"] + [k for k, _ in grid.cells[0].params]
     metrics = [m for m in columns if "/" in m and _headline(m)]
@@ -225,12 +227,7 @@ def plot_metric_vs_strong_fraction(grid: Grid, rows: list[dict[str, Any]]) -> Pa
         ax.set_xlabel("strong fraction")
         ax.set_ylabel(grid.metric)
         ax.legend(fontsize=8)
-    path = grid.out_dir / "plots" / "metric_vs_strong_fraction.png"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, grid.out_dir / "plots" / "metric_vs_strong_fraction.png")
 
 
 def plot_vote_distributions(grid: Grid) -> Path | None:
@@ -258,18 +255,9 @@ def plot_vote_distributions(grid: Grid) -> Path | None:
         ax.set_title(label)
         ax.set_xlabel("aggregated noisy votes per synthetic text")
     axes[0][0].set_ylabel("synthetic texts")
-    path = grid.out_dir / "plots" / "vote_distributions.png"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, grid.out_dir / "plots" / "vote_distributions.png")
 
 
 def _slug(v: Any) -> str:
     return str(v).replace("/", "-").replace(":", "-").replace(",", "+").replace(" ", "")
 
-
-def _csv(v: Any) -> str:
-    s = str(v)
-    return f'"{s}"' if "," in s else s

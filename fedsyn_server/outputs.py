@@ -145,7 +145,7 @@ def write_plots(plot_dir: Path, vocabulary: list[str], res: FedSynResult, final_
     ax.set_ylabel("share")
     ax.set_title("Allocation: noisy profile vs. final synthetic set")
     ax.legend()
-    out["plot_allocation"] = _save(fig, plot_dir / "allocation.png")
+    out["plot_allocation"] = save_figure(fig, plot_dir / "allocation.png")
 
     if res.votes is not None and len(res.votes):
         codes = np.asarray(res.pool_codes)
@@ -157,7 +157,7 @@ def write_plots(plot_dir: Path, vocabulary: list[str], res: FedSynResult, final_
             ax.set_xlabel("noisy votes")
         axes[0][0].set_ylabel("synthetic texts")
         fig.suptitle("Vote distribution per control code")
-        out["plot_votes"] = _save(fig, plot_dir / "votes_per_code.png")
+        out["plot_votes"] = save_figure(fig, plot_dir / "votes_per_code.png")
 
     if res.eval_metrics:
         rounds = sorted(res.eval_metrics)
@@ -166,13 +166,15 @@ def write_plots(plot_dir: Path, vocabulary: list[str], res: FedSynResult, final_
         ax.set_xlabel("round")
         ax.set_ylabel("held-out loss")
         ax.set_title("Phase 1: global model on held-out data")
-        out["plot_loss"] = _save(fig, plot_dir / "training_loss.png")
+        out["plot_loss"] = save_figure(fig, plot_dir / "training_loss.png")
     return out
 
 
-def _save(fig: Any, path: Path) -> Path:
+def save_figure(fig: Any, path: Path) -> Path:
+    """Save a matplotlib figure as PNG atomically (temp file, then rename) and close it."""
     import matplotlib.pyplot as plt
 
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}.tmp.png")
     fig.tight_layout()
     fig.savefig(tmp, dpi=110)

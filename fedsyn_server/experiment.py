@@ -34,6 +34,8 @@ per cell), ``results.md`` (mean ± std over seeds), ``plots/metric_vs_strong_fra
 
 from __future__ import annotations
 
+import csv
+import io
 import itertools
 import json
 import math

@@ -42,7 +42,7 @@ def test_profile_noise_through_the_handler_has_the_calibrated_sigma(dataset, tmp
     vocab = [f"topic={t}" for t in TOPICS]
     true = None
     noise = []
-    for run_id in range(300):  # a fresh ledger each time: one profile release per node
+    for run_id in range(1500):  # a fresh ledger each time: one profile release per node
         node = client_node(client_app, 1, {"partition-id": 0, "num-partitions": 1,
                                            "state-dir": str(tmp_path / str(run_id))}, rc, run_id=run_id)
         noisy = _query(node, R.MSG_PROFILE, RecordDict({R.CONFIG: ConfigRecord({"codes": vocab, "delta": 1e-5})}))
@@ -50,8 +50,9 @@ def test_profile_noise_through_the_handler_has_the_calibrated_sigma(dataset, tmp
         noise.append(noisy - true)
     noise = np.concatenate(noise)
     sigma = analytic_gaussian_sigma(2.0, 1e-5, 1.0)
-    # 900 draws: the std estimate has ~2.4% standard error; 10% off fails.
-    assert abs(noise.std() / sigma - 1) < 0.06
+    # 4,500 draws: the std estimate has ~1.1% standard error, so 5% is > 4 standard
+    # errors from the truth (no flaky failures) and a sigma 10% off fails.
+    assert abs(noise.std() / sigma - 1) < 0.05
     assert abs(noise.mean()) < 4 * sigma / math.sqrt(noise.size)
 
 
@@ -62,16 +63,16 @@ def test_vote_noise_through_the_handler_has_sigma_for_sqrt_k(dataset, tmp_path):
     content = RecordDict({R.CANDIDATES: ConfigRecord({"texts": cands, "codes": codes}),
                           R.CONFIG: ConfigRecord({"num-votes": 3, "delta": 1e-5})})
     draws = []
-    for run_id in range(80):
+    for run_id in range(300):
         node = client_node(client_app, 1, {"partition-id": 0, "num-partitions": 1,
                                            "state-dir": str(tmp_path / str(run_id))}, rc, run_id=10_000 + run_id)
         draws.append(_query(node, R.MSG_VOTE, content))
     draws = np.stack(draws)
     # every local record votes 3 times: the true votes sum to 36 * 3
-    assert draws.mean(axis=0).sum() == pytest.approx(108, abs=4 * math.sqrt(12) * draws.std() / math.sqrt(80))
-    noise = (draws - draws.mean(axis=0)).ravel() * math.sqrt(80 / 79)
+    assert draws.mean(axis=0).sum() == pytest.approx(108, abs=5 * math.sqrt(12) * draws.std() / math.sqrt(300))
+    noise = (draws - draws.mean(axis=0)).ravel() * math.sqrt(300 / 299)
     sigma = analytic_gaussian_sigma(6.0, 1e-5, math.sqrt(3))
-    assert abs(noise.std() / sigma - 1) < 0.06  # 960 draws
+    assert abs(noise.std() / sigma - 1) < 0.05  # 3,600 draws: ~1.2% standard error
 
 
 def _clopper_pearson(k: int, n: int, alpha: float = 0.05) -> tuple[float, float]:

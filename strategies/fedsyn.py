@@ -139,6 +139,9 @@ class FedSynStrategy(Strategy):
         log.info("fedsyn: R=%d tau=%d B=%d eps=%s refinement=%s voters=%s s=%d r=%g K=%d aggregator=%s",
                  c.num_server_rounds, c.local_steps, c.batch_size, c.epsilon, self.refinement.name,
                  c.voters, c.num_synthetic, c.sampling_rate, c.num_votes, type(self.aggregator).__name__)
+        if not c.private:
+            log.warning("epsilon = inf: NO DIFFERENTIAL PRIVACY. Nodes release exact counts, exact votes "
+                        "and non-private weights; use this only as a baseline on public data.")
 
     # ------------------------------------------------------------- the phases
     def run(self, grid: Grid, initial_arrays: ArrayRecord | None) -> FedSynResult:

@@ -60,3 +60,12 @@ def client_node(app, node_id: int, node_config: dict, run_config: dict, run_id: 
     """A node running the real ClientApp ``app`` in this process."""
     ctx = Context(run_id=run_id, node_id=node_id, node_config=node_config, state=RecordDict(), run_config=run_config)
     return lambda msg: app(msg, ctx)
+
+
+def write_topic_csv(path, topics: dict[str, str], per_topic: int, template: str = "{base} number {i}.") -> str:
+    """A small CSV (text, topic) with ``per_topic`` records per topic; returns its path."""
+    import pandas as pd
+
+    rows = [{"text": template.format(base=base, i=i), "topic": t} for t, base in topics.items() for i in range(per_topic)]
+    pd.DataFrame(rows).to_csv(path, index=False)
+    return str(path)

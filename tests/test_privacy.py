@@ -14,7 +14,7 @@ from common.config import RunConfig
 from common.dp import analytic_gaussian_sigma, gaussian_release
 from fedsyn_client.client_app import app as client_app
 from fedsyn_client.voting import knn_votes
-from tests.fakes import client_node, set_task_identity
+from tests.fakes import client_node, set_task_identity, write_topic_csv
 
 TOPICS = {"a": "apples and pears grow in the orchard", "b": "the train left the station late",
           "c": "the court heard the appeal today"}
@@ -22,12 +22,7 @@ TOPICS = {"a": "apples and pears grow in the orchard", "b": "the train left the 
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> str:
-    import pandas as pd
-
-    rows = [{"text": f"{base}, item {i}", "topic": t} for t, base in TOPICS.items() for i in range(12)]
-    path = tmp_path_factory.mktemp("pdata") / "d.csv"
-    pd.DataFrame(rows).to_csv(path, index=False)
-    return str(path)
+    return write_topic_csv(tmp_path_factory.mktemp("pdata") / "d.csv", TOPICS, 12, "{base}, item {i}")
 
 
 def _query(node, message_type: str, content: RecordDict) -> np.ndarray:

@@ -13,7 +13,7 @@ from common.config import RunConfig
 from fedsyn_client.client_app import app as client_app
 from fedsyn_server.server_app import build_strategy
 from fedsyn_server.resampling import sample_size
-from tests.fakes import FakeGrid, client_node, set_task_identity
+from tests.fakes import FakeGrid, client_node, set_task_identity, write_topic_csv
 
 TOPICS = {
     "sport": "The striker scored twice as the team won the league match at the stadium",
@@ -24,12 +24,7 @@ TOPICS = {
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> str:
-    import pandas as pd
-
-    rows = [{"text": f"{base} number {i}.", "topic": t} for t, base in TOPICS.items() for i in range(30)]
-    path = tmp_path_factory.mktemp("data") / "news.csv"
-    pd.DataFrame(rows).to_csv(path, index=False)
-    return str(path)
+    return write_topic_csv(tmp_path_factory.mktemp("data") / "news.csv", TOPICS, 30)
 
 
 def run_config(dataset: str, **over) -> dict:

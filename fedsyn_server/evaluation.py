@@ -4,7 +4,9 @@ Three families of metrics, each a pure function on arrays or lists:
 
 - **Downstream utility** (``downstream_utility``, ``transformer_utility``): train a
   classifier on the synthetic set, test it on real data; accuracy and macro-F1 per
-  control-code column (the paper's Acc./F1).
+  control-code column (the paper's Acc./F1). The reverse check, ``label_agreement``
+  (train on real, predict the synthetic records), gives ``label_fidelity``: how often a
+  synthetic text is about what its control code asks for.
 - **Distribution alignment** between the two sets' sentence embeddings:
   ``frechet_distance``, ``knn_precision_recall`` (Kynkäänniemi et al. 2019) and
   ``mauve_score`` (Pillutla et al. 2021; needs the optional extra ``fedsyn[eval]``).
@@ -123,6 +125,36 @@ def downstream_utility(
         model.fit(np.asarray(syn_emb, dtype=np.float64), syn_labels)
         predicted = [str(p) for p in model.predict(np.asarray(real_emb, dtype=np.float64))]
     return _utility_result(real_labels, predicted, syn_labels)
+
+
+def label_agreement(
+    syn_emb: np.ndarray,
+    syn_labels: Sequence[str],
+    real_emb: np.ndarray,
+    real_labels: Sequence[str],
+    seed: int = 0,
+) -> np.ndarray:
+    """Per synthetic record: does a classifier trained on the *real* set agree with its label?
+
+    The reverse of ``downstream_utility``: the same logistic regression, fitted on
+    ``real_emb``/``real_labels`` and applied to ``syn_emb``. Out: a boolean array, one per
+    synthetic record, True where the predicted label equals the record's own label.
+    Its mean (``label_fidelity`` in the evaluation) says how often a text is about what
+    its control code asks for; low fidelity with good alignment means news-like texts on
+    the wrong topic. Needs at least two classes in the real set (ValueError otherwise).
+    """
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    syn_labels = _check_labels(syn_emb, syn_labels, "synthetic set")
+    real_labels = _check_labels(real_emb, real_labels, "real set")
+    if len(set(real_labels)) < 2:
+        raise ValueError("label agreement needs at least two classes in the real set")
+    model = make_pipeline(StandardScaler(), LogisticRegression(max_iter=5000, random_state=seed))
+    model.fit(np.asarray(real_emb, dtype=np.float64), real_labels)
+    predicted = model.predict(np.asarray(syn_emb, dtype=np.float64))
+    return np.array([str(p) == y for p, y in zip(predicted, syn_labels)], dtype=bool)
 
 
 def transformer_utility(
@@ -434,7 +466,10 @@ def evaluate_sets(
     loaded SentenceTransformer). Utility is computed for each control column (labels =
     that column's value in the code) and, with several columns, for the full code
     (key ``"control_code"``); ``classifier`` is ``"logreg"`` (on the embeddings) or
-    ``"transformer"`` (finetuned on the texts; ``classifier_model``, ``classifier_epochs``).
+    ``"transformer"`` (finetuned on the texts; ``classifier_model``, ``classifier_epochs``);
+    each utility entry also has ``label_fidelity`` (mean of ``label_agreement``: share of
+    synthetic records a real-trained classifier assigns to their own label) when the real
+    set has two or more classes.
     MAUVE uses seeds ``seed .. seed + mauve_seeds - 1`` and is skipped (None, with a
     note) when ``mauve`` is False or the package is missing.
 
@@ -472,6 +507,10 @@ def evaluate_sets(
         else:
             utility[name] = transformer_utility(syn.texts, syn_labels, real.texts, real_labels,
                                                 model_name=classifier_model, seed=seed, epochs=classifier_epochs)
+        if len(set(real_labels)) > 1:
+            # Always the embedding classifier: a diagnostic, cheap next to the transformer.
+            utility[name]["label_fidelity"] = float(
+                label_agreement(syn_emb, syn_labels, real_emb, real_labels, seed=seed).mean())
 
     notes = []
     precision, recall = knn_precision_recall(real_emb, syn_emb, k=knn_k)
@@ -656,8 +695,8 @@ def format_report(result: dict[str, Any]) -> str:
         f"Downstream utility (train on synthetic, test on real; {result['classifier']})",
     ]
     lines += _table(
-        ["label", "accuracy", "macro_f1", "n_train", "n_test", "classes(train/test)"],
-        [[name, u["accuracy"], u["macro_f1"], u["n_train"], u["n_test"],
+        ["label", "accuracy", "macro_f1", "label_fidelity", "n_train", "n_test", "classes(train/test)"],
+        [[name, u["accuracy"], u["macro_f1"], u.get("label_fidelity"), u["n_train"], u["n_test"],
           f"{u['n_classes_train']}/{u['n_classes_test']}"] for name, u in result["utility"].items()],
     )
     align = result["alignment"]
@@ -683,7 +722,7 @@ def format_report(result: dict[str, Any]) -> str:
 
 
 __all__ = [
-    "allocation_error", "downstream_utility", "evaluate_files", "evaluate_sets", "format_report",
+    "allocation_error", "downstream_utility", "evaluate_files", "label_agreement", "evaluate_sets", "format_report",
     "frechet_distance", "knn_precision_recall", "mauve_available", "mauve_score",
     "transformer_utility", "write_metrics",
 ]

@@ -108,6 +108,20 @@ def test_utility_single_class_and_missing_class():
     assert two["macro_f1"] <= 0.5 + 1e-9
 
 
+def test_label_agreement_known_answers():
+    x, y = blobs(30, CENTRES)
+    x_syn, y_syn = blobs(10, CENTRES, seed=1)
+    agree = E.label_agreement(x_syn, y_syn, x, y)
+    assert agree.dtype == bool and agree.shape == (40,) and agree.all()  # on-topic records
+    wrong = [f"c{(int(label[1:]) + 1) % 4}" for label in y_syn]  # every label moved to the next cluster
+    assert not E.label_agreement(x_syn, wrong, x, y).any()
+    # Half the records relabelled: exactly those disagree.
+    half = [w if i % 2 else label for i, (label, w) in enumerate(zip(y_syn, wrong))]
+    assert (E.label_agreement(x_syn, half, x, y) == np.array([i % 2 == 0 for i in range(40)])).all()
+    with pytest.raises(ValueError, match="two classes"):
+        E.label_agreement(x_syn, y_syn, x[:30], y[:30])
+
+
 def test_utility_rejects_mismatched_lengths():
     x, y = blobs(5, CENTRES)
     with pytest.raises(ValueError, match="labels"):
@@ -203,6 +217,7 @@ def test_evaluate_sets_identical(text_sets):
     json.dumps(r)  # JSON-able
     u = r["utility"]["topic"]
     assert u["accuracy"] >= 0.95 and u["n_classes_train"] == 4
+    assert u["label_fidelity"] >= 0.95
     assert list(r["utility"]) == ["topic"]  # one column: no separate joint entry
     a = r["alignment"]
     assert a["frechet_distance"] == pytest.approx(0.0, abs=1e-4)
@@ -222,6 +237,8 @@ def test_evaluate_sets_label_shuffled(text_sets):
     bad = E.evaluate_sets(syn.text.tolist(), shuffled, real.text.tolist(), real_codes, **args)
     assert good["utility"]["topic"]["accuracy"] >= 0.9
     assert bad["utility"]["topic"]["accuracy"] < 0.6
+    assert good["utility"]["topic"]["label_fidelity"] >= 0.9
+    assert bad["utility"]["topic"]["label_fidelity"] < 0.5  # a shuffled label is rarely the text's topic
     # Same texts: alignment and allocation cannot tell the sets apart.
     for key in ("frechet_distance", "knn_precision", "knn_recall"):
         assert bad["alignment"][key] == good["alignment"][key]
@@ -248,6 +265,7 @@ def test_evaluate_sets_two_columns_and_disjoint_topics():
     assert list(r["utility"]) == ["topic", "mood", "control_code"]
     assert r["utility"]["topic"]["accuracy"] == 0.0  # no real topic was ever seen
     assert r["utility"]["topic"]["missing_classes"] == ["money", "space"]
+    assert r["utility"]["topic"]["label_fidelity"] == 0.0  # a real-trained model knows no food or sport
     assert r["allocation"]["total_variation"] == 1.0
     assert r["alignment"]["knn_precision"] <= 0.1 and r["alignment"]["knn_recall"] <= 0.1
     with pytest.raises(ValueError, match="no column 'colour'"):

@@ -1,0 +1,136 @@
+"""Why did refinement help or not? Label fidelity of the pool, the kept and the dropped texts.
+
+Usage: python -m benchmarks.refinement_diagnostics <runs-dir> [--out docs/refinement_diagnostics.csv]
+
+For every finished run folder under ``runs-dir`` (one per ``fedsyn experiment`` cell; it
+needs ``pool.jsonl``, ``heldout.jsonl`` and ``config.json``), a classifier trained on the
+run's held-out real texts (``evaluation.label_agreement``) says which synthetic texts are
+about the topic their control code asked for. Per run it reports the share of on-topic
+texts in the whole pool, among the texts kept in the final set and among those dropped,
+and, where the pool carries DP votes, the ROC AUC of the votes for "on topic" (0.5 = votes
+blind to topic, 1 = every on-topic text out-voted every off-topic one). Where the run kept
+only part of its pool, it also compares the kept set's downstream accuracy with that of
+A.4 draws with equal weights from the same pool: a paired comparison of the selection
+alone, free of the variance between DP training runs. Writes one CSV row
+per run and prints a markdown table of means ± std over seeds per method × partitioning.
+Nothing here is private: held-out texts never went to a node, and votes are already noised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from common.codes import parse_code
+from common.models import embed, load_embedder
+from fedsyn_server.evaluation import downstream_utility, label_agreement
+from fedsyn_server.experiment import summarise
+from fedsyn_server.resampling import resample_by_code
+
+FIELDS = ["method", "partitioning", "seed", "n_pool", "n_kept", "fidelity_pool", "fidelity_kept",
+          "fidelity_dropped", "votes_auc", "votes_on_topic", "votes_off_topic", "accuracy_kept",
+          "accuracy_uniform_same_pool"]
+UNIFORM_DRAWS = 10
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    with path.open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _labels(rows: list[dict[str, Any]], column: str) -> list[str]:
+    return [parse_code(r["control_code"])[column] for r in rows]
+
+
+def _mean(values: np.ndarray) -> float:
+    return float(values.mean()) if len(values) else math.nan
+
+
+def diagnose_run(run_dir: Path, embedder: Any) -> dict[str, Any]:
+    """Fidelity of pool / kept / dropped texts and the votes' AUC for one run folder."""
+    from sklearn.metrics import roc_auc_score
+
+    config = json.loads((run_dir / "config.json").read_text())
+    column = str(config["control-columns"]).split(",")[0].strip()
+    pool, real = _read_jsonl(run_dir / "pool.jsonl"), _read_jsonl(run_dir / "heldout.jsonl")
+    kept = np.array([bool(r["selected"]) for r in pool])
+    pool_labels, real_labels = _labels(pool, column), _labels(real, column)
+    pool_emb, real_emb = embed(embedder, [r["text"] for r in pool]), embed(embedder, [r["text"] for r in real])
+    on_topic = label_agreement(pool_emb, pool_labels, real_emb, real_labels)
+    out: dict[str, Any] = {
+        "n_pool": len(pool), "n_kept": int(kept.sum()),
+        "fidelity_pool": _mean(on_topic), "fidelity_kept": _mean(on_topic[kept]),
+        "fidelity_dropped": _mean(on_topic[~kept]),
+        "votes_auc": math.nan, "votes_on_topic": math.nan, "votes_off_topic": math.nan,
+        "accuracy_kept": downstream_utility(pool_emb[kept], list(np.array(pool_labels)[kept]),
+                                            real_emb, real_labels)["accuracy"],
+        "accuracy_uniform_same_pool": math.nan,
+    }
+    if not kept.all():
+        # Paired with the kept set: A.4 with equal weights on the *same* pool (same model,
+        # same texts), so the difference is the votes alone, not another DP training run.
+        rate = float(config["sampling-rate"])
+        out["accuracy_uniform_same_pool"] = float(np.mean([
+            downstream_utility(pool_emb[idx], [pool_labels[i] for i in idx], real_emb, real_labels)["accuracy"]
+            for idx in (resample_by_code(pool_labels, None, rate, seed=1000 + d) for d in range(UNIFORM_DRAWS))
+        ]))
+    if all(r.get("votes") is not None for r in pool):
+        votes = np.array([float(r["votes"]) for r in pool])
+        if 0 < on_topic.sum() < len(on_topic):
+            out["votes_auc"] = float(roc_auc_score(on_topic, votes))
+        out["votes_on_topic"], out["votes_off_topic"] = _mean(votes[on_topic]), _mean(votes[~on_topic])
+    return out
+
+
+def _cell(name: str) -> dict[str, Any]:
+    """Method, partitioning and seed from an experiment cell's folder name
+    (``<method>__<param>=<value>...__seed=<n>``, see ``experiment.Cell.name``)."""
+    method, *parts = name.split("__")
+    params = dict(p.split("=", 1) for p in parts if "=" in p)
+    return {"method": method, "partitioning": params.get("partitioning", ""), "seed": int(params.get("seed", 0))}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Diagnose every run under the given folder; write the CSV, print the table. Exit 0/1."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs_dir", type=Path)
+    ap.add_argument("--out", type=Path, default=None, help="CSV file (default: <runs-dir>/../refinement_diagnostics.csv)")
+    args = ap.parse_args(argv)
+    runs = sorted(p for p in args.runs_dir.iterdir() if (p / "pool.jsonl").exists() and (p / "heldout.jsonl").exists())
+    if not runs:
+        print(f"no finished runs (with pool.jsonl and heldout.jsonl) under {args.runs_dir}", file=sys.stderr)
+        return 1
+    embedder = load_embedder()
+    rows = []
+    for run in runs:
+        rows.append({**_cell(run.name), **diagnose_run(run, embedder)})
+        print(f"{run.name}: pool fidelity {rows[-1]['fidelity_pool']:.3f}, kept {rows[-1]['fidelity_kept']:.3f}",
+              file=sys.stderr)
+    out = args.out or args.runs_dir.parent / "refinement_diagnostics.csv"
+    tmp = out.with_name(f".{out.name}.tmp")
+    with tmp.open("w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    tmp.replace(out)
+
+    metrics = FIELDS[5:]
+    print("| partitioning | method | seeds | " + " | ".join(metrics) + " |")
+    print("|---|---|---|" + "---|" * len(metrics))
+    for entry in sorted(summarise(rows, ["partitioning", "method"], metrics), key=lambda e: (e["partitioning"], e["method"])):
+        cells = ["—" if math.isnan(mu) else f"{mu:.3f}" + (f" ± {sd:.3f}" if entry["n"] > 1 else "")
+                 for mu, sd in (entry[m] for m in metrics)]
+        print(f"| {entry['partitioning']} | {entry['method']} | {entry['n']} | " + " | ".join(cells) + " |")
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -201,7 +201,7 @@ def write_summary(grid: Grid, rows: list[dict[str, Any]]) -> None:
 def _headline(metric: str) -> bool:
     # The table keeps the paper's headline numbers; results.csv keeps everything.
     return metric.endswith(("accuracy", "macro_f1", "frechet_distance", "precision", "recall",
-                            "mauve/mean", "total_variation"))
+                            "label_fidelity", "mauve/mean", "total_variation"))
 
 
 def plot_metric_vs_strong_fraction(grid: Grid, rows: list[dict[str, Any]]) -> Path | None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import io
 import json
 import math
 import sys
@@ -29,9 +30,11 @@ from typing import Any
 import numpy as np
 
 from common.codes import parse_code
+from common.io import atomic_write_text
 from common.models import embed, load_embedder
 from fedsyn_server.evaluation import downstream_utility, label_agreement
 from fedsyn_server.experiment import summarise
+from fedsyn_server.outputs import save_figure
 from fedsyn_server.resampling import resample_by_code
 
 FIELDS = ["method", "partitioning", "seed", "n_pool", "n_kept", "fidelity_pool", "fidelity_kept",
@@ -97,6 +100,31 @@ def _cell(name: str) -> dict[str, Any]:
     return {"method": method, "partitioning": params.get("partitioning", ""), "seed": int(params.get("seed", 0))}
 
 
+def plot_fidelity(rows: list[dict[str, Any]], path: Path) -> Path:
+    """Bars of the on-topic share of the pool and of the kept texts (mean ± std over seeds),
+    one panel per partitioning, one pair of bars per method; saved as PNG at ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = summarise(rows, ["partitioning", "method"], ["fidelity_pool", "fidelity_kept"])
+    parts = sorted({e["partitioning"] for e in table})
+    fig, axes = plt.subplots(1, len(parts), figsize=(6 * len(parts), 3.8), squeeze=False, sharey=True)
+    for ax, part in zip(axes[0], parts):
+        entries = sorted((e for e in table if e["partitioning"] == part), key=lambda e: e["method"])
+        x = np.arange(len(entries))
+        for offset, key, label in ((-0.2, "fidelity_pool", "whole pool"), (0.2, "fidelity_kept", "kept (final set)")):
+            ax.bar(x + offset, [e[key][0] for e in entries], width=0.4, yerr=[e[key][1] for e in entries],
+                   capsize=3, label=label)
+        ax.set_xticks(x, [e["method"] for e in entries], rotation=30, ha="right", fontsize=8)
+        ax.set_title(part or "runs")
+        ax.set_ylim(0, 1)
+    axes[0][0].set_ylabel("on-topic share (label fidelity)")
+    axes[0][0].legend(fontsize=8)
+    return save_figure(fig, path)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Diagnose every run under the given folder; write the CSV, print the table. Exit 0/1."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -114,12 +142,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{run.name}: pool fidelity {rows[-1]['fidelity_pool']:.3f}, kept {rows[-1]['fidelity_kept']:.3f}",
               file=sys.stderr)
     out = args.out or args.runs_dir.parent / "refinement_diagnostics.csv"
-    tmp = out.with_name(f".{out.name}.tmp")
-    with tmp.open("w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
-    tmp.replace(out)
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=FIELDS, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write_text(out, buf.getvalue())
+    plot_fidelity(rows, out.with_suffix(".png"))
 
     metrics = FIELDS[5:]
     print("| partitioning | method | seeds | " + " | ".join(metrics) + " |")
@@ -128,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         cells = ["—" if math.isnan(mu) else f"{mu:.3f}" + (f" ± {sd:.3f}" if entry["n"] > 1 else "")
                  for mu, sd in (entry[m] for m in metrics)]
         print(f"| {entry['partitioning']} | {entry['method']} | {entry['n']} | " + " | ".join(cells) + " |")
-    print(f"wrote {out}", file=sys.stderr)
+    print(f"wrote {out} and {out.with_suffix('.png')}", file=sys.stderr)
     return 0
 
 

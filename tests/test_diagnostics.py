@@ -54,5 +54,6 @@ def test_main_writes_csv_and_table(run_dir, tmp_path, capsys):
     rows = list(csv.DictReader(out.open()))
     assert [(r["method"], r["partitioning"], r["seed"]) for r in rows] == [("dp-knn-vote", "iid", "2")]
     assert "| iid | dp-knn-vote | 1 |" in capsys.readouterr().out
+    assert out.with_suffix(".png").stat().st_size > 0  # the fidelity plot
     (tmp_path / "empty").mkdir()
     assert D.main([str(tmp_path / "empty")]) == 1  # no finished run: an error, not an empty table

@@ -11,6 +11,7 @@ import json
 import sys
 import tempfile
 
+from common.io import read_jsonl
 from fedsyn_server.flwr_runner import run_app
 
 
@@ -39,7 +40,7 @@ def main() -> int:
     for n in report["nodes"]:
         print(f"node {n['node_id']} {n['tier']}: eps spent {n['epsilon_spent']:.3f} (PLD {n['epsilon_pld']:.3f})"
               f" of {n['epsilon_budget']}")
-    rows = [json.loads(x) for x in (res.run_dir / "synthetic.jsonl").read_text().splitlines()]
+    rows = read_jsonl(res.run_dir / "synthetic.jsonl")
     for r in rows[:: max(1, len(rows) // 3)][:3]:
         print(f"[{r['control_code']}] {r['text'][:300]}")
     print("outputs:", res.run_dir)

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from common.codes import parse_code
-from common.io import atomic_write_text
+from common.io import atomic_write_text, read_jsonl
 from common.models import embed, load_embedder
 from fedsyn_server.evaluation import downstream_utility, label_agreement
 from fedsyn_server.experiment import summarise
@@ -41,11 +41,6 @@ FIELDS = ["method", "partitioning", "seed", "n_pool", "n_kept", "fidelity_pool",
           "fidelity_dropped", "votes_auc", "votes_on_topic", "votes_off_topic", "accuracy_kept",
           "accuracy_uniform_same_pool"]
 UNIFORM_DRAWS = 10
-
-
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    with path.open(encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def _labels(rows: list[dict[str, Any]], column: str) -> list[str]:
@@ -62,7 +57,7 @@ def diagnose_run(run_dir: Path, embedder: Any) -> dict[str, Any]:
 
     config = json.loads((run_dir / "config.json").read_text())
     column = str(config["control-columns"]).split(",")[0].strip()
-    pool, real = _read_jsonl(run_dir / "pool.jsonl"), _read_jsonl(run_dir / "heldout.jsonl")
+    pool, real = read_jsonl(run_dir / "pool.jsonl"), read_jsonl(run_dir / "heldout.jsonl")
     kept = np.array([bool(r["selected"]) for r in pool])
     pool_labels, real_labels = _labels(pool, column), _labels(real, column)
     pool_emb, real_emb = embed(embedder, [r["text"] for r in pool]), embed(embedder, [r["text"] for r in real])

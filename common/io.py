@@ -32,9 +32,36 @@ def atomic_write_json(path: str | Path, obj: Any) -> Path:
     return atomic_write_text(path, json.dumps(_jsonable(obj), indent=2, sort_keys=False) + "\n")
 
 
+# Line breaks that JSON leaves unescaped outside ASCII but ``str.splitlines`` (and some
+# JSONL readers) split on: generated text does contain U+2028 (seen in SmolLM2 output).
+_UNSAFE_IN_LINES = str.maketrans({"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def jsonl_line(obj: Any) -> str:
+    """One JSON object as a single line (no trailing newline): UTF-8 text kept readable,
+    only the Unicode line separators escaped so no reader sees the record split."""
+    return json.dumps(_jsonable(obj), ensure_ascii=False).translate(_UNSAFE_IN_LINES)
+
+
 def atomic_write_jsonl(path: str | Path, rows: Iterable[dict]) -> Path:
     """Write one JSON object per line, atomically; loadable with ``datasets.load_dataset("json")``."""
-    return atomic_write_text(path, "".join(json.dumps(_jsonable(r), ensure_ascii=False) + "\n" for r in rows))
+    return atomic_write_text(path, "".join(jsonl_line(r) + "\n" for r in rows))
+
+
+def read_jsonl(path: str | Path) -> list[Any]:
+    """The objects of a JSONL file, one per non-empty line. Lines are split on ``\\n`` only
+    (not ``str.splitlines``), so files whose text holds a raw U+2028 still read correctly.
+    Raises ValueError naming the file and line for a line that is not JSON."""
+    with open(path, encoding="utf-8", newline="") as fh:
+        lines = fh.read().split("\n")
+    rows = []
+    for number, line in enumerate(lines, start=1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}: line {number} is not JSON ({err})") from err
+    return rows
 
 
 def read_json(path: str | Path) -> Any:

@@ -9,7 +9,6 @@ the leak tests read it to prove no record text ever leaves.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -17,6 +16,8 @@ from typing import Any
 
 from flwr.app import Context, Message
 from flwr.clientapp.typing import ClientAppCallable
+
+from common.io import jsonl_line
 
 AUDIT_ENV = "FEDSYN_AUDIT_DIR"
 
@@ -50,7 +51,7 @@ def audit_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> M
     folder = audit_dir(context)
     if folder is not None:
         folder.mkdir(parents=True, exist_ok=True)
-        line = json.dumps({"node_id": context.node_id, **describe_reply(reply)}, ensure_ascii=False)
+        line = jsonl_line({"node_id": context.node_id, **describe_reply(reply)})
         # One write of one line in append mode: concurrent writers never interleave lines.
         with open(folder / f"node-{context.node_id}.jsonl", "a", encoding="utf-8") as fh:
             fh.write(line + "\n")

@@ -49,7 +49,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from common.config import RunConfig
-from common.io import atomic_write_text
+from common.io import atomic_write_text, read_jsonl
 from common.logs import get_logger
 from fedsyn_server.outputs import save_figure
 
@@ -245,8 +245,8 @@ def plot_vote_distributions(grid: Grid) -> Path | None:
         if not pool.exists():
             continue
         label = "pretrained (zero-shot)" if dict(cell.run_config).get("prompt") == "zero-shot" else "finetuned"
-        for line in pool.read_text().splitlines():
-            v = json.loads(line).get("votes")
+        for row in read_jsonl(pool):
+            v = row.get("votes")
             if v is not None:
                 votes[label].append(float(v))
     if not votes:

@@ -88,6 +88,24 @@ def test_local_file_round_trip_two_control_columns(tmp_path, suffix):
     assert data.code_counts(vocab).tolist() == [1, 1, 1, 1]
 
 
+def test_jsonl_with_unicode_line_separators_round_trips(tmp_path):
+    # SmolLM2 emits U+2028 inside texts; a raw one splits the record for str.splitlines.
+    from common.io import atomic_write_jsonl, read_jsonl
+
+    rows = [{"text": "one\u2028two\u2029three\x85four\nfive", "topic": "tech"}, {"text": "plain", "topic": "sport"}]
+    path = atomic_write_jsonl(tmp_path / "s.jsonl", rows)
+    raw = path.read_text(encoding="utf-8")
+    assert len(raw.splitlines()) == 2 and "\\u2028" in raw  # escaped, so every reader sees 2 lines
+    assert read_jsonl(path) == rows
+    assert D.load_table(str(path))["text"].tolist() == [r["text"] for r in rows]
+    old = tmp_path / "old.jsonl"  # written before the escaping: raw separators inside a record
+    old.write_text(json.dumps(rows[0], ensure_ascii=False) + "\n", encoding="utf-8")
+    assert "\u2028" in old.read_text(encoding="utf-8") and read_jsonl(old) == rows[:1]
+    old.write_text('{"text": "cut', encoding="utf-8")
+    with pytest.raises(ValueError, match="old.jsonl: line 1 is not JSON"):
+        read_jsonl(old)
+
+
 def test_missing_column_names_it_and_lists_available():
     with pytest.raises(ValueError, match=r"'c'.*available columns.*'body'.*'a'.*'b'"):
         D.to_text_data(_two_column_frame(), "body", ["a", "c"])

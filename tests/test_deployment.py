@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 
+from common.io import read_jsonl
 from fedsyn_server.flwr_runner import (
     APP_DIR, alive, flwr_env, free_port, processes, stop_pids, stop_processes_of, toml_value, with_descendants,
 )
@@ -229,7 +230,7 @@ def test_deployment_two_supernodes_then_budget_refusal(deployment):
     assert status.get("status") == "finished:completed", f"{status}\n{diag}"
     run_id = status["run-id"]
     run_dir = out / "deploy"
-    synthetic = [json.loads(line) for line in (run_dir / "synthetic.jsonl").read_text().splitlines() if line.strip()]
+    synthetic = read_jsonl(run_dir / "synthetic.jsonl")
     assert synthetic, diag
 
     report = json.loads((run_dir / "privacy_report.json").read_text())

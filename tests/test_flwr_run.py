@@ -6,11 +6,8 @@ import json
 
 import pytest
 
+from common.io import read_jsonl
 from fedsyn_server.flwr_runner import run_app
-
-
-def _jsonl(path):
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 @pytest.mark.flwr
@@ -27,7 +24,7 @@ def test_flwr_run_tiny_model_writes_all_outputs(tmp_path):
                  "config.json", "heldout.jsonl", "evaluation.json", "plots/allocation.png", "plots/votes_per_code.png",
                  "model/adapter_config.json"):
         assert (run_dir / name).exists(), name
-    synthetic = _jsonl(run_dir / "synthetic.jsonl")
+    synthetic = read_jsonl(run_dir / "synthetic.jsonl")
     assert synthetic and all({"text", "control_code", "topic"} <= set(r) for r in synthetic)
     report = json.loads((run_dir / "privacy_report.json").read_text())
     assert len(report["nodes"]) == 3
@@ -60,6 +57,6 @@ def test_default_run_with_real_weights_follows_the_noisy_profile(tmp_path):
     assert sorted(n["tier"] for n in report["nodes"]) == ["strong", "weak"]
     for node in report["nodes"]:
         assert 7.9 <= node["epsilon_spent"] <= node["epsilon_budget"] + 1e-6
-    texts = [r["text"] for r in _jsonl(run_dir / "synthetic.jsonl")]
+    texts = [r["text"] for r in read_jsonl(run_dir / "synthetic.jsonl")]
     assert len(texts) >= 50 and sum(len(t.split()) for t in texts) / len(texts) > 15
     assert (run_dir / "evaluation.json").exists() and (run_dir / "model" / "adapter_config.json").exists()

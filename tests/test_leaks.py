@@ -7,6 +7,7 @@ import uuid
 
 import pytest
 
+from common.io import read_jsonl
 from fedsyn_server.flwr_runner import run_app
 
 # What each reply may carry: record key -> (kind, allowed value keys)
@@ -43,7 +44,7 @@ def test_no_canary_or_record_text_leaves_any_node(tmp_path, monkeypatch):
                    "strong-fraction": 0.34}, federation_config="num-supernodes=3", timeout=1200)
     assert res.ok, f"{res.status}\n{res.output[-4000:]}"
 
-    lines = [json.loads(x) for f in sorted(audit.glob("node-*.jsonl")) for x in f.read_text().splitlines()]
+    lines = [row for f in sorted(audit.glob("node-*.jsonl")) for row in read_jsonl(f)]
     assert {ln["message_type"] for ln in lines} == set(ALLOWED)
     assert len({ln["node_id"] for ln in lines}) == 3
     blob = json.dumps(lines)

@@ -7,8 +7,9 @@ needs ``pool.jsonl``, ``heldout.jsonl`` and ``config.json``), a classifier train
 run's held-out real texts (``evaluation.label_agreement``) says which synthetic texts are
 about the topic their control code asked for. Per run it reports the share of on-topic
 texts in the whole pool, among the texts kept in the final set and among those dropped,
-and, where the pool carries DP votes, the ROC AUC of the votes for "on topic" (0.5 = votes
-blind to topic, 1 = every on-topic text out-voted every off-topic one). Where the run kept
+and, where the pool carries DP votes, the ROC AUC of the votes for "on topic" within each
+code, averaged over codes (0.5 = votes blind to topic, 1 = every on-topic text out-voted
+every off-topic one of its code; within a code because A.4 draws per code). Where the run kept
 only part of its pool, it also compares the kept set's downstream accuracy with that of
 A.4 draws with equal weights from the same pool: a paired comparison of the selection
 alone, free of the variance between DP training runs. Writes one CSV row
@@ -81,8 +82,12 @@ def diagnose_run(run_dir: Path, embedder: Any) -> dict[str, Any]:
         ]))
     if all(r.get("votes") is not None for r in pool):
         votes = np.array([float(r["votes"]) for r in pool])
-        if 0 < on_topic.sum() < len(on_topic):
-            out["votes_auc"] = float(roc_auc_score(on_topic, votes))
+        # A.4 draws within each code, so the votes only need to rank texts of the same code:
+        # AUC per code (where a code has both on- and off-topic texts), averaged.
+        codes = np.array(pool_labels)
+        aucs = [roc_auc_score(on_topic[codes == c], votes[codes == c]) for c in sorted(set(pool_labels))
+                if 0 < on_topic[codes == c].sum() < (codes == c).sum()]
+        out["votes_auc"] = float(np.mean(aucs)) if aucs else math.nan
         out["votes_on_topic"], out["votes_off_topic"] = _mean(votes[on_topic]), _mean(votes[~on_topic])
     return out
 

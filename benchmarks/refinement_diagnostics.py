@@ -20,8 +20,6 @@ Nothing here is private: held-out texts never went to a node, and votes are alre
 from __future__ import annotations
 
 import argparse
-import csv
-import io
 import json
 import math
 import sys
@@ -31,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from common.codes import parse_code
-from common.io import atomic_write_text, read_jsonl
+from common.io import atomic_write_csv, read_jsonl
 from common.models import embed, load_embedder
 from fedsyn_server.evaluation import downstream_utility, label_agreement
 from fedsyn_server.experiment import summarise
@@ -142,11 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{run.name}: pool fidelity {rows[-1]['fidelity_pool']:.3f}, kept {rows[-1]['fidelity_kept']:.3f}",
               file=sys.stderr)
     out = args.out or args.runs_dir.parent / "refinement_diagnostics.csv"
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=FIELDS, lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(rows)
-    atomic_write_text(out, buf.getvalue())
+    atomic_write_csv(out, rows, FIELDS)
     plot_fidelity(rows, out.with_suffix(".png"))
 
     metrics = FIELDS[5:]

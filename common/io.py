@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 import tempfile
@@ -46,6 +48,16 @@ def jsonl_line(obj: Any) -> str:
 def atomic_write_jsonl(path: str | Path, rows: Iterable[dict]) -> Path:
     """Write one JSON object per line, atomically; loadable with ``datasets.load_dataset("json")``."""
     return atomic_write_text(path, "".join(jsonl_line(r) + "\n" for r in rows))
+
+
+def atomic_write_csv(path: str | Path, rows: Iterable[dict], fieldnames: list[str]) -> Path:
+    """Write ``rows`` (dicts keyed by ``fieldnames``; missing keys left empty) as CSV with a
+    header line, atomically."""
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=fieldnames, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return atomic_write_text(path, buf.getvalue())
 
 
 def read_jsonl(path: str | Path) -> list[Any]:

@@ -719,7 +719,7 @@ def format_report(result: dict[str, Any]) -> str:
 
 
 __all__ = [
-    "allocation_error", "downstream_utility", "evaluate_files", "label_agreement", "evaluate_sets", "format_report",
-    "frechet_distance", "knn_precision_recall", "mauve_available", "mauve_score",
+    "allocation_error", "downstream_utility", "evaluate_files", "evaluate_sets", "format_report",
+    "frechet_distance", "knn_precision_recall", "label_agreement", "mauve_available", "mauve_score",
     "transformer_utility", "write_metrics",
 ]

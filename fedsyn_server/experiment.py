@@ -34,8 +34,6 @@ per cell), ``results.md`` (mean ± std over seeds), ``plots/metric_vs_strong_fra
 
 from __future__ import annotations
 
-import csv
-import io
 import itertools
 import json
 import math
@@ -49,7 +47,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from common.config import RunConfig
-from common.io import atomic_write_text, read_jsonl
+from common.io import atomic_write_csv, atomic_write_text, read_jsonl
 from common.logs import get_logger
 from fedsyn_server.outputs import save_figure
 
@@ -180,11 +178,7 @@ def write_summary(grid: Grid, rows: list[dict[str, Any]]) -> None:
         log.warning("no finished cells yet")
         return
     columns = list(dict.fromkeys(k for r in rows for k in r))
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(rows)
-    atomic_write_text(grid.out_dir / "results.csv", buf.getvalue())
+    atomic_write_csv(grid.out_dir / "results.csv", rows, columns)
 
     group_keys = ["method"] + [k for k, _ in grid.cells[0].params]
     metrics = [m for m in columns if "/" in m and _headline(m)]

@@ -9,11 +9,8 @@ import pytest
 
 from benchmarks import refinement_diagnostics as D
 from common.codes import make_code
+from common.io import atomic_write_jsonl
 from tests.test_evaluation import TOPICS, make_texts
-
-
-def _write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
 
 
 @pytest.fixture()
@@ -29,8 +26,8 @@ def run_dir(tmp_path):
         topic = row["topic"] if on_topic else TOPICS[(TOPICS.index(row["topic"]) + 1) % len(TOPICS)]
         pool.append({"text": row["text"], "control_code": make_code({"topic": topic}, ["topic"]),
                      "votes": 10.0 + i if on_topic else float(i % 3), "selected": on_topic})
-    _write_jsonl(run / "pool.jsonl", pool)
-    _write_jsonl(run / "heldout.jsonl", [{"text": r["text"], "control_code": make_code(r, ["topic"])}
+    atomic_write_jsonl(run / "pool.jsonl", pool)
+    atomic_write_jsonl(run / "heldout.jsonl", [{"text": r["text"], "control_code": make_code(r, ["topic"])}
                                          for r in real_df.to_dict("records")])
     (run / "config.json").write_text(json.dumps({"control-columns": "topic", "sampling-rate": 0.5}))
     return run

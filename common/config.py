@@ -134,7 +134,7 @@ class RunConfig:
             if not ok:
                 raise ConfigError(_message(key, getattr(self, key.replace("-", "_")), allowed))
         try:
-            self.resolve_delta(num_nodes=2)
+            self.resolve_delta(num_records=2)
         except ValueError:
             raise ConfigError(_message("delta", self.delta, "a float in (0, 1) or 'paper' (1/(2N log N))")) from None
         from common.data import parse_partitioning  # deferred: data pulls in pandas/datasets
@@ -154,10 +154,14 @@ class RunConfig:
         """The per-node epsilon split of appendix B (profile + train-or-vote)."""
         return split_budget(self.epsilon, self.epsilon_profile)
 
-    def resolve_delta(self, num_nodes: int) -> float:
-        """Per-phase delta: the configured float, or the paper's 1/(2N log N) for 'paper'."""
+    def resolve_delta(self, num_records: int) -> float:
+        """Per-release delta: the configured float, or the paper's 1/(2N log N) for 'paper'.
+
+        The paper's N is a number of *records*; pass a public one (the run dataset's
+        training split). Every node still caps delta by its own policy.
+        """
         if str(self.delta).strip().lower() == "paper":
-            return paper_delta(num_nodes)
+            return paper_delta(num_records)
         value = float(self.delta)
         if not 0 < value < 1:
             raise ValueError(f"delta must be in (0, 1), got {value}")

@@ -3,15 +3,15 @@
 - ``analytic_gaussian_sigma``: the analytic Gaussian mechanism (Balle & Wang 2018).
 - ``gaussian_release``: add that noise to a vector (used for profiles and votes).
 - ``dpsgd_noise_multiplier``: calibrate DP-SGD's noise once for the whole of phase 1.
-- ``split_budget``: the paper's appendix-B split of a node's total epsilon.
-- ``tight_epsilon``: compose a node's releases with a PLD accountant (tighter than
-  basic composition, which is what the paper reports).
+- ``split_budget`` / ``phase_epsilon``: the paper's appendix-B split of a node's epsilon.
+- ``pld_epsilon``: compose releases with a PLD accountant (tighter than basic
+  composition, which is what the paper reports).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +20,10 @@ import numpy as np
 STRONG = "strong"
 WEAK = "weak"
 TIERS = (STRONG, WEAK)
+# The phases that release something; each is one constant, used by nodes, server and ledger.
+TRAIN, PROFILE, VOTE = "train", "profile", "vote"
+PHASES = (TRAIN, PROFILE, VOTE)
+GAUSSIAN, DPSGD = "gaussian", "dp-sgd"
 
 
 def analytic_gaussian_sigma(epsilon: float, delta: float, sensitivity: float) -> float:
@@ -60,6 +64,9 @@ def dpsgd_noise_multiplier(epsilon: float, delta: float, sample_rate: float, ste
     """
     if math.isinf(epsilon):
         return 0.0
+    if steps < 1 or not 0 < sample_rate <= 1:
+        # Opacus' search never ends for 0 steps (any noise meets the target): refuse instead.
+        raise ValueError(f"DP-SGD needs steps >= 1 and 0 < sample_rate <= 1, got {steps}, {sample_rate}")
     from opacus.accountants.utils import get_noise_multiplier
 
     return float(
@@ -92,45 +99,64 @@ def split_budget(epsilon: float, epsilon_profile: float) -> BudgetSplit:
     return BudgetSplit(epsilon, epsilon_profile, epsilon - epsilon_profile)
 
 
-def paper_delta(num_nodes: int) -> float:
-    """The paper's per-phase delta 1 / (2 N log N) for N nodes (appendix B)."""
-    n = max(num_nodes, 2)
+def phase_epsilon(epsilon: float, epsilon_profile: float, tier: str, voters: str, phase: str) -> float:
+    """A node's epsilon for ``phase`` in one run (appendix B).
+
+    Strong = train + profile, weak = vote + profile. When strong nodes also vote
+    (``voters = "all"``) their non-profile share is split evenly between training and
+    voting, so every node's total stays ``epsilon``. A phase the tier does not take part
+    in gets 0. ``epsilon = inf`` gives inf for every phase it takes part in.
+    """
+    if phase not in PHASES:
+        raise ValueError(f"unknown phase {phase!r}; one of {PHASES}")
+    split = split_budget(epsilon, epsilon_profile)
+    if phase == PROFILE:
+        return split.profile
+    if tier == STRONG:
+        if phase == TRAIN:
+            return split.main / 2 if voters == "all" else split.main
+        return split.main / 2 if voters == "all" else 0.0
+    return split.main if phase == VOTE else 0.0
+
+
+def paper_delta(num_records: int) -> float:
+    """The paper's per-phase delta 1 / (2 N log N) for N records (appendix B).
+
+    N is a count of records, so only a *public* N may be used here (in simulation: the
+    benchmark's training split, public there); a node's own count is private.
+    """
+    n = max(num_records, 2)
     return 1.0 / (2 * n * math.log(n))
 
 
-def release_event(release: Mapping[str, Any]):
-    """The ``dp_accounting`` event of one ledger release (see ``common.ledger.Release``).
-
-    A Gaussian release of sigma at L2 sensitivity Delta is a Gaussian event with noise
-    multiplier sigma / Delta; a DP-SGD round is ``steps`` Poisson-subsampled Gaussians.
-    """
+def gaussian_event(sigma: float, sensitivity: float):
+    """The ``dp_accounting`` event of adding N(0, sigma^2) to a vector of L2 ``sensitivity``."""
     from dp_accounting import dp_event
 
-    if release["mechanism"] == "gaussian":
-        return dp_event.GaussianDpEvent(release["sigma"] / release["sensitivity"])
-    if release["mechanism"] == "dp-sgd":
-        step = dp_event.PoissonSampledDpEvent(
-            release["sample_rate"], dp_event.GaussianDpEvent(release["noise_multiplier"])
-        )
-        return dp_event.SelfComposedDpEvent(step, int(release["steps"]))
-    raise ValueError(f"unknown mechanism {release['mechanism']!r}")
+    return dp_event.GaussianDpEvent(sigma / sensitivity)
 
 
-def tight_epsilon(releases: Sequence[Mapping[str, Any]], delta: float) -> float:
-    """Epsilon of all ``releases`` composed by a PLD accountant at total ``delta``.
+def dpsgd_event(noise_multiplier: float, sample_rate: float, steps: int):
+    """The ``dp_accounting`` event of ``steps`` Poisson-subsampled Gaussian DP-SGD steps."""
+    from dp_accounting import dp_event
 
-    Tighter than basic composition (sum of per-release epsilons, what the paper uses),
-    reported beside it. Any non-private release (sigma or noise multiplier 0) gives inf.
+    step = dp_event.PoissonSampledDpEvent(sample_rate, dp_event.GaussianDpEvent(noise_multiplier))
+    return dp_event.SelfComposedDpEvent(step, int(steps))
+
+
+def pld_epsilon(events: Sequence[Any], delta: float) -> float:
+    """Epsilon of the composed ``dp_accounting`` ``events`` by a PLD accountant at ``delta``.
+
+    Tighter than basic composition (the sum of per-release epsilons, what the paper uses).
+    No events cost 0.
     """
     from dp_accounting.pld import pld_privacy_accountant
 
-    if not releases:
+    if not events:
         return 0.0
-    if any(not math.isfinite(float(r["epsilon"])) for r in releases):
-        return math.inf
     accountant = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-3)
-    for r in releases:
-        accountant.compose(release_event(r))
+    for event in events:
+        accountant.compose(event)
     return float(accountant.get_epsilon(delta))
 
 
@@ -140,12 +166,19 @@ def dpsgd_epsilon(history: Sequence[Sequence[float]], delta: float) -> float:
     Uses Opacus's RDP accountant, the same one that calibrated the noise, so the node
     can check a round's cost against its ledger *before* training.
     """
-    from opacus.accountants import RDPAccountant
-
     if not history:
         return 0.0
     if any(float(h[0]) == 0 for h in history):
         return math.inf
+    return float(rdp_accountant(history).get_epsilon(delta))
+
+
+def rdp_accountant(history: Sequence[Sequence[float]]):
+    """An Opacus ``RDPAccountant`` restored, through its public ``load_state_dict``, to ``history``."""
+    from opacus.accountants import RDPAccountant
+
     acc = RDPAccountant()
-    acc.history = [(float(nm), float(q), int(s)) for nm, q, s in history]
-    return float(acc.get_epsilon(delta))
+    if history:
+        acc.load_state_dict({"history": [(float(nm), float(q), int(s)) for nm, q, s in history],
+                             "mechanism": acc.mechanism()})
+    return acc

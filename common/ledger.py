@@ -1,23 +1,42 @@
 """The node's own privacy ledger: every release, on the node's disk, before the reply leaves.
 
-An institution does not have to trust the server's bookkeeping: the node refuses any
-request that would take it past its budget, and the ledger survives restarts (it is
-keyed by a fingerprint of the node's dataset, so running the app twice on the same
-data spends twice).
+An institution does not have to trust the server's bookkeeping. The ledger belongs to the
+node, not to a view of its data: one ledger per state directory (or per explicit
+``ledger-id``), so editing the data file or changing columns never resets it. Starting
+over is an operator's act (``fedsyn ledger STATE_DIR --reset --reason ...``), recorded.
+
+Every read-check-write holds an exclusive file lock, so concurrent ClientApp processes
+(Flower starts one per message) or two SuperNodes on one state dir cannot both pass a
+check: epsilon is *reserved* under the lock before any work starts, then *confirmed*
+with the mechanism's details, or *cancelled* on a clean failure (nothing left the node).
+A crash between the two leaves the reservation counted.
+
+Each entry: ``id``, ``status`` (reserved | confirmed | cancelled), ``run_id``, ``phase``,
+``round``, ``mechanism``, ``epsilon``, ``delta``, ``time``; ``public`` (data-independent
+parameters the server also sees: sigma, sensitivity, histogram) and ``private`` (details
+that may depend on the records, e.g. DP-SGD's sampling rate: they never leave the node).
 """
 
 from __future__ import annotations
 
+import fcntl
 import math
+import os
 import time
-from dataclasses import asdict, dataclass, field
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common.dp import DPSGD, GAUSSIAN, dpsgd_event, gaussian_event, pld_epsilon
 from common.io import atomic_write_json, read_json
 
+FORMAT = 2
 # Float slack so that a budget spent exactly (e.g. 6 + 2 = 8) is not refused by rounding.
 _TOLERANCE = 1e-6
+RESERVED, CONFIRMED, CANCELLED = "reserved", "confirmed", "cancelled"
 
 
 class BudgetExceeded(RuntimeError):
@@ -26,107 +45,267 @@ class BudgetExceeded(RuntimeError):
 
 @dataclass(frozen=True)
 class Release:
-    """One privacy-relevant release by a node (what left, with what noise, at what cost)."""
+    """One privacy-relevant release by a node: what it costs and how it was noised."""
 
-    phase: str  # "train" | "profile" | "vote"
-    mechanism: str  # "gaussian" | "dp-sgd"
-    epsilon: float  # basic-composition cost of this release (inf = no DP)
+    phase: str  # common.dp.PHASES
+    mechanism: str  # common.dp.GAUSSIAN | common.dp.DPSGD
+    epsilon: float  # basic-composition cost (inf = no DP)
     delta: float
     run_id: str = ""
     round: int = 0
-    sigma: float | None = None  # gaussian: noise std
-    sensitivity: float | None = None  # gaussian: L2 sensitivity
-    noise_multiplier: float | None = None  # dp-sgd
-    sample_rate: float | None = None  # dp-sgd: Poisson rate q = B/|D|
-    steps: int | None = None  # dp-sgd steps in this release
-    max_grad_norm: float | None = None  # dp-sgd clipping bound
-    time: float = field(default_factory=time.time)
+    public: dict[str, Any] = field(default_factory=dict)  # data-independent: may be sent to the server
 
-    def to_dict(self) -> dict[str, Any]:
-        """Plain dict without the unset (None) fields."""
-        return {k: v for k, v in asdict(self).items() if v is not None}
+    def statement(self) -> dict[str, Any]:
+        """What the node tells the server about this release: no field depends on the records."""
+        return {"phase": self.phase, "mechanism": self.mechanism, "epsilon": float(self.epsilon),
+                "delta": float(self.delta), "run_id": self.run_id, "round": int(self.round), **self.public}
+
+
+def ledger_path(state_dir: str | Path, ledger_id: str = "") -> Path:
+    """``<state-dir>/ledger.json``, or ``ledger-<ledger-id>.json`` for an explicit id."""
+    if ledger_id and not all(c.isalnum() or c in "-_." for c in ledger_id):
+        raise ValueError(f"ledger-id {ledger_id!r} may only contain letters, digits, '-', '_' and '.'")
+    return Path(state_dir).expanduser() / (f"ledger-{ledger_id}.json" if ledger_id else "ledger.json")
 
 
 class PrivacyLedger:
-    """A node's budget and releases, persisted as JSON at ``<state-dir>/ledger-<fp>.json``."""
+    """A node's budget and releases at ``ledger_path(state_dir, ledger_id)``; always read from disk."""
 
-    def __init__(self, path: Path, fingerprint: str, budget: float, data: dict[str, Any]) -> None:
+    def __init__(self, path: Path) -> None:
         self.path = path
-        self.fingerprint = fingerprint
-        self.budget = budget
-        self._data = data
+        self._lock_path = path.with_name(path.name + ".lock")
 
+    # ----------------------------------------------------------------- opening
     @classmethod
-    def open(cls, state_dir: str | Path, fingerprint: str, budget: float) -> PrivacyLedger:
-        """Load the ledger for this dataset fingerprint (or start an empty one).
+    def open(cls, state_dir: str | Path, budget: float, ledger_id: str = "", data_fingerprint: str = "") -> PrivacyLedger:
+        """Open (or create) the node's ledger and set its total ``budget``.
 
-        ``budget`` is the node's total epsilon. A ledger that already exists keeps its
-        releases; a different budget given here replaces the old one (the user gave a new
-        budget explicitly), and that change is recorded.
+        The budget is the institution's (node policy); a change from the stored one is
+        recorded. ``data_fingerprint`` is informational only: a change of data is logged
+        in the ledger, it never opens a new one.
         """
-        path = Path(state_dir) / f"ledger-{fingerprint[:16]}.json"
-        if path.exists():
-            data = read_json(path)
-            if data.get("fingerprint") != fingerprint:
-                raise RuntimeError(f"ledger {path} belongs to another dataset; remove it or use another state-dir")
-            old = float(data["budget"])
-            if old != budget:
-                data.setdefault("budget_changes", []).append({"from": old, "to": budget, "time": time.time()})
-        else:
-            data = {"fingerprint": fingerprint, "releases": [], "accountants": {}}
-        data["budget"] = budget
-        ledger = cls(path, fingerprint, budget, data)
-        ledger._save()
+        ledger = cls(ledger_path(state_dir, ledger_id))
+        ledger.path.parent.mkdir(parents=True, exist_ok=True)
+        with ledger._locked() as data:
+            if data["budget"] != budget and data["budget"] is not None:
+                data["budget_changes"].append({"from": data["budget"], "to": budget, "time": time.time()})
+            data["budget"] = budget
+            if data_fingerprint and (not data["data"] or data["data"][-1]["fingerprint"] != data_fingerprint):
+                data["data"].append({"fingerprint": data_fingerprint, "since": time.time()})
         return ledger
+
+    def _load(self) -> dict[str, Any]:
+        if self.path.exists():
+            data = read_json(self.path)
+            if data.get("format") != FORMAT:
+                raise RuntimeError(f"{self.path} is not a fedsyn ledger of format {FORMAT}")
+            return data
+        data = {"format": FORMAT, "budget": None, "budget_changes": [], "resets": [], "data": [],
+                "releases": [], "accountants": {}, "created": time.time()}
+        data["releases"] += _legacy_releases(self.path.parent) if self.path.name == "ledger.json" else []
+        return data
+
+    @contextmanager
+    def _locked(self) -> Iterator[dict[str, Any]]:
+        """Exclusive lock, fresh data; saved atomically on a clean exit."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self._lock_path, "a+") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            try:
+                data = self._load()
+                yield data
+                atomic_write_json(self.path, data)
+            finally:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
 
     # ----------------------------------------------------------------- queries
     @property
+    def budget(self) -> float:
+        """The node's total epsilon (may be inf)."""
+        return float(self._load()["budget"])
+
+    @property
     def releases(self) -> list[dict[str, Any]]:
-        """All releases ever made on this dataset, oldest first."""
-        return list(self._data["releases"])
+        """All entries ever made in this ledger, oldest first (cancelled ones included)."""
+        return list(self._load()["releases"])
 
     def spent(self, run_id: str | None = None, phase: str | None = None) -> float:
-        """Epsilon spent by basic composition (sum over releases), optionally of one run/phase."""
-        return float(sum(
-            float(r["epsilon"]) for r in self._data["releases"]
-            if (run_id is None or r.get("run_id") == run_id) and (phase is None or r["phase"] == phase)
-        ))
+        """Epsilon spent (basic composition, reservations included), optionally of one run/phase."""
+        return _spent(self._load()["releases"], run_id, phase)
+
+    def delta_spent(self) -> float:
+        """Sum of the deltas of every counted release (basic composition)."""
+        return float(sum(float(r["delta"]) for r in _counted(self._load()["releases"])))
 
     def remaining(self) -> float:
         """Budget left (may be inf)."""
-        return self.budget - self.spent() if math.isfinite(self.budget) else math.inf
+        return _remaining(self._load())
+
+    def run_statements(self, run_id: str) -> list[dict[str, Any]]:
+        """What the server may know of this run's releases: each counted release's statement."""
+        return [{**_statement(r), "status": r["status"]} for r in _counted(self._load()["releases"])
+                if r["run_id"] == run_id]
+
+    def accountant_state(self, key: str) -> dict[str, Any]:
+        """The DP-SGD accountant state stored under ``key`` (one per run), or {}."""
+        return dict(self._load()["accountants"].get(key, {}))
 
     def check(self, epsilon: float, what: str) -> None:
         """Raise ``BudgetExceeded`` (saying how much is left) if ``epsilon`` does not fit."""
-        if math.isinf(epsilon) and math.isfinite(self.budget):
-            raise BudgetExceeded(
-                f"{what}: refused, a non-private release (epsilon = inf) exceeds this node's budget "
-                f"epsilon = {self.budget:g}"
-            )
-        if epsilon > self.remaining() + _TOLERANCE:
-            raise BudgetExceeded(
-                f"{what}: refused, needs epsilon = {epsilon:.4g} but this node has "
-                f"{max(self.remaining(), 0.0):.4g} left of its budget {self.budget:g} "
-                f"(spent {self.spent():.4g} in {len(self._data['releases'])} releases)"
-            )
+        _check(self._load(), epsilon, what)
 
     # ----------------------------------------------------------------- updates
-    def record(self, release: Release, accountant: tuple[str, list] | None = None) -> None:
-        """Check and append ``release``, then persist atomically (call before replying).
+    def reserve(self, release: Release, run_phase_budget: float, steps: tuple[int, int] | None = None) -> str:
+        """Under the lock: check ``release`` against the total budget and this run's budget
+        for its phase, then record it as reserved. Returns the entry id.
 
-        ``accountant`` = (key, history) stores a DP-SGD accountant history in the same
-        write, so a crash never leaves a release without its accountant state or back.
+        ``steps`` = (steps of this release, steps this run's phase may take) bounds DP-SGD
+        rounds, whose epsilon is reserved for the whole phase at its first round.
+        Raises ``BudgetExceeded`` (nothing recorded) when it does not fit.
         """
-        self.check(release.epsilon, release.phase)
-        self._data["releases"].append(release.to_dict())
-        if accountant is not None:
-            key, history = accountant
-            self._data["accountants"][key] = [list(h) for h in history]
-        self._save()
+        with self._locked() as data:
+            _check(data, release.epsilon, release.phase)
+            run = [r for r in _counted(data["releases"]) if r["run_id"] == release.run_id
+                   and r["phase"] == release.phase]
+            already = float(sum(float(r["epsilon"]) for r in run))
+            if math.isfinite(run_phase_budget) and already + release.epsilon > run_phase_budget + _TOLERANCE:
+                raise BudgetExceeded(
+                    f"{release.phase}: refused, this run's {release.phase} budget is epsilon = {run_phase_budget:g} "
+                    f"and {already:.4g} is spent; the request needs {release.epsilon:.4g} more")
+            taken = sum(int(r.get("public", {}).get("steps", 0)) for r in run)
+            if steps is not None and taken + steps[0] > steps[1]:
+                raise BudgetExceeded(
+                    f"{release.phase}: refused, this run's {release.phase} is calibrated for {steps[1]} steps and "
+                    f"{taken} are taken; {steps[0]} more would exceed its epsilon")
+            entry_id = uuid.uuid4().hex
+            data["releases"].append({"id": entry_id, "status": RESERVED, "time": time.time(), **release.statement(),
+                                     "public": dict(release.public)})
+        return entry_id
 
-    def accountant_history(self, key: str) -> list[list[float]]:
-        """The DP-SGD accountant history stored under ``key`` (one per run), or []."""
-        return [list(h) for h in self._data["accountants"].get(key, [])]
+    def confirm(self, entry_id: str, private: dict[str, Any] | None = None,
+                accountant: tuple[str, dict[str, Any]] | None = None) -> None:
+        """Mark a reservation released (call before the reply leaves), with its private details.
 
-    def _save(self) -> None:
-        atomic_write_json(self.path, self._data)
+        ``accountant`` = (key, state) stores a DP-SGD accountant state in the same write, so
+        a crash never leaves a release without its accountant state or back.
+        """
+        with self._locked() as data:
+            entry = _entry(data, entry_id)
+            entry.update(status=CONFIRMED, private=dict(private or {}))
+            if accountant is not None:
+                data["accountants"][accountant[0]] = accountant[1]
+
+    def cancel(self, entry_id: str, reason: str) -> None:
+        """Give a reservation back: the work failed cleanly and nothing left the node."""
+        with self._locked() as data:
+            _entry(data, entry_id).update(status=CANCELLED, reason=reason[:200])
+
+    # ----------------------------------------------------------------- reading
+    def summary(self) -> dict[str, Any]:
+        """Budget, spent (basic and PLD at the cumulative delta), delta spent, every entry."""
+        data = self._load()
+        counted = _counted(data["releases"])
+        delta = float(sum(float(r["delta"]) for r in counted))
+        basic = _spent(data["releases"])
+        return {
+            "ledger": str(self.path), "budget": data["budget"], "epsilon_spent": basic,
+            "epsilon_pld": min(basic, node_pld_epsilon(counted, delta)) if counted else 0.0,
+            "delta_spent": delta, "epsilon_remaining": _remaining(data),
+            "budget_changes": data["budget_changes"], "resets": data["resets"], "data": data["data"],
+            "releases": data["releases"],
+        }
+
+
+def reset_ledger(state_dir: str | Path, reason: str, ledger_id: str = "") -> Path:
+    """The operator's act of starting over (e.g. with new data): archive the ledger, start an
+    empty one that records why, when, and what the old one had spent. Returns the archive."""
+    if not reason.strip():
+        raise ValueError("a reset needs a reason (--reason), kept in the new ledger")
+    ledger = PrivacyLedger(ledger_path(state_dir, ledger_id))
+    if not ledger.path.exists():
+        raise FileNotFoundError(f"no ledger at {ledger.path}")
+    with ledger._locked() as data:
+        archive = ledger.path.with_name(f"{ledger.path.stem}.{time.strftime('%Y%m%d-%H%M%S')}.archived.json")
+        atomic_write_json(archive, data)
+        budget, resets, spent = data["budget"], data["resets"], _spent(data["releases"])
+        data.clear()
+        data.update({"format": FORMAT, "budget": budget, "releases": [],
+                     "accountants": {}, "budget_changes": [], "data": [], "created": time.time(),
+                     "resets": resets + [{"time": time.time(), "reason": reason.strip(),
+                                                  "previous_epsilon_spent": spent, "archive": str(archive),
+                                                  "user": os.environ.get("USER", "")}]})
+    return archive
+
+
+def node_pld_epsilon(releases: list[dict[str, Any]], delta: float) -> float:
+    """PLD epsilon of a node's counted releases at ``delta``; a release without the details
+    a PLD needs (a reservation never confirmed) is added by basic composition."""
+    events, extra = [], 0.0
+    for r in releases:
+        if not math.isfinite(float(r["epsilon"])):
+            return math.inf
+        pub, priv = r.get("public", {}), r.get("private", {})
+        if r["mechanism"] == GAUSSIAN and "sigma" in pub:
+            events.append(gaussian_event(pub["sigma"], pub["sensitivity"]))
+        elif r["mechanism"] == DPSGD and r["status"] == CONFIRMED and "noise_multiplier" in priv:
+            events.append(dpsgd_event(priv["noise_multiplier"], priv["sample_rate"], priv["steps"]))
+        else:
+            extra += float(r["epsilon"])
+    return pld_epsilon(events, delta) + extra if delta > 0 else math.inf
+
+
+# --------------------------------------------------------------------------- helpers
+def _counted(releases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in releases if r.get("status") != CANCELLED]
+
+
+def _spent(releases: list[dict[str, Any]], run_id: str | None = None, phase: str | None = None) -> float:
+    return float(sum(float(r["epsilon"]) for r in _counted(releases)
+                     if (run_id is None or r.get("run_id") == run_id) and (phase is None or r["phase"] == phase)))
+
+
+def _remaining(data: dict[str, Any]) -> float:
+    budget = float(data["budget"])
+    return budget - _spent(data["releases"]) if math.isfinite(budget) else math.inf
+
+
+def _check(data: dict[str, Any], epsilon: float, what: str) -> None:
+    budget = float(data["budget"])
+    if math.isinf(epsilon) and math.isfinite(budget):
+        raise BudgetExceeded(f"{what}: refused, a non-private release (epsilon = inf) exceeds this node's "
+                             f"budget epsilon = {budget:g}")
+    left = _remaining(data)
+    if epsilon > left + _TOLERANCE:
+        raise BudgetExceeded(
+            f"{what}: refused, needs epsilon = {epsilon:.4g} but this node has {max(left, 0.0):.4g} left of its "
+            f"budget {budget:g} (spent {_spent(data['releases']):.4g} in {len(_counted(data['releases']))} releases)")
+
+
+def _entry(data: dict[str, Any], entry_id: str) -> dict[str, Any]:
+    for r in data["releases"]:
+        if r.get("id") == entry_id:
+            return r
+    raise KeyError(f"no ledger entry {entry_id}")
+
+
+def _statement(entry: dict[str, Any]) -> dict[str, Any]:
+    keys = ("phase", "mechanism", "epsilon", "delta", "run_id", "round")
+    return {**{k: entry[k] for k in keys}, **entry.get("public", {})}
+
+
+def _legacy_releases(state_dir: Path) -> list[dict[str, Any]]:
+    """Releases of format-1 ledgers (``ledger-<fingerprint>.json``, one per data view) in the
+    same state dir, carried over so that moving to one ledger per node never forgets a spend."""
+    out = []
+    for path in sorted(state_dir.glob("ledger-*.json")):
+        try:
+            old = read_json(path)
+        except (OSError, ValueError):
+            continue
+        if old.get("format") is None and "fingerprint" in old:
+            for r in old.get("releases", []):
+                out.append({"id": uuid.uuid4().hex, "status": CONFIRMED, "run_id": str(r.get("run_id", "")),
+                            "phase": r["phase"], "round": int(r.get("round", 0)), "mechanism": r["mechanism"],
+                            "epsilon": float(r["epsilon"]), "delta": float(r["delta"]), "time": r.get("time", 0.0),
+                            "public": {}, "private": {}, "imported_from": path.name})
+    return out

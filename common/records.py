@@ -1,14 +1,18 @@
 """The message schema: which record keys each message type carries, built and read in one place.
 
-| message           | down (server -> node)                        | up (node -> server)                          |
-|-------------------|----------------------------------------------|----------------------------------------------|
-| ``query.tier``    | config: codes                                 | tier: tier, vocabulary-ok, epsilon-budget    |
-| ``train``         | arrays, config: server-round, delta           | arrays, metrics: weight, ...; release        |
-| ``query.profile`` | config: codes, delta                          | profile: counts (noisy); release             |
-| ``query.vote``    | candidates: texts, codes; config: K, delta    | votes: votes (noisy); release                |
+| message           | down (server -> node)                              | up (node -> server)                        |
+|-------------------|----------------------------------------------------|--------------------------------------------|
+| ``query.tier``    | config: codes, delta                               | tier: tier, epsilon-budget                 |
+| ``train``         | arrays, config: codes, delta, server-round         | arrays, metrics: weight, steps; release    |
+| ``query.profile`` | config: codes, delta                               | profile: counts (noisy); release           |
+| ``query.vote``    | candidates: texts, codes; config: codes, delta,    | votes: votes (noisy); release              |
+|                   | num-votes, [histogram, epsilon-share]              |                                            |
+| ``query.ledger``  | config: codes                                      | ledger: this run's release statements      |
 
-Only noised statistics travel up; ``release`` describes the noise (phase, mechanism, sigma,
-sensitivity, epsilon, delta) so the server can write the privacy report.
+Only noised statistics travel up. ``release`` is the node's *statement* of a release:
+phase, mechanism, epsilon, delta, round and data-independent parameters (a Gaussian's
+sigma and sensitivity, DP-SGD's steps), plus the node's ledger total and budget. It never
+carries a sampling rate, noise multiplier or count, from which |D| would follow.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ MSG_TIER = "query.tier"
 MSG_TRAIN = "train"
 MSG_PROFILE = "query.profile"
 MSG_VOTE = "query.vote"
+MSG_LEDGER = "query.ledger"
 
 ARRAYS = "arrays"  # Flower strategies' default ArrayRecord key
 CONFIG = "config"  # Flower strategies' default ConfigRecord key
@@ -32,6 +37,7 @@ PROFILE = "profile"
 VOTES = "votes"
 CANDIDATES = "candidates"
 RELEASE = "release"
+LEDGER = "ledger"
 # Phase-1 replies are averaged with this weight. It is 1.0 for every node (paper A.3:
 # Delta = 1/N sum Delta_i) because a node's true example count is an un-noised statistic.
 WEIGHT_KEY = "weight"
@@ -54,10 +60,9 @@ def release_record(release: dict[str, Any], spent: float, budget: float) -> Conf
     return ConfigRecord(payload)
 
 
-def tier_reply(tier: str, vocabulary_ok: bool, budget: float) -> RecordDict:
-    """Content of a ``query.tier`` reply."""
-    return RecordDict({TIER: ConfigRecord({"tier": tier, "vocabulary-ok": vocabulary_ok,
-                                           "epsilon-budget": float(budget)})})
+def tier_reply(tier: str, budget: float) -> RecordDict:
+    """Content of a ``query.tier`` reply: the node's tier and its (policy) budget."""
+    return RecordDict({TIER: ConfigRecord({"tier": tier, "epsilon-budget": float(budget)})})
 
 
 def vector_reply(key: str, values: np.ndarray, release: ConfigRecord) -> RecordDict:

@@ -1,27 +1,27 @@
-"""A node's standing facts: its tier, its data, its budget and its ledger.
+"""A node's standing facts: its policy, its records and its ledger.
 
-Simulation: tier and data follow from ``partition-id`` / ``num-partitions`` and the run
-config (``common.federation``); the ledger lives in a temp dir per run and node.
 Deployment: ``flower-supernode --node-config 'tier="strong" data-path="/data/x.csv"
-state-dir="/var/lib/fedsyn" epsilon=8'``. The node-config ``epsilon`` is the
-institution's own budget and wins over the run config's: the server cannot raise it.
+state-dir="/var/lib/fedsyn" epsilon=8'`` (see ``common.policy`` for every key).
+Simulation: the policy is built from the run config (no institution exists), tier and
+records follow from ``partition-id`` / ``num-partitions``; the ledger lives in a temp dir
+per run and node unless node config sets ``state-dir``. After that the code path is the same.
+
+The order is the point: the policy is checked against the run *before* any record is read.
 """
 
 from __future__ import annotations
 
-import math
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from common.logs import get_logger
 from common.config import RunConfig
 from common.data import TextData, dataset_fingerprint, load_node_data
-from common.dp import STRONG, TIERS, split_budget
-from common.federation import simulation_node_data
 from common.ledger import PrivacyLedger
+from common.logs import get_logger
+from common.policy import NodePolicy, PolicyError, is_simulated, policy_from_node_config, simulation_policy
 
 log = get_logger(__name__)
 
@@ -34,60 +34,79 @@ class NodeSetupError(RuntimeError):
 class Node:
     """Everything a handler needs about this node."""
 
-    tier: str
-    data: TextData
+    policy: NodePolicy
+    data: TextData  # every record of the node, read with the policy's columns
     ledger: PrivacyLedger
-    epsilon_budget: float
-    epsilon_profile: float
-    epsilon_main: float  # train (strong) or vote (weak); see ``phase_epsilon``
+    _views: dict[tuple[str, ...], TextData] = field(default_factory=dict, repr=False)
 
-    def phase_epsilon(self, phase: str, voters: str) -> float:
-        """The epsilon this node spends on ``phase`` ('train' | 'profile' | 'vote').
+    @property
+    def tier(self) -> str:
+        """``strong`` or ``weak`` (the institution's choice)."""
+        return self.policy.tier
 
-        Appendix B: strong = train + profile, weak = vote + profile. When strong nodes
-        also vote (``voters = all``) their non-profile share is split evenly between
-        training and voting, so the total stays the same for every node.
-        """
-        if phase == "profile":
-            return self.epsilon_profile
-        if self.tier == STRONG and voters == "all":
-            return self.epsilon_main / 2
-        return self.epsilon_main
-
-
-def node_config_value(node_config: dict[str, Any], key: str, default: Any = None) -> Any:
-    """A node-config value, with ``-`` and ``_`` spellings both accepted."""
-    return node_config.get(key, node_config.get(key.replace("-", "_"), default))
+    def records(self, vocabulary: tuple[str, ...]) -> TextData:
+        """The records whose code is in ``vocabulary``; the others are dropped the same way in
+        every phase, and only this node's log says how many (a count is a statistic)."""
+        if vocabulary not in self._views:
+            allowed = set(vocabulary)
+            keep = [i for i, c in enumerate(self.data.codes) if c in allowed]
+            if len(keep) < len(self.data):
+                log.warning("%d of %d records have a code outside the run's vocabulary and are left out of "
+                            "every release", len(self.data) - len(keep), len(self.data))
+            self._views[vocabulary] = self.data.subset(keep)
+        return self._views[vocabulary]
 
 
 def get_node(run_id: int, node_config: dict[str, Any], cfg: RunConfig) -> Node:
-    """Build (once per process and run) this node's ``Node`` from its configs."""
-    key = tuple(sorted((str(k), str(v)) for k, v in node_config.items()))
-    return _get_node(run_id, key, cfg)
+    """This node for a run: its policy checked against the run config, then its data and ledger.
+
+    Raises ``PolicyRefused`` (the run asks for more than the policy allows) before any record
+    is read, ``NodeSetupError`` when the node's own configuration or data is unusable.
+    """
+    try:
+        policy = _policy(run_id, tuple(sorted((str(k), str(v)) for k, v in node_config.items())), cfg)
+    except (PolicyError, ValueError) as err:
+        raise NodeSetupError(str(err)) from None
+    policy.check_run(cfg.text_column, cfg.control_columns, cfg.epsilon)
+    return _open(policy, cfg if policy.simulated else None)
 
 
 @lru_cache(maxsize=16)
-def _get_node(run_id: int, node_config_items: tuple[tuple[str, str], ...], cfg: RunConfig) -> Node:
+def _policy(run_id: int, node_config_items: tuple[tuple[str, str], ...], cfg: RunConfig) -> NodePolicy:
     node_config = dict(node_config_items)
-    if "partition-id" in node_config and "data-path" not in node_config:
-        num = int(node_config["num-partitions"])
-        pid = int(node_config["partition-id"])
-        tier, data = simulation_node_data(cfg, pid, num)
-        default_state = Path(tempfile.gettempdir()) / "fedsyn-sim" / f"run-{run_id}" / f"node-{pid}"
+    if not is_simulated(node_config):
+        policy = policy_from_node_config(node_config)
+        for note in policy.warnings:
+            log.warning("%s", note)
+        return policy
+    from common.federation import benchmark, simulation_tiers
+
+    num, pid = int(node_config["num-partitions"]), int(node_config["partition-id"])
+    bench = benchmark(cfg)
+    state = node_config.get("state-dir") or str(Path(tempfile.gettempdir()) / "fedsyn-sim" / f"run-{run_id}" / f"node-{pid}")
+    return simulation_policy(
+        tier=simulation_tiers(num, cfg.strong_fraction)[pid], epsilon=cfg.epsilon,
+        delta=cfg.resolve_delta(len(bench.train)), text_column=cfg.text_column,
+        control_columns=cfg.control_columns, vocabulary=bench.vocabulary, state_dir=state, partition=(pid, num),
+    )
+
+
+@lru_cache(maxsize=16)
+def _open(policy: NodePolicy, sim_cfg: RunConfig | None) -> Node:
+    if sim_cfg is not None:
+        from common.federation import simulation_node_data
+
+        data = simulation_node_data(sim_cfg, *policy.partition)[1]
     else:
-        tier = str(node_config_value(node_config, "tier", "")).strip().lower()
-        if tier not in TIERS:
-            raise NodeSetupError(f"node-config tier = {tier!r} is invalid; set tier=\"strong\" or tier=\"weak\"")
-        path = node_config_value(node_config, "data-path")
-        if not path:
-            raise NodeSetupError('node-config data-path is missing; set data-path="/path/to/records.csv"')
-        data = load_node_data(str(path), cfg.text_column, list(cfg.control_columns))
-        default_state = Path.home() / ".fedsyn" / "state"
+        try:
+            data = load_node_data(policy.data_path, policy.text_column, list(policy.control_columns))
+        except (OSError, ValueError, KeyError) as err:
+            # The reason names the file and the column, never a record.
+            raise NodeSetupError(f"data-path {policy.data_path!r} cannot be used: {type(err).__name__}: "
+                                 f"{str(err)[:300]}") from None
     if len(data) == 0:
         raise NodeSetupError("this node has no records")
-    state_dir = Path(str(node_config_value(node_config, "state-dir", default_state)))
-    budget = float(node_config_value(node_config, "epsilon", cfg.epsilon))
-    split = split_budget(budget, cfg.epsilon_profile) if math.isfinite(budget) else split_budget(math.inf, 0)
-    ledger = PrivacyLedger.open(state_dir, dataset_fingerprint(data), budget)
-    log.info("node ready: tier=%s records=%d budget=%s ledger=%s", tier, len(data), budget, ledger.path)
-    return Node(tier, data, ledger, budget, split.profile, split.main)
+    state_dir = policy.state_dir or str(Path.home() / ".fedsyn" / "state")
+    ledger = PrivacyLedger.open(state_dir, policy.epsilon, policy.ledger_id, dataset_fingerprint(data))
+    log.info("node ready: tier=%s records=%d budget=%s ledger=%s", policy.tier, len(data), policy.epsilon, ledger.path)
+    return Node(policy, data, ledger)

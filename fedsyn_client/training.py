@@ -210,7 +210,8 @@ def _private_steps(model, optimizer, dataset, batch, settings, history, sampler_
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Secure RNG turned off")
         engine = PrivacyEngine(accountant="rdp", secure_mode=False)
-    engine.accountant.history = list(history)  # epsilon accumulates over rounds, never resets
+    if history:  # epsilon accumulates over rounds, never resets
+        engine.accountant.load_state_dict({"history": list(history), "mechanism": engine.accountant.mechanism()})
     # Layers with trainable weights but no Opacus grad sampler (GPT-2's Conv1D, Llama's
     # RMSNorm: full finetuning only) fall back to functorch per-sample gradients in "hooks"
     # mode by themselves; frozen layers (the base model under LoRA) get no hooks at all.

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import math
 import shutil
 import tempfile
 from collections import Counter
@@ -24,12 +25,12 @@ import numpy as np
 
 from common.codes import parse_code
 from common.config import RunConfig
-from common.dp import tight_epsilon
+from common.dp import GAUSSIAN, gaussian_event, pld_epsilon
 from common.io import atomic_write_json, atomic_write_jsonl
 from strategies.fedsyn import FedSynResult
 
 
-def write_outputs(run_dir: Path, cfg: RunConfig, vocabulary: list[str], res: FedSynResult, delta: float) -> dict[str, Path]:
+def write_outputs(run_dir: Path, cfg: RunConfig, vocabulary: list[str], res: FedSynResult) -> dict[str, Path]:
     """Write all run outputs under ``run_dir``; returns the written paths by name."""
     run_dir.mkdir(parents=True, exist_ok=True)
     selected = set(int(i) for i in (res.selected if res.selected is not None else []))
@@ -46,7 +47,7 @@ def write_outputs(run_dir: Path, cfg: RunConfig, vocabulary: list[str], res: Fed
             "global_profile": res.profile, "allocation": res.allocation,
             "final_counts": {c: final_counts.get(c, 0) for c in vocabulary},
         }),
-        "privacy_report": atomic_write_json(run_dir / "privacy_report.json", privacy_report(cfg, res, delta)),
+        "privacy_report": atomic_write_json(run_dir / "privacy_report.json", privacy_report(cfg, res)),
         "metrics": atomic_write_json(run_dir / "metrics.json", {
             "eval": {str(k): v for k, v in res.eval_metrics.items()},
             "train": {str(k): v for k, v in res.train_metrics.items()},
@@ -64,43 +65,60 @@ def _row(text: str, code: str) -> dict[str, str]:
     return {"text": text, "control_code": code, **parse_code(code)}
 
 
-def privacy_report(cfg: RunConfig, res: FedSynResult, delta: float) -> dict[str, Any]:
-    """Per node: budget, spent, releases, and totals by basic composition and by PLD.
+def privacy_report(cfg: RunConfig, res: FedSynResult) -> dict[str, Any]:
+    """Per node: budget, this run's releases as the node stated them, and their totals.
 
-    The basic total sums this run's per-release epsilons (as the paper); the tight total
-    composes the same releases with a PLD accountant at the summed delta (one delta per
-    phase the node took part in).
+    Each node's releases come from its own ledger (the end-of-run ``query.ledger``), or,
+    if it did not answer, from the statements in its replies. The basic total sums the
+    stated epsilons (as the paper), delta sums the stated deltas. The PLD total composes
+    the Gaussian releases (their sigma and sensitivity are data-independent) with a PLD
+    accountant and adds DP-SGD's stated epsilon by basic composition: a node never tells
+    the server DP-SGD's sampling rate, which would reveal its record count.
     """
     nodes = []
-    for nid in sorted(set(res.tiers) | set(res.releases)):
-        releases = res.releases.get(nid, [])
-        run_releases = [_release_view(r) for r in releases]
-        basic = float(sum(r["epsilon"] for r in run_releases))
-        phases = {r["phase"] for r in run_releases}
-        total_delta = delta * len(phases)
-        tight = tight_epsilon(run_releases, total_delta) if run_releases else 0.0
-        last = releases[-1] if releases else {}
+    for nid in sorted(set(res.tiers) | set(res.releases) | set(res.ledgers)):
+        book = res.ledgers.get(nid)
+        statements = book["releases"] if book else [_release_view(r) for r in res.releases.get(nid, [])]
+        basic = float(sum(float(r["epsilon"]) for r in statements))
+        total_delta = float(sum(float(r["delta"]) for r in statements))
+        last = res.releases.get(nid, [{}])[-1]
+        budget = (book or {}).get("epsilon-budget", res.budgets.get(nid, last.get("epsilon-budget", math.nan)))
         nodes.append({
             "node_id": nid, "tier": res.tiers.get(nid, "unknown"),
-            "epsilon_budget": float(last.get("epsilon-budget", cfg.epsilon)),
+            "source": "node ledger" if book else "replies (the node did not confirm its ledger)",
+            "epsilon_budget": float(budget),
             "epsilon_spent": basic,
-            "epsilon_spent_all_runs": float(last.get("epsilon-spent", basic)),
-            "delta": total_delta, "delta_per_phase": delta,
-            "epsilon_basic_composition": basic, "epsilon_pld": min(tight, basic),
-            "releases": run_releases,
+            "epsilon_spent_all_runs": float((book or {}).get("epsilon-spent", last.get("epsilon-spent", basic))),
+            "delta": total_delta,
+            "epsilon_basic_composition": basic, "epsilon_pld": min(stated_pld_epsilon(statements, total_delta), basic),
+            "releases": statements,
             "failures": [f for f in res.failures if f["node_id"] == nid],
         })
     return {
         "private": cfg.private,
         "warning": None if cfg.private else "NO DIFFERENTIAL PRIVACY: epsilon = inf, no noise was added anywhere",
         "unit": "one record of one node (sample-level DP, add/remove)",
-        "mechanisms": {"train": "DP-SGD (Opacus, Poisson sampling, RDP accountant over all rounds)",
+        "mechanisms": {"train": "DP-SGD (Opacus, Poisson sampling, RDP accountant over all rounds; the whole "
+                                "phase's epsilon is reserved at round 1)",
                        "profile": "analytic Gaussian, L2 sensitivity 1",
                        "vote": "analytic Gaussian, L2 sensitivity sqrt(K)"},
         "epsilon_split": {"epsilon": cfg.epsilon, "epsilon_profile": cfg.epsilon_profile,
                           "voters": cfg.voters},
         "nodes": nodes,
     }
+
+
+def stated_pld_epsilon(statements: list[dict[str, Any]], delta: float) -> float:
+    """PLD epsilon of stated releases at ``delta``: Gaussians composed by PLD, the rest
+    (DP-SGD, whose PLD would need the private sampling rate) added by basic composition."""
+    if any(not math.isfinite(float(r["epsilon"])) for r in statements):
+        return math.inf
+    gaussians = [r for r in statements if r["mechanism"] == GAUSSIAN and r.get("sigma")]
+    rest = float(sum(float(r["epsilon"]) for r in statements if r not in gaussians))
+    if not gaussians:
+        return rest
+    d = float(sum(float(r["delta"]) for r in gaussians))
+    return pld_epsilon([gaussian_event(r["sigma"], r["sensitivity"]) for r in gaussians], d) + rest
 
 
 def _release_view(r: dict[str, Any]) -> dict[str, Any]:

@@ -50,6 +50,8 @@ def build_strategy(cfg: RunConfig) -> tuple[FedSynStrategy, Benchmark, ServerMod
         cfg, bench.vocabulary,
         make_aggregator=lambda n: build_aggregator(cfg.aggregator, cfg.server_learning_rate, n),
         refinement=refinement, generate_pool=server_model.generate_pool,
+        # 'paper' delta: N = the run dataset's training records (public); nodes cap delta themselves
+        delta=cfg.resolve_delta(len(bench.train)),
         evaluate_fn=lambda rnd, arrays: server_model.heldout_loss(arrays, bench.test),
     )
     return strategy, bench, server_model
@@ -80,8 +82,7 @@ def main(grid: Grid, context: Context) -> None:
     log.info("fedsyn run %s: outputs go to %s", context.run_id, run_dir)
     strategy, bench, server_model = build_strategy(cfg)
     result = strategy.run(grid, server_model.initial_arrays())
-    delta = cfg.resolve_delta(len(result.tiers))
-    paths = write_outputs(run_dir, cfg, bench.vocabulary, result, delta)
+    paths = write_outputs(run_dir, cfg, bench.vocabulary, result)
     if result.arrays is not None and result.train_metrics:
         save_model(server_model.load(result.arrays), run_dir)
     if len(bench.test):  # public benchmark records no node trained on, for `fedsyn evaluate`

@@ -2,13 +2,14 @@
 
 ``FedSynStrategy.run`` is the one place to read the server's logic:
 
-0. tiers      -- ask every node its tier and vocabulary check (no privacy spent)
+0. tiers      -- ask every node its tier; a node whose policy refuses the run says so (no privacy spent)
 1. finetune   -- R rounds of DP federated finetuning on strong nodes (A.3), aggregated
                  by a plug-in Flower strategy
 2. profile    -- every node sends its noisy per-code counts
 3. generate   -- the server allocates s by the noisy profile and generates the pool
 4. vote       -- voters send noisy kNN votes for the pool (A.2), if the refinement needs them
 5. resample   -- the refinement picks the final set (A.4)
+6. ledgers    -- every node states this run's releases from its own ledger (free), for the report
 
 Nodes that fail or refuse are logged, recorded in ``result.failures`` and left out; the
 run goes on with the rest. The server only ever asks for noised statistics: every
@@ -17,6 +18,7 @@ request type here has a noise mechanism on the node.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -59,6 +61,8 @@ class FedSynResult:
     votes: np.ndarray | None = None
     selected: np.ndarray | None = None
     releases: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    ledgers: dict[int, dict[str, Any]] = field(default_factory=dict)  # node -> its own book of this run
+    budgets: dict[int, float] = field(default_factory=dict)
     failures: list[dict[str, Any]] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -102,8 +106,8 @@ class FedSynStrategy(Strategy):
 
     def __init__(
         self, cfg: RunConfig, vocabulary: list[str], make_aggregator: Callable[[int], Strategy], refinement: Refinement,
-        generate_pool: PoolGenerator, evaluate_fn: EvaluateFn | None = None,
-        delta: float | None = None, stable_seconds: float = 3.0,
+        generate_pool: PoolGenerator, delta: float, evaluate_fn: EvaluateFn | None = None,
+        stable_seconds: float = 3.0,
     ) -> None:
         self.cfg, self.vocabulary = cfg, list(vocabulary)
         # The aggregator is built once the strong-node count is known (stage 0), so that
@@ -111,7 +115,7 @@ class FedSynStrategy(Strategy):
         self.make_aggregator, self.refinement = make_aggregator, refinement
         self.aggregator: Strategy = make_aggregator(1)
         self.generate_pool, self.evaluate_fn = generate_pool, evaluate_fn
-        self._delta = delta
+        self.delta = delta  # per release; each node caps it by its own policy
         self.stable_seconds = stable_seconds
         self.result = FedSynResult()
         self._strong: list[int] = []
@@ -152,16 +156,15 @@ class FedSynStrategy(Strategy):
         res.tiers = nodes
         self._strong = sorted(n for n, t in nodes.items() if t == STRONG)
         self.aggregator = self.make_aggregator(len(self._strong))
-        delta = self._delta if self._delta is not None else self.cfg.resolve_delta(len(nodes))
         res.timings["tiers"] = time.time() - t0
 
         t = time.time()                                                 # stage 1
-        res.arrays = self._finetune(grid, initial_arrays, delta)
+        res.arrays = self._finetune(grid, initial_arrays)
         res.timings["finetune"] = time.time() - t
 
         t = time.time()                                                 # stage 2
         profile_replies = self._ask(grid, sorted(nodes), R.MSG_PROFILE, "profile", RecordDict(
-            {R.CONFIG: ConfigRecord({"codes": self.vocabulary, "delta": delta})}))
+            {R.CONFIG: self._request()}))
         res.node_profiles = self._vectors(profile_replies, R.PROFILE, len(self.vocabulary), "profile")
         if not res.node_profiles:
             raise RuntimeError("no node returned a profile; nothing to allocate (see failures above)")
@@ -182,7 +185,7 @@ class FedSynStrategy(Strategy):
                 log.warning("no voters (voters=%s and no weak node): votes are all zero", self.cfg.voters)
             vote_replies = self._ask(grid, voters, R.MSG_VOTE, "vote", RecordDict({
                 R.CANDIDATES: ConfigRecord({"texts": res.pool_texts, "codes": res.pool_codes}),
-                R.CONFIG: ConfigRecord({"num-votes": self.cfg.num_votes, "delta": delta}),
+                R.CONFIG: self._request(**{"num-votes": self.cfg.num_votes, "histogram": "knn-vote"}),
             }))
             res.node_votes = self._vectors(vote_replies, R.VOTES, len(res.pool_texts), "vote")
             res.votes = (np.sum([np.asarray(v) for v in res.node_votes.values()], axis=0)
@@ -191,21 +194,24 @@ class FedSynStrategy(Strategy):
 
         res.selected = self.refinement.select(res.pool_codes, res.votes, self.cfg.sampling_rate, self.cfg.seed)  # stage 5
         log.info("final synthetic set: %d of %d pool texts", len(res.selected), len(res.pool_texts))
+
+        self._ledgers(grid, sorted(set(nodes) | set(res.releases)))  # stage 6
         res.timings["total"] = time.time() - t0
         return res
+
+    def _request(self, **extra: Any) -> ConfigRecord:
+        """The part every request carries: the public vocabulary and the delta per release."""
+        return ConfigRecord({"codes": self.vocabulary, "delta": self.delta, **extra})
 
     # ------------------------------------------------------------ stage 0
     def _discover(self, grid: Grid) -> dict[int, str]:
         node_ids = self._wait_for_nodes(grid)
-        replies = self._ask(grid, node_ids, R.MSG_TIER, "tiers",
-                            RecordDict({R.CONFIG: ConfigRecord({"codes": self.vocabulary})}))
+        replies = self._ask(grid, node_ids, R.MSG_TIER, "tiers", RecordDict({R.CONFIG: self._request()}))
         nodes: dict[int, str] = {}
         for nid, msg in replies.items():
             rec = msg.content.config_records[R.TIER]
-            if not rec["vocabulary-ok"]:
-                self._fail(nid, "tiers", "records with codes outside the public vocabulary; node left out")
-                continue
             nodes[nid] = str(rec["tier"])
+            self.result.budgets[nid] = float(rec["epsilon-budget"])
         if not nodes:
             raise RuntimeError("no usable node answered the tier query (see failures above)")
         log.info("nodes: %d strong, %d weak", sum(t == STRONG for t in nodes.values()),
@@ -231,7 +237,7 @@ class FedSynStrategy(Strategy):
                            f"(have {len(last)}, min-nodes={want})")
 
     # ------------------------------------------------------------ stage 1
-    def _finetune(self, grid: Grid, arrays: ArrayRecord | None, delta: float) -> ArrayRecord | None:
+    def _finetune(self, grid: Grid, arrays: ArrayRecord | None) -> ArrayRecord | None:
         rounds = self.cfg.num_server_rounds
         skip = ("prompt = zero-shot (pretrained baseline)" if self.cfg.prompt == "zero-shot"
                 else "no strong node" if not self._strong else "num-server-rounds = 0" if rounds == 0 else "")
@@ -242,7 +248,7 @@ class FedSynStrategy(Strategy):
             self._evaluate(0, arrays)
         for rnd in range(1, rounds + 1):
             log.info("[phase 1] round %d/%d on %d strong nodes", rnd, rounds, len(self._strong))
-            messages = list(self.configure_train(rnd, arrays, ConfigRecord({"delta": delta}), grid))
+            messages = list(self.configure_train(rnd, arrays, self._request(), grid))
             replies = list(grid.send_and_receive(messages, timeout=self.cfg.node_timeout))
             good = self._collect(replies, {m.metadata.dst_node_id for m in messages}, "train")
             if not good:
@@ -262,6 +268,23 @@ class FedSynStrategy(Strategy):
         if metrics:
             self.result.eval_metrics[rnd] = metrics
             log.info("[phase 1] round %d held-out %s", rnd, {k: round(v, 4) for k, v in metrics.items()})
+
+    # ------------------------------------------------------------ stage 6
+    def _ledgers(self, grid: Grid, node_ids: list[int]) -> None:
+        """Ask every node for this run's releases from its own ledger (costs no privacy).
+
+        The report then shows what each node actually charged, including a release whose
+        reply was lost; a node that does not answer keeps the releases seen in its replies.
+        """
+        replies = self._ask(grid, node_ids, R.MSG_LEDGER, "ledger", RecordDict({R.CONFIG: self._request()}))
+        for nid, msg in replies.items():
+            try:
+                rec = msg.content.config_records[R.LEDGER]
+                self.result.ledgers[nid] = {"releases": json.loads(str(rec["releases"])),
+                                            "epsilon-spent": float(rec["epsilon-spent"]),
+                                            "epsilon-budget": float(rec["epsilon-budget"])}
+            except (KeyError, TypeError, ValueError) as err:
+                self._fail(nid, "ledger", f"malformed reply ({type(err).__name__})")
 
     # ------------------------------------------------------------ messaging
     def _ask(self, grid: Grid, node_ids: list[int], message_type: str, phase: str, content: RecordDict) -> dict[int, Message]:

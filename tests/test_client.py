@@ -8,7 +8,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 
 from common import records as R
 from common.config import RunConfig
-from fedsyn_client.client_app import ERR_BUDGET, ERR_CONFIG, app
+from fedsyn_client.client_app import ERR_BUDGET, ERR_CONFIG, ERR_POLICY, app
 from tests.fakes import client_node, set_task_identity
 
 
@@ -22,7 +22,7 @@ def csv_path(tmp_path_factory) -> str:
 
 def _node(csv_path, tmp_path, tier="weak", **cfg):
     rc = RunConfig(model="tiny-gpt2", dataset=csv_path, test_fraction=0.0, **cfg).to_flower()
-    nc = {"tier": tier, "data-path": csv_path, "state-dir": str(tmp_path)}
+    nc = {"tier": tier, "data-path": csv_path, "state-dir": str(tmp_path), "epsilon": 8.0}
     return client_node(app, 5, nc, rc)
 
 
@@ -35,14 +35,10 @@ def _profile_request(codes):
     return RecordDict({R.CONFIG: ConfigRecord({"codes": codes, "delta": 1e-5})})
 
 
-def test_tier_reply_flags_codes_outside_the_vocabulary_without_naming_them(csv_path, tmp_path):
+def test_tier_reply_states_tier_and_budget_only(csv_path, tmp_path):
     node = _node(csv_path, tmp_path)
     ok = _send(node, R.MSG_TIER, RecordDict({R.CONFIG: ConfigRecord({"codes": ["topic=x", "topic=y"]})}))
-    assert ok.content.config_records[R.TIER]["tier"] == "weak"
-    assert ok.content.config_records[R.TIER]["vocabulary-ok"] is True
-    bad = _send(node, R.MSG_TIER, RecordDict({R.CONFIG: ConfigRecord({"codes": ["topic=x"]})}))
-    assert bad.content.config_records[R.TIER]["vocabulary-ok"] is False
-    assert "topic=y" not in repr(bad.content)
+    assert dict(ok.content.config_records[R.TIER]) == {"tier": "weak", "epsilon-budget": 8.0}
 
 
 def test_profile_is_released_once_per_run_and_then_refused(csv_path, tmp_path):
@@ -65,30 +61,38 @@ def test_train_on_a_weak_node_is_a_config_error(csv_path, tmp_path):
 
 def test_bad_vote_requests_are_refused_before_any_budget_is_spent(csv_path, tmp_path):
     node = _node(csv_path, tmp_path)
+    vocab = ["topic=x", "topic=y"]
     bad_len = RecordDict({R.CANDIDATES: ConfigRecord({"texts": ["a", "b"], "codes": ["topic=x"]}),
-                          R.CONFIG: ConfigRecord({"num-votes": 2, "delta": 1e-5})})
+                          R.CONFIG: ConfigRecord({"codes": vocab, "num-votes": 2, "delta": 1e-5})})
     assert _send(node, R.MSG_VOTE, bad_len).error.code == ERR_CONFIG
     bad_delta = RecordDict({R.CANDIDATES: ConfigRecord({"texts": ["a"], "codes": ["topic=x"]}),
-                            R.CONFIG: ConfigRecord({"num-votes": 2, "delta": 2.0})})
-    assert _send(node, R.MSG_VOTE, bad_delta).error.code == ERR_CONFIG
+                            R.CONFIG: ConfigRecord({"codes": vocab, "num-votes": 2, "delta": 2.0})})
+    assert _send(node, R.MSG_VOTE, bad_delta).error.code == ERR_POLICY
+    bad_k = RecordDict({R.CANDIDATES: ConfigRecord({"texts": ["a"], "codes": ["topic=x"]}),
+                        R.CONFIG: ConfigRecord({"codes": vocab, "num-votes": 0, "delta": 1e-5})})
+    assert _send(node, R.MSG_VOTE, bad_k).error.code == ERR_CONFIG
     good = RecordDict({R.CANDIDATES: ConfigRecord({"texts": ["record about x", "y"], "codes": ["topic=x", "topic=y"]}),
-                       R.CONFIG: ConfigRecord({"num-votes": 2, "delta": 1e-5})})
+                       R.CONFIG: ConfigRecord({"codes": vocab, "num-votes": 2, "delta": 1e-5})})
     reply = _send(node, R.MSG_VOTE, good)
     assert not reply.has_error()
     assert len(R.read_vector(reply.content, R.VOTES)) == 2  # nothing was spent by the bad requests
 
 
 def test_node_config_epsilon_caps_the_run(csv_path, tmp_path):
-    rc = RunConfig(model="tiny-gpt2", dataset=csv_path, test_fraction=0.0, epsilon=8.0).to_flower()
-    node = client_node(app, 5, {"tier": "weak", "data-path": csv_path, "state-dir": str(tmp_path),
-                                "epsilon": 4.0}, rc)
-    reply = _send(node, R.MSG_PROFILE, _profile_request(["topic=x", "topic=y"]))
-    assert reply.content.config_records[R.RELEASE]["epsilon-budget"] == 4.0
+    nc = {"tier": "weak", "data-path": csv_path, "state-dir": str(tmp_path), "epsilon": 4.0}
+    over = RunConfig(model="tiny-gpt2", dataset=csv_path, test_fraction=0.0, epsilon=8.0).to_flower()
+    refused = _send(client_node(app, 5, nc, over), R.MSG_PROFILE, _profile_request(["topic=x", "topic=y"]))
+    assert refused.has_error() and refused.error.code == ERR_POLICY and "epsilon=4" in refused.error.reason
+    within = RunConfig(model="tiny-gpt2", dataset=csv_path, test_fraction=0.0, epsilon=4.0,
+                       epsilon_profile=1.0).to_flower()
+    reply = _send(client_node(app, 5, nc, within), R.MSG_PROFILE, _profile_request(["topic=x", "topic=y"]))
+    rel = reply.content.config_records[R.RELEASE]
+    assert rel["epsilon-budget"] == 4.0 and rel["epsilon"] == 1.0
 
 
 def test_missing_tier_in_deployment_names_the_fix(csv_path, tmp_path):
     rc = RunConfig(model="tiny-gpt2", dataset=csv_path).to_flower()
-    node = client_node(app, 5, {"data-path": csv_path}, rc)
+    node = client_node(app, 5, {"data-path": csv_path, "epsilon": 8.0}, rc)
     reply = _send(node, R.MSG_PROFILE, _profile_request(["topic=x", "topic=y"]))
     assert reply.has_error() and 'tier="strong"' in reply.error.reason
 

@@ -8,7 +8,7 @@ from scipy import optimize, stats
 
 from common.dp import (
     analytic_gaussian_sigma, dpsgd_epsilon, dpsgd_noise_multiplier, gaussian_release, paper_delta,
-    split_budget, tight_epsilon,
+    gaussian_event, phase_epsilon, pld_epsilon, split_budget,
 )
 
 
@@ -72,14 +72,28 @@ def test_split_budget_is_appendix_b():
 
 def test_tight_accounting_is_below_basic_composition():
     d = 1e-5
-    releases = [
-        {"phase": "profile", "mechanism": "gaussian", "epsilon": 2.0, "sigma": analytic_gaussian_sigma(2.0, d, 1), "sensitivity": 1.0},
-        {"phase": "vote", "mechanism": "gaussian", "epsilon": 6.0, "sigma": analytic_gaussian_sigma(6.0, d, 2), "sensitivity": 2.0},
-    ]
-    tight = tight_epsilon(releases, 2 * d)
+    events = [gaussian_event(analytic_gaussian_sigma(2.0, d, 1), 1.0), gaussian_event(analytic_gaussian_sigma(6.0, d, 2), 2.0)]
+    tight = pld_epsilon(events, 2 * d)
     assert 0 < tight < 8.0
     # A single release: the PLD epsilon at the same delta is (up to discretisation) the release's.
-    assert tight_epsilon(releases[:1], d) == pytest.approx(2.0, abs=0.02)
+    assert pld_epsilon(events[:1], d) == pytest.approx(2.0, abs=0.02)
+    assert pld_epsilon([], d) == 0.0
+
+
+@pytest.mark.parametrize("tier,voters,expected", [
+    ("strong", "weak", {"train": 6.0, "profile": 2.0, "vote": 0.0}),
+    ("weak", "weak", {"train": 0.0, "profile": 2.0, "vote": 6.0}),
+    ("strong", "all", {"train": 3.0, "profile": 2.0, "vote": 3.0}),
+    ("weak", "all", {"train": 0.0, "profile": 2.0, "vote": 6.0}),
+])
+def test_phase_epsilon_sums_to_the_node_total(tier, voters, expected):
+    got = {p: phase_epsilon(8.0, 2.0, tier, voters, p) for p in expected}
+    assert got == expected and sum(got.values()) == 8.0
+
+
+def test_noise_calibration_refuses_zero_steps_instead_of_looping():
+    with pytest.raises(ValueError, match="steps >= 1"):
+        dpsgd_noise_multiplier(6.0, 1e-5, 0.1, 0)
 
 
 def test_paper_delta():

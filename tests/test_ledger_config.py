@@ -8,50 +8,113 @@ from common.config import ConfigError, RunConfig
 from common.ledger import BudgetExceeded, PrivacyLedger, Release
 
 
-def _rel(eps, phase="profile"):
-    return Release(phase=phase, mechanism="gaussian", epsilon=eps, delta=1e-5, sigma=1.0, sensitivity=1.0)
+def _rel(eps, phase="profile", run_id="1", **public):
+    public = public or {"sigma": 1.0, "sensitivity": 1.0}
+    return Release(phase=phase, mechanism="gaussian", epsilon=eps, delta=1e-5, run_id=run_id, public=public)
+
+
+def _release(led, rel, budget=math.inf, **kw):
+    entry = led.reserve(rel, budget, **kw)
+    led.confirm(entry)
+    return entry
 
 
 def test_ledger_persists_and_refuses_past_budget(tmp_path):
-    led = PrivacyLedger.open(tmp_path, "f" * 64, budget=8.0)
-    led.record(_rel(2.0))
-    led.record(_rel(6.0, "vote"))
-    assert led.spent() == 8.0 and led.remaining() == 0.0
-    again = PrivacyLedger.open(tmp_path, "f" * 64, budget=8.0)  # a node restart
+    led = PrivacyLedger.open(tmp_path, budget=8.0)
+    _release(led, _rel(2.0))
+    _release(led, _rel(6.0, "vote"))
+    assert led.spent() == 8.0 and led.remaining() == 0.0 and led.delta_spent() == pytest.approx(2e-5)
+    again = PrivacyLedger.open(tmp_path, budget=8.0)  # a node restart
     assert again.spent() == 8.0 and len(again.releases) == 2
     with pytest.raises(BudgetExceeded, match="0 left"):
-        again.record(_rel(0.5))
-    assert len(PrivacyLedger.open(tmp_path, "f" * 64, budget=8.0).releases) == 2  # nothing recorded
+        again.reserve(_rel(0.5), math.inf)
+    assert len(PrivacyLedger.open(tmp_path, budget=8.0).releases) == 2  # nothing recorded
 
 
-def test_a_new_budget_must_be_given_explicitly_and_is_logged(tmp_path):
-    PrivacyLedger.open(tmp_path, "a" * 64, budget=2.0).record(_rel(2.0))
-    led = PrivacyLedger.open(tmp_path, "a" * 64, budget=4.0)
-    led.record(_rel(2.0))
+def test_a_new_budget_is_recorded(tmp_path):
+    _release(PrivacyLedger.open(tmp_path, budget=2.0), _rel(2.0))
+    led = PrivacyLedger.open(tmp_path, budget=4.0)
+    _release(led, _rel(2.0, run_id="2"))
     assert led.spent() == 4.0
-    assert led._data["budget_changes"][0]["to"] == 4.0
+    assert led.summary()["budget_changes"][0]["to"] == 4.0
 
 
-def test_ledger_is_per_dataset(tmp_path):
-    PrivacyLedger.open(tmp_path, "a" * 64, budget=2.0).record(_rel(2.0))
-    assert PrivacyLedger.open(tmp_path, "b" * 64, budget=2.0).spent() == 0.0
+def test_one_ledger_per_node_whatever_the_data(tmp_path):
+    _release(PrivacyLedger.open(tmp_path, budget=2.0, data_fingerprint="a" * 64), _rel(2.0))
+    other = PrivacyLedger.open(tmp_path, budget=2.0, data_fingerprint="b" * 64)  # the data file changed
+    assert other.spent() == 2.0
+    assert [d["fingerprint"] for d in other.summary()["data"]] == ["a" * 64, "b" * 64]
+    assert PrivacyLedger.open(tmp_path, budget=2.0, ledger_id="second").spent() == 0.0  # an explicit other ledger
+
+
+def test_reservations_count_until_cancelled(tmp_path):
+    led = PrivacyLedger.open(tmp_path, budget=4.0)
+    crashed = led.reserve(_rel(2.0), math.inf)  # never confirmed: a crash between reserve and confirm
+    failed = led.reserve(_rel(2.0, "vote"), math.inf)
+    with pytest.raises(BudgetExceeded):
+        led.reserve(_rel(1.0, "vote"), math.inf)
+    led.cancel(failed, "clean failure")
+    assert led.spent() == 2.0
+    assert {r["id"]: r["status"] for r in led.releases} == {crashed: "reserved", failed: "cancelled"}
+
+
+def test_run_phase_and_step_budgets(tmp_path):
+    led = PrivacyLedger.open(tmp_path, budget=10.0)
+    _release(led, _rel(2.0), budget=2.0)
+    with pytest.raises(BudgetExceeded, match="this run's profile budget"):
+        led.reserve(_rel(0.1), 2.0)
+    _release(led, _rel(2.0, run_id="2"), budget=2.0)  # another run has its own share
+    step = Release(phase="train", mechanism="dp-sgd", epsilon=0.0, delta=0.0, run_id="1", public={"steps": 4})
+    _release(led, step, budget=6.0, steps=(4, 8))
+    _release(led, step, budget=6.0, steps=(4, 8))
+    with pytest.raises(BudgetExceeded, match="calibrated for 8 steps"):
+        led.reserve(step, 6.0, steps=(4, 8))
+    assert led.spent(run_id="1", phase="profile") == 2.0 and led.spent(phase="profile") == 4.0
 
 
 def test_non_private_release_refused_under_finite_budget(tmp_path):
-    led = PrivacyLedger.open(tmp_path, "c" * 64, budget=8.0)
+    led = PrivacyLedger.open(tmp_path, budget=8.0)
     with pytest.raises(BudgetExceeded, match="non-private"):
-        led.record(_rel(math.inf))
-    inf = PrivacyLedger.open(tmp_path / "x", "c" * 64, budget=math.inf)
-    inf.record(_rel(math.inf))
+        led.reserve(_rel(math.inf), math.inf)
+    inf = PrivacyLedger.open(tmp_path / "x", budget=math.inf)
+    _release(inf, _rel(math.inf))
     assert math.isinf(inf.spent())
 
 
-def test_spent_by_run_and_phase(tmp_path):
-    led = PrivacyLedger.open(tmp_path, "d" * 64, budget=10.0)
-    led.record(Release(phase="train", mechanism="dp-sgd", epsilon=1.5, delta=1e-5, run_id="1",
-                       noise_multiplier=1.0, sample_rate=0.1, steps=3))
-    led.record(_rel(2.0))
-    assert led.spent(run_id="1", phase="train") == 1.5 and led.spent(phase="profile") == 2.0
+def test_summary_pld_is_below_basic_and_counts_dpsgd(tmp_path):
+    from common.dp import analytic_gaussian_sigma
+
+    led = PrivacyLedger.open(tmp_path, budget=20.0)
+    for eps in (2.0, 6.0):
+        _release(led, _rel(eps, sigma=analytic_gaussian_sigma(eps, 1e-5, 1.0), sensitivity=1.0, run_id=str(eps)))
+    entry = led.reserve(Release(phase="train", mechanism="dp-sgd", epsilon=6.0, delta=1e-5, run_id="t",
+                                public={"steps": 24}), 6.0, steps=(24, 24))
+    led.confirm(entry, {"noise_multiplier": 0.63, "sample_rate": 0.03, "steps": 24})
+    summary = led.summary()
+    assert summary["epsilon_spent"] == 14.0 and summary["delta_spent"] == pytest.approx(3e-5)
+    assert 0 < summary["epsilon_pld"] < 14.0
+
+
+def test_reset_is_an_operator_act_with_a_reason(tmp_path):
+    from common.ledger import reset_ledger
+
+    _release(PrivacyLedger.open(tmp_path, budget=8.0), _rel(2.0))
+    with pytest.raises(ValueError, match="reason"):
+        reset_ledger(tmp_path, "  ")
+    archive = reset_ledger(tmp_path, "new data export 2026-11")
+    led = PrivacyLedger.open(tmp_path, budget=8.0)
+    assert led.spent() == 0.0 and archive.exists()
+    assert led.summary()["resets"][0]["reason"] == "new data export 2026-11"
+    assert led.summary()["resets"][0]["previous_epsilon_spent"] == 2.0
+
+
+def test_format_1_ledgers_are_carried_over(tmp_path):
+    import json
+
+    old = {"fingerprint": "f" * 64, "budget": 8.0, "releases": [
+        {"phase": "profile", "mechanism": "gaussian", "epsilon": 2.0, "delta": 1e-5, "run_id": "9"}]}
+    (tmp_path / f"ledger-{'f' * 16}.json").write_text(json.dumps(old))
+    assert PrivacyLedger.open(tmp_path, budget=8.0).spent() == 2.0
 
 
 def test_default_config_is_valid_and_round_trips():
@@ -87,4 +150,4 @@ def test_invalid_config_names_key_value_and_allowed(key, value, fragment):
 def test_inf_epsilon_and_paper_delta():
     cfg = RunConfig.from_flower({"epsilon": "inf", "delta": "paper"})
     assert not cfg.private and math.isinf(cfg.budget().main)
-    assert cfg.resolve_delta(10) == pytest.approx(1 / (20 * math.log(10)))
+    assert cfg.resolve_delta(num_records=10) == pytest.approx(1 / (20 * math.log(10)))

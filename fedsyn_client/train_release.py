@@ -1,0 +1,103 @@
+"""One phase-1 round on a strong node as a mechanism of the release path (A.3 with DP-SGD).
+
+Privacy accounting of phase 1, chosen so that nothing the server sees depends on |D|:
+
+- The noise multiplier is calibrated once for the run's whole phase 1 (R rounds x tau steps
+  at q = B/|D|) to meet this run's epsilon_train, and the Opacus accountant's state is kept
+  in the ledger between rounds (restored with ``load_state_dict``).
+- The ledger *reserves* the whole epsilon_train (and its delta) at the first round and
+  charges 0 to later rounds, which are bounded by the step budget R x tau instead. The
+  per-round increments of the RDP epsilon depend on q, i.e. on |D|, so stating them would
+  tell the server the record count; the reservation is data-independent and never
+  under-counts (a run stopped after round 1 is charged the whole phase).
+- Before training, the accountant's epsilon after this round is checked against the
+  reservation (it can only exceed it if the data changed between rounds).
+- q, the noise multiplier and the accountant's epsilon go to the node's ledger only.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from flwr.app import ArrayRecord
+
+from common import records as R
+from common.config import RunConfig
+from common.data import TextData
+from common.dp import DPSGD, dpsgd_epsilon, dpsgd_noise_multiplier
+from common.ledger import BudgetExceeded
+from common.logs import get_logger
+from fedsyn_client.release import Mechanism, Output, Request
+
+log = get_logger(__name__)
+_TOL = 1e-6
+
+
+class DpSgdRound(Mechanism):
+    """tau DP-SGD steps on the node's records from the global weights in ``arrays``."""
+
+    name = DPSGD
+
+    def __init__(self, cfg: RunConfig, records: TextData, arrays: ArrayRecord, state: dict[str, Any],
+                 node_id: int) -> None:
+        self.cfg, self.records, self.arrays, self.node_id = cfg, records, arrays, node_id
+        self.state = state  # this run's accountant state from the ledger ({} before round 1)
+        self.total_steps = cfg.num_server_rounds * cfg.local_steps
+
+    @property
+    def first_round(self) -> bool:
+        """True when this run has not trained on this node yet."""
+        return not self.state.get("history")
+
+    def cost(self, request: Request) -> tuple[float, float]:  # noqa: D102
+        if not self.cfg.private:
+            return math.inf, request.delta
+        return (request.phase_budget, request.delta) if self.first_round else (0.0, 0.0)
+
+    def public(self, request: Request) -> dict[str, Any]:  # noqa: D102
+        return {"steps": self.cfg.local_steps, "max_grad_norm": self.cfg.max_grad_norm,
+                "covers": f"phase 1: {self.cfg.num_server_rounds} rounds x {self.cfg.local_steps} steps"}
+
+    def steps(self, request: Request) -> tuple[int, int]:  # noqa: D102
+        return self.cfg.local_steps, self.total_steps
+
+    def release(self, request: Request) -> Output:  # noqa: D102
+        from common.models import load_generator
+        from common.weights import load_trainable_state, prepare_model
+        from fedsyn_client.training import TrainSettings, dp_train
+
+        cfg = self.cfg
+        history = [list(h) for h in self.state.get("history", [])]
+        q = min(1.0, cfg.batch_size / len(self.records))
+        delta = float(self.state.get("delta", request.delta))
+        if cfg.private:
+            nm = float(self.state.get("noise_multiplier") or
+                       dpsgd_noise_multiplier(request.phase_budget, delta, q, self.total_steps))
+            after = dpsgd_epsilon(history + [[nm, q, cfg.local_steps]], delta)
+            if after > request.phase_budget + _TOL:
+                raise BudgetExceeded(f"train: refused, this round would take phase 1 to epsilon = {after:.4g}, "
+                                     f"above the reserved {request.phase_budget:g} (did the data change?)")
+        else:
+            nm = 0.0
+        model, tokenizer = load_generator(cfg.model, seed=cfg.seed)
+        model = prepare_model(model, cfg.finetune, cfg.lora_rank, seed=cfg.seed)
+        load_trainable_state(model, R.state_from_arrays(self.arrays))
+        settings = TrainSettings(
+            local_steps=cfg.local_steps, batch_size=cfg.batch_size, learning_rate=cfg.learning_rate,
+            max_length=cfg.max_length, max_grad_norm=cfg.max_grad_norm, noise_multiplier=nm,
+            private=cfg.private, seed=cfg.seed * 100_003 + request.round * 101 + int(self.node_id % 100_000),
+        )
+        result = dp_train(model, tokenizer, self.records.texts, self.records.codes, settings, delta, history)
+        # The local loss is an un-noised statistic of the records: it stays in this log.
+        log.info("round %d: %d DP-SGD steps, local loss %.4f, phase-1 epsilon so far %.4g of %.4g",
+                 request.round, result.steps, result.mean_loss, result.epsilon, request.phase_budget)
+        private = {"noise_multiplier": nm, "sample_rate": q, "steps": result.steps,
+                   "epsilon_accountant": result.epsilon if cfg.private else math.inf}
+        state = {"history": result.accountant_history, "mechanism": "rdp", "noise_multiplier": nm, "delta": delta}
+        return Output(result.state, private=private, accountant=(run_key(request.run_id), state))
+
+
+def run_key(run_id: str) -> str:
+    """The ledger key of a run's DP-SGD accountant state."""
+    return f"run-{run_id}"

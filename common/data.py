@@ -9,7 +9,7 @@
 - ``partition`` / ``parse_partitioning``: simulated nodes (``iid``, ``dirichlet:<alpha>``,
   and the paper's non-IID ``strong-codes:<code>,...``) with flwr-datasets partitioners.
 - ``load_node_data``: a deployed node's own file.
-- ``dataset_fingerprint``: an order-independent hash that keys a node's privacy ledger.
+- ``dataset_fingerprint``: an order-independent hash of the records (logged in the ledger, caches).
 
 Heavy libraries (``datasets``, ``flwr_datasets``, ``scikit-learn``) are imported inside
 the functions that need them: a weak node that only reads its CSV should not pay for them.
@@ -589,8 +589,9 @@ def _dirichlet_split(codes: list[str], n: int, alpha: float, seed: int) -> list[
 def dataset_fingerprint(data: TextData) -> str:
     """SHA-256 hex digest of the multiset of (code, text) records.
 
-    Order-independent (sorted per-record digests are hashed), so reshuffling a node's file
-    keeps its privacy ledger, while adding, removing or editing any record changes it.
+    Order-independent (sorted per-record digests are hashed): reshuffling a file keeps it,
+    adding, removing or editing any record changes it. The ledger only logs it (a node's
+    ledger is keyed by the node, never by its data).
     """
     digests = sorted(
         hashlib.sha256(json.dumps([c, t], ensure_ascii=False).encode("utf-8")).digest()

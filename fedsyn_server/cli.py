@@ -6,6 +6,8 @@ Subcommands:
   a synthetic set against real data; prints a table and writes ``metrics.json``.
 - ``fedsyn experiment grid.toml``: a grid of simulations (``fedsyn_server.experiment``),
   resumable, with results.csv, results.md and plots.
+- ``fedsyn ledger STATE_DIR``: a node's privacy ledger (budget, spent, every release), for
+  the institution's operator; ``--reset --reason ...`` starts over, recorded.
 
 ``main(argv)`` returns the exit code (0 ok, 2 bad input), so it can be called from Python
 and tests; new subcommands register a parser in ``build_parser`` and a handler.
@@ -102,12 +104,76 @@ def _run_experiment(args: argparse.Namespace) -> int:
     return 0 if missing == 0 else 1
 
 
+def _add_ledger(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "ledger", help="show (or reset) a node's privacy ledger",
+        description="What this node's records have spent: budget, epsilon by basic composition and by a "
+                    "PLD accountant at the cumulative delta, and every release. Run it on the node.",
+    )
+    p.add_argument("state_dir", help="the node's state-dir (node-config state-dir; default ~/.fedsyn/state)")
+    p.add_argument("--ledger-id", default="", help="the node-config ledger-id, if the node sets one")
+    p.add_argument("--json", action="store_true", help="print the whole ledger summary as JSON")
+    p.add_argument("--reset", action="store_true",
+                   help="archive the ledger and start an empty one (e.g. new data); needs --reason")
+    p.add_argument("--reason", default="", help="why the ledger is reset (kept in the new ledger)")
+    p.set_defaults(handler=_run_ledger)
+
+
+def _run_ledger(args: argparse.Namespace) -> int:
+    import json
+
+    from common.ledger import PrivacyLedger, ledger_path, reset_ledger
+
+    if args.reset:
+        archive = reset_ledger(args.state_dir, args.reason, args.ledger_id)
+        print(f"ledger reset; the old one is archived at {archive}")
+        return 0
+    path = ledger_path(args.state_dir, args.ledger_id)
+    if not path.exists():
+        raise FileNotFoundError(f"no ledger at {path} (is {args.state_dir} the node's state-dir?)")
+    summary = PrivacyLedger(path).summary()
+    print(json.dumps(summary, indent=2) if args.json else format_ledger(summary))
+    return 0
+
+
+def format_ledger(summary: dict) -> str:
+    """A node's ledger summary as a readable table."""
+    lines = [
+        f"ledger           {summary['ledger']}",
+        f"budget           epsilon = {summary['budget']:g}",
+        f"spent            epsilon = {summary['epsilon_spent']:.4g} (basic composition), "
+        f"{summary['epsilon_pld']:.4g} (PLD at delta = {summary['delta_spent']:.3g})",
+        f"remaining        epsilon = {summary['epsilon_remaining']:.4g}",
+        f"delta spent      {summary['delta_spent']:.3g}",
+    ]
+    for change in summary["budget_changes"]:
+        lines.append(f"budget change    {change['from']:g} -> {change['to']:g} at {_when(change['time'])}")
+    for reset in summary["resets"]:
+        lines.append(f"reset            {_when(reset['time'])}: {reset['reason']} "
+                     f"(previously spent {reset['previous_epsilon_spent']:.4g})")
+    header = f"{'time':19}  {'run':>20}  {'phase':8} {'round':>5}  {'mechanism':9} {'epsilon':>8} {'delta':>8}  status"
+    lines += ["", header, "-" * len(header)]
+    for r in summary["releases"]:
+        lines.append(f"{_when(r.get('time', 0)):19}  {str(r['run_id'])[-20:]:>20}  {r['phase']:8} {r['round']:>5}  "
+                     f"{r['mechanism']:9} {float(r['epsilon']):8.4g} {float(r['delta']):8.2g}  {r['status']}")
+    if not summary["releases"]:
+        lines.append("(no releases)")
+    return "\n".join(lines)
+
+
+def _when(t: float) -> str:
+    import time
+
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(t)))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``fedsyn`` parser with one subparser per subcommand."""
     parser = argparse.ArgumentParser(prog="fedsyn", description="fedsyn: federated DP synthetic text")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_evaluate(subparsers)
     _add_experiment(subparsers)
+    _add_ledger(subparsers)
     return parser
 
 

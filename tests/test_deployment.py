@@ -72,17 +72,17 @@ def _write_csv(path: Path, offset: int, n: int = 40) -> list[str]:
     texts = []
     with path.open("w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["text", "topic"])
+        writer.writerow(["text", "topic", "source"])
         for i in range(n):
             topic = "abc"[i % 3]
             text = TOPICS[topic][(i // 3) % 3].format(offset + i)
-            writer.writerow([text, topic])
+            writer.writerow([text, topic, "wire" if i % 2 else "desk"])
             texts.append(text)
     return texts
 
 
 def _ledger(state_dir: Path) -> dict:
-    files = sorted(state_dir.glob("ledger-*.json"))
+    files = sorted(state_dir.glob("ledger*.json"))
     assert len(files) == 1, f"expected one ledger in {state_dir}, found {files}"
     return json.loads(files[0].read_text())
 
@@ -278,7 +278,34 @@ def test_deployment_two_supernodes_then_budget_refusal(deployment):
         assert _spent(after) <= EPSILON + 1e-6
         assert not [r for r in after["releases"] if r["run_id"] == status2["run-id"]]
 
-    # The nodes survive a failed run (they keep serving).
+    # ---- runs 3-5: a curious operator widens the request; each node's policy refuses at stage 0
+    attacks = {
+        "columns": {"control-columns": "topic,source", "control-codes": ""},  # another view of the same records
+        "epsilon": {"epsilon": 1000.0},  # a raised budget
+        "delta": {"delta": "0.5"},  # a large delta
+    }
+    for what, over in attacks.items():
+        code3, output3, status3 = dep.run({**TINY, "dataset": str(public), "out-dir": str(out),
+                                           "run-name": f"attack-{what}", **over})
+        diag3 = output3[-4000:] + "\n" + dep.diagnostics()
+        assert code3 != 0 or status3.get("status") == "finished:failed", f"{what}: {status3}\n{diag3}"
+        assert output3.count("refused by the node's policy") >= 2, f"{what}\n{diag3}"
+        assert "no usable node answered the tier query" in output3 + status3.get("status-details", ""), diag3
+
+    # The institution's view: `fedsyn ledger` on each node's state-dir.
+    for name, node in dep.nodes.items():
+        after = _ledger(node["state"])
+        assert after["releases"] == ledgers[name]["releases"], f"{name}'s ledger grew: {after}"
+        shown = subprocess.run([str(BIN / "fedsyn"), "ledger", str(node["state"]), "--json"], capture_output=True,
+                               text=True, timeout=60, check=True)
+        summary = json.loads(shown.stdout)
+        assert summary["budget"] == EPSILON and 0 < summary["epsilon_spent"] <= EPSILON + 1e-6, summary
+        assert summary["epsilon_pld"] <= summary["epsilon_spent"] + 1e-9
+        table = subprocess.run([str(BIN / "fedsyn"), "ledger", str(node["state"])], capture_output=True, text=True,
+                               timeout=60, check=True).stdout
+        assert f"budget           epsilon = {EPSILON:g}" in table and str(run_id)[-8:] in table
+
+    # The nodes survive failed and refused runs (they keep serving).
     for name, proc in dep.procs.items():
         assert proc.poll() is None, f"{name} exited\n{diag2}"
 

@@ -12,15 +12,16 @@ from fedsyn_server.flwr_runner import run_app
 
 # What each reply may carry: record key -> (kind, allowed value keys)
 ALLOWED = {
-    "query.tier": {"tier": ("config", {"tier", "vocabulary-ok", "epsilon-budget"})},
-    "train": {"arrays": ("array", None), "metrics": ("metric", {"weight", "steps", "epsilon-train"}),
-              "release": ("config", None)},
+    "query.tier": {"tier": ("config", {"tier", "epsilon-budget"})},
+    "train": {"arrays": ("array", None), "metrics": ("metric", {"weight", "steps"}), "release": ("config", None)},
     "query.profile": {"profile": ("metric", {"profile"}), "release": ("config", None)},
     "query.vote": {"votes": ("metric", {"votes"}), "release": ("config", None)},
+    "query.ledger": {"ledger": ("config", {"releases", "epsilon-spent", "epsilon-budget", "epsilon-run"})},
 }
-RELEASE_KEYS = {"phase", "mechanism", "epsilon", "delta", "run_id", "round", "sigma", "sensitivity",
-                "noise_multiplier", "sample_rate", "steps", "max_grad_norm", "time",
-                "epsilon-spent", "epsilon-budget"}
+# A release statement: nothing from which the record count follows (no sampling rate, noise
+# multiplier, accountant epsilon or count), no time stamp.
+RELEASE_KEYS = {"phase", "mechanism", "epsilon", "delta", "run_id", "round", "sigma", "sensitivity", "histogram",
+                "steps", "max_grad_norm", "covers", "epsilon-spent", "epsilon-budget"}
 
 
 @pytest.mark.flwr
@@ -68,6 +69,9 @@ def test_no_canary_or_record_text_leaves_any_node(tmp_path, monkeypatch):
             prof = ln["records"]["profile"]["values"]["profile"]
             assert len(prof) == 3 and all(isinstance(v, float) for v in prof)
             assert any(v != round(v) for v in prof)  # noised
+        if ln["message_type"] == "query.ledger":
+            for statement in json.loads(ln["records"]["ledger"]["values"]["releases"]):
+                assert set(statement) <= RELEASE_KEYS | {"status"}, statement
         if ln["message_type"] == "query.vote":
             assert len(ln["records"]["votes"]["values"]["votes"]) == pool_size
         if ln["message_type"] == "train":

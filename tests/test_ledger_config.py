@@ -151,3 +151,22 @@ def test_inf_epsilon_and_paper_delta():
     cfg = RunConfig.from_flower({"epsilon": "inf", "delta": "paper"})
     assert not cfg.private and math.isinf(cfg.budget().main)
     assert cfg.resolve_delta(num_records=10) == pytest.approx(1 / (20 * math.log(10)))
+
+
+def test_fedsyn_ledger_command_shows_and_resets(tmp_path, capsys):
+    import json
+
+    from fedsyn_server.cli import main
+
+    led = PrivacyLedger.open(tmp_path, budget=8.0)
+    _release(led, _rel(2.0, run_id="42"))
+    assert main(["ledger", str(tmp_path)]) == 0
+    table = capsys.readouterr().out
+    assert "epsilon = 8" in table and "remaining        epsilon = 6" in table and "profile" in table
+    assert main(["ledger", str(tmp_path), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["epsilon_spent"] == 2.0 and summary["releases"][0]["run_id"] == "42"
+    assert main(["ledger", str(tmp_path), "--reset"]) == 2  # a reset needs a reason
+    assert main(["ledger", str(tmp_path), "--reset", "--reason", "new export"]) == 0
+    assert PrivacyLedger.open(tmp_path, budget=8.0).spent() == 0.0
+    assert main(["ledger", str(tmp_path / "nowhere")]) == 2

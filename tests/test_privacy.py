@@ -56,7 +56,8 @@ def test_vote_noise_through_the_handler_has_sigma_for_sqrt_k(dataset, tmp_path):
     cands = [f"{base} synthetic {j}" for base in TOPICS.values() for j in range(4)]
     codes = [f"topic={t}" for t in TOPICS for _ in range(4)]
     content = RecordDict({R.CANDIDATES: ConfigRecord({"texts": cands, "codes": codes}),
-                          R.CONFIG: ConfigRecord({"num-votes": 3, "delta": 1e-5})})
+                          R.CONFIG: ConfigRecord({"codes": [f"topic={t}" for t in TOPICS], "num-votes": 3,
+                                                  "delta": 1e-5})})
     draws = []
     for run_id in range(300):
         node = client_node(client_app, 1, {"partition-id": 0, "num-partitions": 1,

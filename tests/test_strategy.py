@@ -35,13 +35,13 @@ def run_config(dataset: str, **over) -> dict:
     return cfg
 
 
-def nodes_for(rc: dict, n: int, state_dir=None) -> dict:
+def nodes_for(rc: dict, n: int, state_dir=None, run_id: int = 7) -> dict:
     out = {}
     for pid in range(n):
         nc = {"partition-id": pid, "num-partitions": n}
         if state_dir is not None:
             nc["state-dir"] = str(state_dir / f"node{pid}")
-        out[100 + pid] = client_node(client_app, 100 + pid, nc, rc)
+        out[100 + pid] = client_node(client_app, 100 + pid, nc, rc, run_id=run_id)
     return out
 
 
@@ -87,7 +87,9 @@ def test_replies_carry_no_private_text(dataset, tmp_path):
     for reply in grid.replies:
         blob = repr(reply.content)
         assert not any(p in blob for p in private)
-        assert set(reply.content.config_records) <= {R.TIER, R.RELEASE}
+        assert set(reply.content.config_records) <= {R.TIER, R.RELEASE, R.LEDGER}
+        if R.RELEASE in reply.content.config_records:  # nothing from which |D| follows
+            assert not {"sample_rate", "noise_multiplier", "num_examples"} & set(reply.content.config_records[R.RELEASE])
         for key, rec in reply.content.metric_records.items():
             assert key in {R.METRICS, R.PROFILE, R.VOTES}
             if key == R.PROFILE:
@@ -112,7 +114,7 @@ def test_second_run_on_spent_budget_is_refused_by_the_nodes(dataset, tmp_path):
     strategy, _, model = build_strategy(RunConfig.from_flower(rc))
     strategy.stable_seconds = 0.0
     with pytest.raises(RuntimeError, match="no node returned a profile"):
-        strategy.run(FakeGrid(nodes_for(rc, 3, tmp_path)), model.initial_arrays())
+        strategy.run(FakeGrid(nodes_for(rc, 3, tmp_path, run_id=8)), model.initial_arrays())
     # every node refused on its own ledger, and said how much budget is left
     refusals = [f for f in strategy.result.failures if "refused" in f["reason"] and "left" in f["reason"]]
     assert {(f["node_id"], f["phase"]) for f in refusals} >= {(100, "train"), (100, "profile"), (101, "profile")}

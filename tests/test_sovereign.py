@@ -1,0 +1,276 @@
+"""Issue 8 as attacks: a curious server's crafted requests and run configs against the real handlers.
+
+Each test is one finding of the issue, written as the attack; each failed on the main
+before sovereign nodes (the ledger keyed by a data fingerprint, delta from the server,
+no lock, the server's budget, a vocabulary yes/no, q in the reply, an endless calibration).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+
+from common import records as R
+from common.config import RunConfig
+from common.ledger import PrivacyLedger
+from fedsyn_client.client_app import ERR_BUDGET, ERR_CONFIG, ERR_POLICY, app
+from tests.fakes import FakeGrid, client_node, set_task_identity
+
+VOCAB = ["topic=x", "topic=y"]
+BUDGET = 3.0  # the institution's total epsilon
+
+
+def _csv(path: Path, n: int = 20, topics=("x", "y")) -> str:
+    rows = [{"text": f"record {i} of {path.stem} about {t}", "topic": t, "source": "wire"}
+            for i in range(n) for t in topics[i % len(topics):][:1]]
+    pd.DataFrame(rows).to_csv(path, index=False)
+    return str(path)
+
+
+@pytest.fixture
+def data(tmp_path) -> str:
+    return _csv(tmp_path / "records.csv")
+
+
+def _rc(data: str, **over) -> dict:
+    base = RunConfig(model="tiny-gpt2", dataset=data, test_fraction=0.0, epsilon=BUDGET, epsilon_profile=2.0,
+                     num_server_rounds=1, local_steps=2, batch_size=4, max_length=16).to_flower()
+    base.update(over)
+    return base
+
+
+def _node(data: str, state: Path, rc: dict, run_id: int, tier: str = "weak", **nc):
+    config = {"tier": tier, "data-path": data, "state-dir": str(state), "epsilon": BUDGET, **nc}
+    return client_node(app, 5, config, rc, run_id=run_id)
+
+
+def _ask(node, message_type: str, **conf) -> Message:
+    set_task_identity()
+    conf.setdefault("codes", VOCAB)
+    conf.setdefault("delta", 1e-5)
+    return node(Message(content=RecordDict({R.CONFIG: ConfigRecord(conf)}), message_type=message_type, dst_node_id=5))
+
+
+def _spent(state: Path) -> float:
+    return PrivacyLedger.open(state, budget=BUDGET).spent()
+
+
+def _fresh_process() -> None:
+    """What a new ClientApp process would see: no cached node."""
+    from fedsyn_client import node
+
+    node._policy.cache_clear()
+    node._open.cache_clear()
+
+
+# --------------------------------------------------------------------------- finding 1
+def test_changing_the_data_view_does_not_open_a_fresh_ledger(data, tmp_path):
+    state = tmp_path / "state"
+    assert not _ask(_node(data, state, _rc(data), run_id=1), R.MSG_PROFILE).has_error()
+    # The attack: the same records seen through other columns (or the same columns reordered).
+    for columns in ("topic,source", "source,topic"):
+        reply = _ask(_node(data, state, _rc(data, **{"control-columns": columns}), run_id=2), R.MSG_PROFILE)
+        assert reply.error.code == ERR_POLICY and "control-columns" in reply.error.reason
+    # A second run through the node's own view is refused by the budget left (3 - 2 = 1 < 2).
+    again = _ask(_node(data, state, _rc(data), run_id=3), R.MSG_PROFILE)
+    assert again.error.code == ERR_BUDGET and "left" in again.error.reason
+    assert _spent(state) == 2.0
+
+
+def test_appending_a_record_does_not_reset_the_budget(data, tmp_path):
+    state = tmp_path / "state"
+    assert not _ask(_node(data, state, _rc(data), run_id=1), R.MSG_PROFILE).has_error()
+    with open(data, "a") as f:
+        f.write("one more record about x,x,wire\n")
+    _fresh_process()
+    reply = _ask(_node(data, state, _rc(data), run_id=2), R.MSG_PROFILE)
+    assert reply.error.code == ERR_BUDGET
+    assert _spent(state) == 2.0 <= BUDGET
+    assert len(PrivacyLedger.open(state, budget=BUDGET).summary()["data"]) == 2  # the change is logged
+
+
+# --------------------------------------------------------------------------- finding 2
+@pytest.mark.parametrize("message_type,tier", [(R.MSG_PROFILE, "weak"), (R.MSG_TRAIN, "strong")])
+def test_the_server_cannot_raise_delta(data, tmp_path, message_type, tier):
+    state = tmp_path / "state"
+    node = _node(data, state, _rc(data), run_id=1, tier=tier)
+    set_task_identity()
+    content = RecordDict({R.CONFIG: ConfigRecord({"codes": VOCAB, "delta": 0.36, "server-round": 1}),
+                          R.ARRAYS: ArrayRecord()})
+    reply = node(Message(content=content, message_type=message_type, dst_node_id=5))
+    assert reply.error.code == ERR_POLICY and "delta" in reply.error.reason
+    assert _spent(state) == 0.0
+    # The institution may accept a larger delta on purpose; then it is used.
+    ok = _ask(_node(data, tmp_path / "s2", _rc(data), run_id=1, delta=0.01), R.MSG_PROFILE, delta=0.01)
+    assert ok.content.config_records[R.RELEASE]["delta"] == 0.01
+
+
+def test_paper_delta_counts_records_not_nodes(tmp_path):
+    from common.dp import paper_delta
+    from fedsyn_server.server_app import build_strategy
+
+    data = _csv(tmp_path / "public.csv", n=200)
+    strategy, bench, _ = build_strategy(RunConfig.from_flower(_rc(data, delta="paper")))
+    assert strategy.delta == paper_delta(len(bench.train)) < 1e-3  # 2 nodes would give 0.36
+
+
+# --------------------------------------------------------------------------- finding 3
+_WORKER = textwrap.dedent("""
+    import json, sys, time
+    from pathlib import Path
+    from flwr.app import ConfigRecord, Message, RecordDict
+    from common import records as R
+    from common.config import RunConfig
+    from fedsyn_client.client_app import app
+    from tests.fakes import client_node, set_task_identity
+
+    data, state, run_id, barrier = sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
+    rc = RunConfig(model="tiny-gpt2", dataset=data, test_fraction=0.0, epsilon=3.0,
+                   epsilon_profile=2.0).to_flower()
+    node = client_node(app, 5, {"tier": "weak", "data-path": data, "state-dir": state, "epsilon": 3.0}, rc,
+                       run_id=run_id)
+    set_task_identity()
+    ask = lambda t: node(Message(content=RecordDict({R.CONFIG: ConfigRecord(
+        {"codes": ["topic=x", "topic=y"], "delta": 1e-5})}), message_type=t, dst_node_id=5))
+    assert not ask(R.MSG_TIER).has_error()  # the node is set up and has read its ledger
+    (barrier / f"ready-{run_id}").touch()
+    while len(list(barrier.glob("ready-*"))) < 2:
+        time.sleep(0.01)
+    reply = ask(R.MSG_PROFILE)
+    print(json.dumps({"released": not reply.has_error()}))
+""")
+
+
+def test_two_concurrent_runs_cannot_both_pass_the_budget_check(data, tmp_path):
+    state, barrier = tmp_path / "state", tmp_path / "barrier"
+    barrier.mkdir()
+    root = Path(__file__).resolve().parents[1]
+    procs = [subprocess.Popen([sys.executable, "-c", _WORKER, data, str(state), str(run_id), str(barrier)],
+                              cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for run_id in (1, 2)]
+    try:
+        outs = [p.communicate(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    released = [json.loads(out.strip().splitlines()[-1])["released"] for out, err in outs]
+    assert sorted(released) == [False, True], outs  # budget 3 fits one profile of 2, not two
+    ledger = PrivacyLedger.open(state, budget=BUDGET)
+    assert ledger.spent() == 2.0 and len([r for r in ledger.releases if r["status"] == "confirmed"]) == 1
+
+
+# --------------------------------------------------------------------------- finding 4
+def test_the_server_cannot_set_or_raise_the_budget(data, tmp_path):
+    state = tmp_path / "state"
+    no_budget = client_node(app, 5, {"tier": "weak", "data-path": data, "state-dir": str(state)}, _rc(data), run_id=1)
+    reply = _ask(no_budget, R.MSG_TIER)
+    assert reply.error.code == ERR_CONFIG and "epsilon" in reply.error.reason and "node-config" in reply.error.reason
+    assert not state.exists()  # refused before a ledger (or a record) was touched
+    assert not _ask(_node(data, state, _rc(data), run_id=2), R.MSG_PROFILE).has_error()
+    for epsilon in (1000.0, "inf"):
+        raised = _ask(_node(data, state, _rc(data, epsilon=epsilon), run_id=3), R.MSG_PROFILE)
+        assert raised.error.code == ERR_POLICY and "budget" in raised.error.reason
+    ledger = PrivacyLedger.open(state, budget=BUDGET)
+    assert ledger.budget == BUDGET and not ledger.summary()["budget_changes"] and ledger.spent() == 2.0
+
+
+# --------------------------------------------------------------------------- finding 5
+def test_no_free_yes_no_about_which_codes_occur(tmp_path, caplog):
+    """Dropping a code from the vocabulary gets the same kind of answer whether or not a record has it."""
+    both, only_x = _csv(tmp_path / "both.csv"), _csv(tmp_path / "onlyx.csv", topics=("x",))
+    shapes = []
+    for data in (both, only_x):
+        for vocab in (VOCAB, ["topic=x"]):
+            state = tmp_path / f"s-{Path(data).stem}-{len(vocab)}"
+            tier = _ask(_node(data, state, _rc(data), run_id=1), R.MSG_TIER, codes=vocab)
+            prof = _ask(_node(data, state, _rc(data), run_id=1), R.MSG_PROFILE, codes=vocab)
+            assert not tier.has_error() and not prof.has_error()
+            shapes.append((vocab == VOCAB, dict(tier.content.config_records[R.TIER]),
+                           len(R.read_vector(prof.content, R.PROFILE)),
+                           sorted(prof.content.config_records[R.RELEASE].keys())))
+    assert shapes[0] == shapes[2] and shapes[1] == shapes[3]  # same answers with and without topic=y records
+    assert "10 of 20 records have a code outside the run's vocabulary" in caplog.text  # the node's own log
+    # A pinned vocabulary refuses any other, whatever the records hold.
+    for data in (both, only_x):
+        pinned = _ask(_node(data, tmp_path / "p", _rc(data), run_id=9, **{"control-codes": ",".join(VOCAB)}),
+                      R.MSG_TIER, codes=["topic=x"])
+        assert pinned.error.code == ERR_POLICY and "vocabulary" in pinned.error.reason
+
+
+# --------------------------------------------------------------------------- findings 6 and 7
+def _run_strategy(tmp_path, nodes_cfg: dict[int, tuple[str, str]], rc: dict, drop_vote_reply: int | None = None):
+    """The real strategy over a fake Grid with real ClientApp nodes (deployment-style configs)."""
+    from fedsyn_server.outputs import privacy_report
+    from fedsyn_server.server_app import build_strategy
+
+    nodes = {}
+    for nid, (tier, data) in nodes_cfg.items():
+        fn = client_node(app, nid, {"tier": tier, "data-path": data, "state-dir": str(tmp_path / f"state{nid}"),
+                                    "epsilon": 8.0}, rc, run_id=11)
+        if nid == drop_vote_reply:  # the node releases its vote, but the reply is lost on the way
+            fn = (lambda real: lambda m: None if m.metadata.message_type == R.MSG_VOTE and real(m) else real(m))(fn)
+        nodes[nid] = fn
+    set_task_identity()
+    cfg = RunConfig.from_flower(rc)
+    strategy, _, model = build_strategy(cfg)
+    strategy.stable_seconds = 0.0
+    grid = FakeGrid(nodes)
+    res = strategy.run(grid, model.initial_arrays())
+    return res, privacy_report(cfg, res), grid
+
+
+def test_the_report_does_not_reveal_record_counts(tmp_path):
+    public = _csv(tmp_path / "public.csv", n=30)
+    small, large = _csv(tmp_path / "small.csv", n=12), _csv(tmp_path / "large.csv", n=60)
+    rc = _rc(public, epsilon=8.0, **{"num-server-rounds": 2, "control-codes": ",".join(VOCAB), "num-synthetic": 8,
+                                     "max-new-tokens": 4, "test-fraction": 0.1, "num-votes": 2})
+    res, report, grid = _run_strategy(tmp_path, {1: ("strong", small), 2: ("strong", large),
+                                                 3: ("weak", small), 4: ("weak", large)}, rc)
+    assert not res.failures
+    entries = {n["node_id"]: n for n in report["nodes"]}
+    for a, b in ((1, 2), (3, 4)):
+        strip = lambda e: {k: v for k, v in e.items() if k != "node_id"}  # noqa: E731
+        assert strip(entries[a]) == strip(entries[b])  # 12 vs 60 records: nothing tells them apart
+    for reply in grid.replies:  # nor anything the server received
+        for key in (R.RELEASE, R.LEDGER):
+            if key in reply.content.config_records:
+                text = json.dumps(dict(reply.content.config_records[key]))
+                assert "sample_rate" not in text and "noise_multiplier" not in text
+    # finding 7: the report's delta is the sum of each release's delta as the node stated it
+    strong = entries[1]
+    assert [r["phase"] for r in strong["releases"]] == ["train", "train", "profile"]
+    assert strong["delta"] == pytest.approx(sum(r["delta"] for r in strong["releases"])) == pytest.approx(2e-5)
+    assert strong["epsilon_spent"] == pytest.approx(8.0) and strong["epsilon_pld"] <= 8.0
+
+
+def test_a_release_whose_reply_was_lost_is_in_the_report(tmp_path):
+    public = _csv(tmp_path / "public.csv", n=30)
+    rc = _rc(public, epsilon=8.0, **{"num-server-rounds": 0, "control-codes": ",".join(VOCAB), "num-synthetic": 8,
+                                     "max-new-tokens": 4, "num-votes": 2})
+    res, report, _ = _run_strategy(tmp_path, {1: ("strong", public), 2: ("weak", public)}, rc, drop_vote_reply=2)
+    weak = next(n for n in report["nodes"] if n["node_id"] == 2)
+    assert (2, "vote") in {(f["node_id"], f["phase"]) for f in res.failures}
+    assert weak["source"] == "node ledger"
+    assert [r["phase"] for r in weak["releases"]] == ["profile", "vote"] and weak["epsilon_spent"] == 8.0
+
+
+def test_train_without_phase_1_is_refused_not_an_endless_calibration(data, tmp_path):
+    node = _node(data, tmp_path / "state", _rc(data, **{"num-server-rounds": 0}), run_id=1, tier="strong")
+    replies = []
+    set_task_identity()
+    content = RecordDict({R.CONFIG: ConfigRecord({"codes": VOCAB, "delta": 1e-5, "server-round": 1}),
+                          R.ARRAYS: ArrayRecord()})
+    worker = threading.Thread(target=lambda: replies.append(node(Message(content=content, message_type=R.MSG_TRAIN,
+                                                                         dst_node_id=5))), daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert replies, "the train handler did not answer within 60 s"
+    assert replies[0].error.code == ERR_CONFIG and "num-server-rounds = 0" in replies[0].error.reason

@@ -72,8 +72,8 @@ def _handler(fn: Callable[[Message, Context, Node, RunConfig], RecordDict]) -> C
 def tier(msg: Message, context: Context, node: Node, cfg: RunConfig) -> RecordDict:
     """Reply with this node's tier and budget once the run's view, vocabulary and delta are
     allowed by the policy. Nothing about the records: no yes/no on which codes occur."""
-    conf = msg.content.config_records[R.CONFIG]
-    node.policy.check_vocabulary(tuple(str(c) for c in conf["codes"]))
+    conf = msg.content.config_records[R.CONFIG] if R.CONFIG in msg.content.config_records else {}
+    node.policy.check_vocabulary(tuple(str(c) for c in conf.get("codes", [])))
     if "delta" in conf:
         node.policy.check_delta(conf["delta"])
     return R.tier_reply(node.tier, node.policy.epsilon)

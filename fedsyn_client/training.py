@@ -233,7 +233,7 @@ def _private_steps(model, optimizer, dataset, batch, settings, history, sampler_
             losses = _run(lambda t: _private_step(gsm, dp_optimizer, t), _cycle(loader), settings.local_steps, "DP-SGD")
     finally:
         gsm.to_standard_module()  # remove hooks and grad-sample attributes: `model` is usable again
-    return losses, list(engine.accountant.history)
+    return losses, list(engine.accountant.state_dict()["history"])
 
 
 def _private_step(gsm, dp_optimizer, tensors) -> float:

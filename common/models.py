@@ -184,10 +184,12 @@ def load_generator(
     """
     import torch
 
+    from common.devices import default_device
+
     canonical = resolve_generator(name)
     cache_key = str(Path(cache_dir or default_cache_dir()).expanduser()) if canonical == SMOLLM2 else None
     base_model, base_tok = _pristine_generator(canonical, cache_key, seed if canonical == TINY_GPT2 else 0)
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = device or default_device()
     model = copy.deepcopy(base_model).to(device=device, dtype=torch.float32).eval()
     tok = copy.deepcopy(base_tok)
     if tok.pad_token is None:

@@ -25,6 +25,7 @@ from flwr.app import ArrayRecord
 from common import records as R
 from common.config import RunConfig
 from common.data import TextData
+from common.devices import hidden_gpu_warning, model_device
 from common.dp import DPSGD, dpsgd_epsilon, dpsgd_noise_multiplier
 from common.ledger import BudgetExceeded
 from common.logs import get_logger
@@ -80,7 +81,11 @@ class DpSgdRound(Mechanism):
                                      f"above the reserved {request.phase_budget:g} (did the data change?)")
         else:
             nm = 0.0
+        warning = hidden_gpu_warning()
+        if warning:
+            log.warning("%s", warning)
         model, tokenizer = load_generator(cfg.model, seed=cfg.seed)
+        log.info("round %d: DP-SGD on %s", request.round, model_device(model))
         model = prepare_model(model, cfg.finetune, cfg.lora_rank, seed=cfg.seed)
         load_trainable_state(model, R.state_from_arrays(self.arrays))
         settings = TrainSettings(

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from tqdm.auto import tqdm
 
 from common.codes import code_prompt
+from common.devices import to_device
 from common.dp import dpsgd_epsilon
 from common.logs import get_logger
 from common.weights import trainable_state
@@ -268,8 +269,7 @@ def _plain_steps(model, optimizer, dataset, batch, settings, generator):
 def _loss(model, tensors) -> float:
     """Forward and backward on one non-empty batch; returns the loss."""
     width = max(int(tensors[1].sum(dim=1).max()), 1)  # drop all-padding columns (right padding)
-    device = next(p for p in model.parameters() if p.requires_grad).device
-    input_ids, attention_mask, labels, position_ids = (t[:, :width].to(device) for t in tensors)
+    input_ids, attention_mask, labels, position_ids = to_device([t[:, :width] for t in tensors], model)
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).logits
     loss = conditional_lm_loss(logits, labels)
     loss.backward()

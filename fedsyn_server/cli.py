@@ -6,6 +6,8 @@ Subcommands:
   a synthetic set against real data; prints a table and writes ``metrics.json``.
 - ``fedsyn experiment grid.toml``: a grid of simulations (``fedsyn_server.experiment``),
   resumable, with results.csv, results.md and plots.
+- ``fedsyn run [APP] [FEDERATION] [flwr run options]``: ``flwr run`` with the ClientApps
+  given the machine's GPUs in simulation (everything else passed through).
 - ``fedsyn ledger STATE_DIR``: a node's privacy ledger (budget, spent, every release), for
   the institution's operator; ``--reset --reason ...`` starts over, recorded.
 
@@ -104,6 +106,60 @@ def _run_experiment(args: argparse.Namespace) -> int:
     return 0 if missing == 0 else 1
 
 
+def _add_run(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "run", help="flwr run, with simulated ClientApps given the GPUs this machine has",
+        description="A thin wrapper over `flwr run`: every argument is passed through. On a machine with "
+                    "GPUs it adds client-resources-num-gpus / -num-cpus to --federation-config (unless you set "
+                    "them), so that strong nodes train on the GPU in simulation. --dry-run prints the command.",
+    )
+    p.add_argument("--dry-run", action="store_true", help="print the flwr command instead of running it")
+    p.add_argument("flwr_args", nargs=argparse.REMAINDER, help="arguments for `flwr run` (e.g. . --stream)")
+    p.set_defaults(handler=_run_flwr)
+
+
+def flwr_run_command(args: list[str], num_gpus: int, num_cpus: int) -> list[str]:
+    """The ``flwr run`` command for ``args`` with GPU client resources merged into
+    ``--federation-config`` (the user's own ``client-resources-*`` values win)."""
+    from common.devices import client_resources
+
+    args = list(args)
+    extra = client_resources(num_gpus, num_cpus)
+    for i, arg in enumerate(args):
+        if arg == "--federation-config" and i + 1 < len(args) or arg.startswith("--federation-config="):
+            inline = arg.startswith("--federation-config=")
+            value = arg.split("=", 1)[1] if inline else args[i + 1]
+            added = " ".join(f"{k}={v}" for k, v in extra.items() if k not in value)
+            merged = f"{value} {added}".strip()
+            if inline:
+                args[i] = f"--federation-config={merged}"
+            else:
+                args[i + 1] = merged
+            break
+    else:
+        if extra:
+            args += ["--federation-config", " ".join(f"{k}={v}" for k, v in extra.items())]
+    flwr = Path(sys.executable).with_name("flwr")
+    return [str(flwr) if flwr.exists() else "flwr", "run", *args]
+
+
+def _run_flwr(args: argparse.Namespace) -> int:
+    import os
+    import subprocess
+
+    import torch
+
+    from common.devices import gpu_on_machine
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else gpu_on_machine()
+    command = flwr_run_command(args.flwr_args, gpus, os.cpu_count() or 1)
+    print(f"fedsyn run: {gpus} GPU(s) on this machine; {' '.join(command)}", file=sys.stderr)
+    if args.dry_run:
+        print(" ".join(command))
+        return 0
+    return subprocess.run(command, check=False).returncode
+
+
 def _add_ledger(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "ledger", help="show (or reset) a node's privacy ledger",
@@ -174,6 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_evaluate(subparsers)
     _add_experiment(subparsers)
     _add_ledger(subparsers)
+    _add_run(subparsers)
     return parser
 
 

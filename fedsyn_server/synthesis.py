@@ -12,12 +12,24 @@ from common import records as R
 from common.codes import code_prompt, zero_shot_prompt
 from common.config import RunConfig
 from common.data import TextData
+from common.devices import to_device
 from common.models import load_generator
 from common.weights import load_trainable_state, prepare_model, trainable_state
 from fedsyn_server.generation import generate_texts
 
 log = get_logger("fedsyn")
 HELDOUT_EVAL_RECORDS = 64  # enough for a stable loss, ~5 s per round on CPU with SmolLM2
+
+
+def generation_batch_size(configured: int) -> int:
+    """Prompts per ``generate`` call: the configured value, or (0 = auto) 128 on CUDA, 16 on CPU.
+
+    Measured (issue 9): SmolLM2-135M on an H100 generates 342 tokens/s at batch 16 and 2,910
+    at batch 128; on 2 CPU cores larger batches only add padding and memory.
+    """
+    if configured > 0:
+        return configured
+    return 128 if torch.cuda.is_available() else 16
 
 
 class ServerModel:
@@ -45,7 +57,8 @@ class ServerModel:
         log.info("[phase 3] generating %d texts for %d codes", len(codes), sum(n > 0 for n in allocation.values()))
         texts = generate_texts(model, self.tokenizer, [self.prompt(c) for c in codes],
                                max_new_tokens=self.cfg.max_new_tokens, temperature=self.cfg.temperature,
-                               top_p=self.cfg.top_p, seed=self.cfg.seed)
+                               top_p=self.cfg.top_p, seed=self.cfg.seed,
+                               batch_size=generation_batch_size(self.cfg.generation_batch_size))
         return texts, codes
 
     def prompt(self, code: str) -> str:
@@ -71,7 +84,7 @@ class ServerModel:
         losses = []
         with torch.inference_mode():
             for i in range(0, len(sub), 16):
-                part = {k: v[i:i + 16] for k, v in batch.items()}
+                part = to_device({k: v[i:i + 16] for k, v in batch.items()}, model)
                 out = model(input_ids=part["input_ids"], attention_mask=part["attention_mask"],
                             position_ids=part["position_ids"])
                 losses.append(float(conditional_lm_loss(out.logits, part["labels"])) * part["labels"].shape[0])

@@ -12,3 +12,4 @@ def pytest_configure(config):
     # Deselect with `-m "not slow and not flwr"` for a quick run (about two minutes).
     config.addinivalue_line("markers", "slow: loads real model weights; takes tens of seconds")
     config.addinivalue_line("markers", "flwr: starts a real local SuperLink with `flwr run` (minutes)")
+    config.addinivalue_line("markers", "gpu: runs on CUDA; skipped where torch sees no GPU (`pytest -m gpu`)")

@@ -1,0 +1,157 @@
+"""Throughput of every model path on the device it runs on (CPU here, CUDA when present).
+
+Usage: python -m benchmarks.throughput [--model smollm2-135m] [--batch-size 8] [--steps 3]
+       [--max-length 64] [--generate 32] [--default-run] [--json out.json]
+
+Prints, for this device: DP-SGD and non-private training tokens/s (LoRA and full
+finetuning) and their ratio, generation tokens/s at the automatic batch size, embedding
+texts/s (MiniLM), and with ``--default-run`` the default run's phase times (one real
+``flwr run`` through ``fedsyn run``'s client resources). Training tokens are the padded
+B x L tokens a step processes; generation tokens are the new tokens actually produced.
+Training is timed over one call of ``--steps`` steps after a one-step warm-up call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+import torch
+
+from common.codes import code_prompt
+from common.devices import client_resources, default_device
+
+
+def bbc_records(n: int) -> tuple[list[str], list[str]]:
+    """The first ``n`` BBC News articles and their codes (the embedded default dataset)."""
+    from common.data import load_table, to_text_data
+
+    data = to_text_data(load_table("bbc-news"), "text", ["topic"])
+    return data.texts[:n], data.codes[:n]
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def train_throughput(model_name: str, finetune: str, private: bool, batch: int, steps: int,
+                     max_length: int) -> float:
+    """Training tokens/s (B x L per step): one call of ``steps`` steps, timed after a 1-step warm-up
+    call. q = 1 (the batch is all B records), so every step costs exactly B x L tokens; the
+    per-call setup (Opacus wrapping, tokenising) is included, as in a real round."""
+    from common.models import load_generator
+    from common.weights import prepare_model
+    from fedsyn_client.training import TrainSettings, dp_train
+
+    texts, codes = bbc_records(batch)
+    model, tok = load_generator(model_name)
+    model = prepare_model(model, finetune, 2, seed=0)
+
+    def run(n: int) -> float:
+        settings = TrainSettings(local_steps=n, batch_size=batch, learning_rate=1e-4, max_length=max_length,
+                                 max_grad_norm=1.0, noise_multiplier=1.0 if private else 0.0, private=private)
+        _sync()
+        t0 = time.perf_counter()
+        dp_train(model, tok, texts, codes, settings, 1e-5, [])
+        _sync()
+        return time.perf_counter() - t0
+
+    run(1)  # warm-up: allocation, kernels, grad samplers
+    return steps * batch * max_length / run(steps)
+
+
+def generation_throughput(model_name: str, prompts: int, max_new_tokens: int) -> tuple[float, int]:
+    """(new tokens/s, batch size) of generating ``prompts`` texts at the automatic batch size."""
+    from common.models import load_generator
+    from fedsyn_server.generation import generate_texts
+    from fedsyn_server.synthesis import generation_batch_size
+
+    model, tok = load_generator(model_name)
+    batch = generation_batch_size(0)
+    codes = [f"topic={t}" for t in ("business", "sport", "tech", "politics")]
+    ps = [code_prompt(codes[i % len(codes)]) for i in range(prompts)]
+    generate_texts(model, tok, ps[: min(4, prompts)], max_new_tokens=4, batch_size=batch, progress=False)  # warm-up
+    _sync()
+    t0 = time.perf_counter()
+    texts = generate_texts(model, tok, ps, max_new_tokens=max_new_tokens, batch_size=batch, progress=False)
+    _sync()
+    seconds = time.perf_counter() - t0
+    produced = sum(len(tok(t, add_special_tokens=False)["input_ids"]) for t in texts)
+    return produced / seconds, batch
+
+
+def embedding_throughput(n: int) -> float:
+    """MiniLM texts/s on ``n`` BBC articles (after a warm-up batch)."""
+    from common.models import embed, load_embedder
+
+    texts, _ = bbc_records(n)
+    embedder = load_embedder()
+    embed(embedder, texts[:16])
+    t0 = time.perf_counter()
+    embed(embedder, texts)
+    return n / (time.perf_counter() - t0)
+
+
+def default_run_phases() -> dict[str, float]:
+    """Phase times (s) of one default ``flwr run`` with the client resources ``fedsyn run`` sets."""
+    import os
+    import tempfile
+
+    from common.devices import gpu_on_machine
+    from fedsyn_server.flwr_runner import run_app
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else gpu_on_machine()
+    resources = client_resources(gpus, os.cpu_count() or 1)
+    fed = " ".join(f"{k}={v}" for k, v in resources.items()) or None
+    res = run_app({"out-dir": tempfile.mkdtemp(prefix="fedsyn-tp-"), "run-name": "default"},
+                  federation_config=fed, timeout=3600)
+    if not res.ok or res.run_dir is None:
+        raise RuntimeError(f"the default run failed: {res.status}\n{res.output[-3000:]}")
+    timings = json.loads((res.run_dir / "metrics.json").read_text())["timings_s"]
+    return {**{k: round(v, 1) for k, v in timings.items()}, "wall": round(res.seconds, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure and print the table; optionally write JSON."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--max-length", type=int, default=64)
+    ap.add_argument("--generate", type=int, default=32, help="texts to generate (64 new tokens each)")
+    ap.add_argument("--embed", type=int, default=256, help="texts to embed")
+    ap.add_argument("--default-run", action="store_true", help="also time one default flwr run")
+    ap.add_argument("--json", default=None, help="write the results here as JSON")
+    args = ap.parse_args(argv)
+
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)"
+    out: dict[str, Any] = {"device": device, "model": args.model, "batch_size": args.batch_size,
+                           "max_length": args.max_length, "torch": torch.__version__}
+    for finetune in ("lora", "full"):
+        for private in (True, False):
+            key = f"train_{finetune}_{'dp' if private else 'nondp'}_tokens_per_s"
+            out[key] = round(train_throughput(args.model, finetune, private, args.batch_size, args.steps,
+                                              args.max_length), 1)
+            print(f"{key}: {out[key]}", flush=True)
+        out[f"dp_over_nondp_{finetune}"] = round(out[f"train_{finetune}_nondp_tokens_per_s"]
+                                                 / out[f"train_{finetune}_dp_tokens_per_s"], 2)
+    tps, batch = generation_throughput(args.model, args.generate, 64)
+    out.update(generation_tokens_per_s=round(tps, 1), generation_batch_size=batch)
+    out["embedding_texts_per_s"] = round(embedding_throughput(args.embed), 1)
+    if args.default_run:
+        out["default_run_phases_s"] = default_run_phases()
+    print(f"\nthroughput on {device} ({default_device()}):")
+    for k, v in out.items():
+        print(f"  {k:34} {v}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

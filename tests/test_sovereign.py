@@ -274,3 +274,16 @@ def test_train_without_phase_1_is_refused_not_an_endless_calibration(data, tmp_p
     worker.join(timeout=60)
     assert replies, "the train handler did not answer within 60 s"
     assert replies[0].error.code == ERR_CONFIG and "num-server-rounds = 0" in replies[0].error.reason
+
+
+def test_per_phase_caps_and_a_policy_file(data, tmp_path):
+    policy = tmp_path / "policy.toml"
+    policy.write_text('tier = "weak"\nepsilon = 3.0\nmax-epsilon-profile = 1.0\n')
+    config = {"data-path": data, "state-dir": str(tmp_path / "state"), "policy-file": str(policy)}
+    capped = _ask(client_node(app, 5, config, _rc(data), run_id=1), R.MSG_PROFILE)  # the run asks 2 for profile
+    assert capped.error.code == ERR_POLICY and "max-epsilon-profile = 1" in capped.error.reason
+    within = _ask(client_node(app, 5, config, _rc(data, **{"epsilon-profile": 1.0}), run_id=2), R.MSG_PROFILE)
+    assert within.content.config_records[R.RELEASE]["epsilon"] == 1.0
+    bad = _ask(client_node(app, 5, {**config, "policy-file": str(tmp_path / "missing.toml")}, _rc(data), run_id=3),
+               R.MSG_TIER)
+    assert bad.error.code == ERR_CONFIG and "missing.toml" in bad.error.reason

@@ -106,6 +106,9 @@ def _open(policy: NodePolicy, sim_cfg: RunConfig | None) -> Node:
                                  f"{str(err)[:300]}") from None
     if len(data) == 0:
         raise NodeSetupError("this node has no records")
+    if policy.delta >= 1.0 / len(data):  # the node's own log only: the count never leaves
+        log.warning("delta = %g >= 1/%d records on this node: the guarantee is weak; set a smaller node-config delta",
+                    policy.delta, len(data))
     state_dir = policy.state_dir or str(Path.home() / ".fedsyn" / "state")
     ledger = PrivacyLedger.open(state_dir, policy.epsilon, policy.ledger_id, dataset_fingerprint(data))
     log.info("node ready: tier=%s records=%d budget=%s ledger=%s", policy.tier, len(data), policy.epsilon, ledger.path)

@@ -23,7 +23,7 @@ from common.ledger import BudgetExceeded
 from common.logs import get_logger
 from common.policy import PolicyRefused
 from fedsyn_client.audit import audit_mod
-from fedsyn_client.histograms import code_counts, vote_histogram
+from fedsyn_client.histograms import vote_histogram
 from fedsyn_client.node import Node, NodeSetupError, get_node
 from fedsyn_client.release import GaussianHistogram, read_request, release
 
@@ -108,7 +108,8 @@ def profile(msg: Message, context: Context, node: Node, cfg: RunConfig) -> Recor
     req = read_request(msg, context, node, cfg, PROFILE)
     records = node.records(req.vocabulary)
     # One record is in exactly one bucket: adding/removing it moves one count by 1.
-    mechanism = GaussianHistogram("code-counts", lambda: code_counts(records, req.vocabulary), 1.0)
+    # (records are restricted to the vocabulary, so every one is counted exactly once)
+    mechanism = GaussianHistogram("code-counts", lambda: records.code_counts(req.vocabulary), 1.0)
     noisy, statement = release(node, req, mechanism)
     return R.vector_reply(R.PROFILE, noisy, statement)
 

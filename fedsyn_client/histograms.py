@@ -1,6 +1,6 @@
 """The histograms a node releases with Gaussian noise, each with its L2 sensitivity.
 
-A vote request names a histogram; the node computes it on its own records and the one
+The profile is ``TextData.code_counts`` (L2 sensitivity 1). A vote request names a histogram; the node computes it on its own records and the one
 release path (``fedsyn_client.release``) adds noise at that sensitivity. A new refinement
 that needs another statistic registers it in ``VOTE_HISTOGRAMS`` with its sensitivity
 (and a test of that bound); it then gets the node's policy, ledger and noise for free.
@@ -9,7 +9,7 @@ that needs another statistic registers it in ``VOTE_HISTOGRAMS`` with its sensit
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -19,20 +19,6 @@ from common.data import TextData, dataset_fingerprint
 from fedsyn_client.voting import knn_votes
 
 Compute = Callable[[], np.ndarray]
-
-
-def code_counts(records: TextData, vocabulary: Sequence[str]) -> np.ndarray:
-    """Records per code of ``vocabulary`` (records are already restricted to it).
-
-    L2 sensitivity 1: adding or removing one record moves exactly one count by 1.
-    """
-    position = {code: j for j, code in enumerate(vocabulary)}
-    counts = np.zeros(len(vocabulary), dtype=np.float64)
-    for code in records.codes:
-        j = position.get(code)
-        if j is not None:
-            counts[j] += 1
-    return counts
 
 
 def knn_vote_histogram(records: TextData, texts: list[str], codes: list[str], params: Mapping[str, Any],

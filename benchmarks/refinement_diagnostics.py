@@ -34,7 +34,7 @@ from common.models import embed, load_embedder
 from fedsyn_server.evaluation import downstream_utility, label_agreement
 from fedsyn_server.experiment import summarise
 from fedsyn_server.outputs import save_figure
-from fedsyn_server.resampling import resample_by_code
+from strategies.resampling import resample_by_code
 
 FIELDS = ["method", "partitioning", "seed", "n_pool", "n_kept", "fidelity_pool", "fidelity_kept",
           "fidelity_dropped", "votes_auc", "votes_on_topic", "votes_off_topic", "accuracy_kept",

@@ -16,7 +16,7 @@ from common.dp import BudgetSplit, paper_delta, split_budget
 
 AGGREGATORS = ("fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "fedmedian", "fedtrimmedavg")
 FINETUNE_MODES = ("full", "lora")
-REFINEMENTS = ("knn-vote", "uniform", "none")
+REFINEMENTS = ("knn-vote", "uniform", "none", "pe", "popri")  # built-ins; or a class path
 PROMPTS = ("code", "zero-shot")
 VOTERS = ("weak", "all")
 
@@ -61,6 +61,10 @@ class RunConfig:
     prompt: str = "code"
     zero_shot_template: str = "Please generate a news article about {fields}:\n\n"
     refinement: str = "knn-vote"
+    refinement_rounds: int = 2  # pe, popri: vote rounds T (epsilon_vote split evenly)
+    popri_samples_per_prompt: int = 10  # POPri's J
+    popri_rejected_rank: int = 5  # POPri's l
+    popri_learning_rate: float = 1e-4
     voters: str = "weak"
     min_nodes: int = 0
     node_timeout: float = 3600.0
@@ -125,7 +129,13 @@ class RunConfig:
             ("top-p", 0 < self.top_p <= 1, "a float in (0, 1] (1 = plain sampling)"),
             ("prompt", self.prompt in PROMPTS, f"one of {list(PROMPTS)}"),
             ("zero-shot-template", "{fields}" in self.zero_shot_template, "a string containing {fields}"),
-            ("refinement", self.refinement in REFINEMENTS, f"one of {list(REFINEMENTS)}"),
+            ("refinement", self.refinement in REFINEMENTS or ":" in self.refinement,
+             f"one of {list(REFINEMENTS)} or a class path 'package.module:Class'"),
+            ("refinement-rounds", self.refinement_rounds >= 1, "an integer >= 1"),
+            ("popri-samples-per-prompt", self.popri_samples_per_prompt >= 2, "an integer >= 2"),
+            ("popri-rejected-rank", 2 <= self.popri_rejected_rank <= self.popri_samples_per_prompt,
+             f"an integer in [2, popri-samples-per-prompt={self.popri_samples_per_prompt}]"),
+            ("popri-learning-rate", 0 < self.popri_learning_rate < 1, "a float in (0, 1)"),
             ("voters", self.voters in VOTERS, f"one of {list(VOTERS)}"),
             ("min-nodes", self.min_nodes >= 0, "an integer >= 0 (0 = wait until the node count is stable)"),
             ("node-timeout", self.node_timeout > 0, "seconds > 0"),

@@ -6,7 +6,7 @@
 | ``train``         | arrays, config: codes, delta, server-round         | arrays, metrics: weight, steps; release    |
 | ``query.profile`` | config: codes, delta                               | profile: counts (noisy); release           |
 | ``query.vote``    | candidates: texts, codes; config: codes, delta,    | votes: votes (noisy); release              |
-|                   | num-votes, [histogram, epsilon-share]              |                                            |
+|                   | histogram, epsilon-share, server-round, [num-votes]|                                            |
 | ``query.ledger``  | config: codes                                      | ledger: this run's release statements      |
 
 Only noised statistics travel up. ``release`` is the node's *statement* of a release:

@@ -16,7 +16,7 @@ import numpy as np
 
 from common.config import ConfigError, RunConfig
 from common.data import TextData, dataset_fingerprint
-from fedsyn_client.voting import knn_votes
+from fedsyn_client.voting import knn_votes, similarity_scores
 
 Compute = Callable[[], np.ndarray]
 
@@ -27,18 +27,41 @@ def knn_vote_histogram(records: TextData, texts: list[str], codes: list[str], pa
     k = params.get("num-votes")
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ConfigError(f"num-votes = {k!r}; must be an integer >= 1")
+    # each record adds +1 to at most K distinct candidates: the L2 norm of its change is sqrt(K)
+    return _on_embeddings(records, texts, codes, cfg, lambda *emb: knn_votes(*emb, k)), math.sqrt(k)
+
+
+def nearest_neighbour_histogram(records: TextData, texts: list[str], codes: list[str], params: Mapping[str, Any],
+                                cfg: RunConfig) -> tuple[Compute, float]:
+    """Private Evolution's histogram: each record +1 to its nearest same-code candidate; sensitivity 1."""
+    return _on_embeddings(records, texts, codes, cfg, lambda *emb: knn_votes(*emb, 1)), 1.0
+
+
+def similarity_histogram(records: TextData, texts: list[str], codes: list[str], params: Mapping[str, Any],
+                         cfg: RunConfig) -> tuple[Compute, float]:
+    """POPri's scores: each record's clipped (norm <= 1) cosine similarities, summed; sensitivity 1."""
+    return _on_embeddings(records, texts, codes, cfg, similarity_scores), 1.0
+
+
+def _on_embeddings(records: TextData, texts: list[str], codes: list[str], cfg: RunConfig,
+                   fn: Callable[[np.ndarray, list[str], np.ndarray, list[str]], np.ndarray]) -> Compute:
+    """``fn(local embeddings, local codes, candidate embeddings, candidate codes)``, computed lazily
+    (after the ledger reservation)."""
 
     def compute() -> np.ndarray:
         from common.models import embed, load_embedder
 
-        return knn_votes(local_embeddings(records, cfg.embedder), records.codes,
-                         embed(load_embedder(cfg.embedder), texts), codes, k)
+        return fn(local_embeddings(records, cfg.embedder), records.codes, embed(load_embedder(cfg.embedder), texts), codes)
 
-    # each record adds +1 to at most K distinct candidates: the L2 norm of its change is sqrt(K)
-    return compute, math.sqrt(k)
+    return compute
 
 
-VOTE_HISTOGRAMS: dict[str, Callable[..., tuple[Compute, float]]] = {"knn-vote": knn_vote_histogram}
+# name -> builder of (compute, L2 sensitivity); each bound is tested in tests/test_privacy.py
+VOTE_HISTOGRAMS: dict[str, Callable[..., tuple[Compute, float]]] = {
+    "knn-vote": knn_vote_histogram,
+    "nearest-neighbour": nearest_neighbour_histogram,
+    "similarity": similarity_histogram,
+}
 
 
 def vote_histogram(name: str, records: TextData, texts: list[str], codes: list[str], params: Mapping[str, Any],

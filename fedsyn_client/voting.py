@@ -31,3 +31,24 @@ def knn_votes(
         top = np.argpartition(-sims, kk - 1, axis=1)[:, :kk]
         np.add.at(votes, syn_idx[top.ravel()], 1)
     return votes
+
+
+def similarity_scores(
+    local_emb: np.ndarray, local_codes: list[str], syn_emb: np.ndarray, syn_codes: list[str]
+) -> np.ndarray:
+    """Un-noised POPri scores over the synthetic texts (POPri's SIMILARITY, per record).
+
+    Input as for ``knn_votes``. Each local record's vector holds its cosine similarity to
+    every synthetic text *of its own code* (0 elsewhere), clipped to L2 norm 1; the scores
+    are the sum of these vectors. Adding or removing one record therefore changes the
+    scores by at most 1 in L2. (POPri clips each *client's* mean vector: its privacy unit is
+    the client; ours is a record, and a mean would divide by the private record count.)
+    """
+    scores = np.zeros(len(syn_codes), dtype=np.float64)
+    local_codes_arr, syn_codes_arr = np.asarray(local_codes), np.asarray(syn_codes)
+    for code in set(local_codes) & set(syn_codes):
+        syn_idx = np.flatnonzero(syn_codes_arr == code)
+        sims = local_emb[local_codes_arr == code] @ syn_emb[syn_idx].T
+        norms = np.linalg.norm(sims, axis=1, keepdims=True)
+        scores[syn_idx] += (sims / np.maximum(1.0, norms)).sum(axis=0)
+    return scores

@@ -3,7 +3,7 @@
 | file | what |
 |---|---|
 | ``synthetic.jsonl`` | the final set: ``text``, ``control_code`` and one field per control column |
-| ``pool.jsonl`` | the whole generated pool with its aggregated noisy votes and whether it was kept |
+| ``pool.jsonl`` | the refinement's final population (for knn-vote: the generated pool) with its aggregated noisy votes and whether it was kept |
 | ``profile.json`` | vocabulary, each node's noisy profile, the global profile, the allocation |
 | ``privacy_report.json`` | per node: budget, spent, every release, basic and PLD totals |
 | ``metrics.json`` | held-out loss per round, phase timings, failures, sizes |
@@ -54,6 +54,7 @@ def write_outputs(run_dir: Path, cfg: RunConfig, vocabulary: list[str], res: Fed
             "timings_s": res.timings, "failures": res.failures,
             "pool_size": len(res.pool_texts), "final_size": len(final),
             "nodes": {str(n): t for n, t in res.tiers.items()},
+            "refinement": {"method": cfg.refinement, "vote_rounds": res.vote_rounds, **res.refinement},
         }),
         "config": atomic_write_json(run_dir / "config.json", cfg.to_flower()),
     }
@@ -101,7 +102,8 @@ def privacy_report(cfg: RunConfig, res: FedSynResult) -> dict[str, Any]:
         "mechanisms": {"train": "DP-SGD (Opacus, Poisson sampling, RDP accountant over all rounds; the whole "
                                 "phase's epsilon is reserved at round 1)",
                        "profile": "analytic Gaussian, L2 sensitivity 1",
-                       "vote": "analytic Gaussian, L2 sensitivity sqrt(K)"},
+                       "vote": "analytic Gaussian at the named histogram's L2 sensitivity (knn-vote sqrt(K), "
+                               "nearest-neighbour 1, similarity 1); a refinement's vote rounds split epsilon_vote"},
         "epsilon_split": {"epsilon": cfg.epsilon, "epsilon_profile": cfg.epsilon_profile,
                           "voters": cfg.voters},
         "nodes": nodes,

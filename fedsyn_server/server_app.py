@@ -49,7 +49,7 @@ def build_strategy(cfg: RunConfig) -> tuple[FedSynStrategy, Benchmark, ServerMod
     strategy = FedSynStrategy(
         cfg, bench.vocabulary,
         make_aggregator=lambda n: build_aggregator(cfg.aggregator, cfg.server_learning_rate, n),
-        refinement=refinement, generate_pool=server_model.generate_pool,
+        refinement=refinement, generator=server_model,
         # 'paper' delta: N = the run dataset's training records (public); nodes cap delta themselves
         delta=cfg.resolve_delta(len(bench.train)),
         evaluate_fn=lambda rnd, arrays: server_model.heldout_loss(arrays, bench.test),
@@ -83,7 +83,7 @@ def main(grid: Grid, context: Context) -> None:
     strategy, bench, server_model = build_strategy(cfg)
     result = strategy.run(grid, server_model.initial_arrays())
     paths = write_outputs(run_dir, cfg, bench.vocabulary, result)
-    if result.arrays is not None and result.train_metrics:
+    if result.arrays is not None and (result.train_metrics or result.generator_refined):
         save_model(server_model.load(result.arrays), run_dir)
     if len(bench.test):  # public benchmark records no node trained on, for `fedsyn evaluate`
         atomic_write_jsonl(run_dir / "heldout.jsonl", bench.test.to_records())

@@ -1,7 +1,8 @@
-"""The server's model work: initial weights, pool generation (stage 3), held-out loss."""
+"""The server's model work: initial weights, generation and variation (the refinements' ``Generator``), held-out loss."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -16,6 +17,7 @@ from common.devices import to_device
 from common.models import load_generator
 from common.weights import load_trainable_state, prepare_model, trainable_state
 from fedsyn_server.generation import generate_texts
+from strategies.refinement import Generator
 
 log = get_logger("fedsyn")
 HELDOUT_EVAL_RECORDS = 64  # enough for a stable loss, ~5 s per round on CPU with SmolLM2
@@ -32,7 +34,7 @@ def generation_batch_size(configured: int) -> int:
     return 128 if torch.cuda.is_available() else 16
 
 
-class ServerModel:
+class ServerModel(Generator):
     """The global generator on the server: same base and adapter structure as the nodes'."""
 
     def __init__(self, cfg: RunConfig) -> None:
@@ -42,24 +44,41 @@ class ServerModel:
 
     def initial_arrays(self) -> ArrayRecord:
         """theta^0: the trainable weights every strong node starts round 1 from."""
+        return self.weights()
+
+    def weights(self) -> ArrayRecord:
+        """The current trainable weights (after phase 1, or after a refinement trained them)."""
         return R.arrays_from_state(trainable_state(self.model))
 
     def load(self, arrays: ArrayRecord | None) -> Any:
-        """Set the global weights (None keeps the pretrained ones) and return the model."""
+        """Set the global weights (None keeps the current ones) and return the model."""
         if arrays is not None:
             load_trainable_state(self.model, R.state_from_arrays(arrays))
         return self.model
 
-    def generate_pool(self, arrays: ArrayRecord | None, allocation: dict[str, int]) -> tuple[list[str], list[str]]:
-        """Stage 3: s_j samples for each code c_j, prompted by the code (paper eq. 3)."""
-        model = self.load(arrays)
+    def generate(self, allocation: Mapping[str, int], seed: int) -> tuple[list[str], list[str]]:
+        """s_j samples for each code c_j, prompted by the code (paper eq. 3); (texts, codes)."""
         codes = [code for code, n in allocation.items() for _ in range(n)]
-        log.info("[phase 3] generating %d texts for %d codes", len(codes), sum(n > 0 for n in allocation.values()))
-        texts = generate_texts(model, self.tokenizer, [self.prompt(c) for c in codes],
-                               max_new_tokens=self.cfg.max_new_tokens, temperature=self.cfg.temperature,
-                               top_p=self.cfg.top_p, seed=self.cfg.seed,
-                               batch_size=generation_batch_size(self.cfg.generation_batch_size))
-        return texts, codes
+        log.info("[generate] %d texts for %d codes", len(codes), sum(n > 0 for n in allocation.values()))
+        return self._sample([self.prompt(c) for c in codes], self.cfg.max_new_tokens, seed), codes
+
+    def variation(self, texts: list[str], codes: list[str], seed: int) -> list[str]:
+        """One variation of each text: keep its first half (by words) after the code prompt and
+        let the model write the rest.
+
+        A base LM cannot follow a "rephrase" instruction as Aug-PE's instruct models do, so the
+        variation resamples the second half of the text, the sequence analogue of PE's
+        partial re-noising of an image; the kept half ties the child to its parent.
+        """
+        heads = [" ".join(t.split()[: len(t.split()) // 2]) for t in texts]
+        tails = self._sample([self.prompt(c) + h + (" " if h else "") for c, h in zip(codes, heads)],
+                             max(1, self.cfg.max_new_tokens // 2), seed)
+        return [f"{h} {t}".strip() for h, t in zip(heads, tails)]
+
+    def _sample(self, prompts: list[str], max_new_tokens: int, seed: int) -> list[str]:
+        return generate_texts(self.model, self.tokenizer, prompts, max_new_tokens=max_new_tokens,
+                              temperature=self.cfg.temperature, top_p=self.cfg.top_p, seed=seed,
+                              batch_size=generation_batch_size(self.cfg.generation_batch_size))
 
     def prompt(self, code: str) -> str:
         """The generation prompt for ``code``: the code itself, or a zero-shot instruction."""

@@ -6,10 +6,11 @@
 1. finetune   -- R rounds of DP federated finetuning on strong nodes (A.3), aggregated
                  by a plug-in Flower strategy
 2. profile    -- every node sends its noisy per-code counts
-3. generate   -- the server allocates s by the noisy profile and generates the pool
-4. vote       -- voters send noisy kNN votes for the pool (A.2), if the refinement needs them
-5. resample   -- the refinement picks the final set (A.4)
-6. ledgers    -- every node states this run's releases from its own ledger (free), for the report
+3. generate   -- the server allocates the pool by the noisy profile and generates it
+4. refine     -- the refinement plug-in runs its own rounds (``refinement.refine(ctx)``): for
+                 knn-vote one round of noisy kNN votes (A.2) and A.4 resampling; each vote
+                 round is ``_vote``, one federated round on the voters
+5. ledgers    -- every node states this run's releases from its own ledger (free), for the report
 
 Nodes that fail or refuse are logged, recorded in ``result.failures`` and left out; the
 run goes on with the rest. The server only ever asks for noised statistics: every
@@ -33,13 +34,11 @@ from common.logs import get_logger
 from common import records as R
 from common.config import RunConfig
 from common.dp import STRONG, WEAK
-from fedsyn_server.allocation import aggregate_profiles, allocate
-from strategies.refinement import Refinement
+from strategies.allocation import aggregate_profiles, allocate
+from strategies.refinement import Generator, Refinement, RefinementContext
 
 log = get_logger("fedsyn")
 
-# (arrays, allocation per code) -> (texts, codes): the server's generator (stage 3).
-PoolGenerator = Callable[[ArrayRecord | None, dict[str, int]], tuple[list[str], list[str]]]
 # (round, arrays) -> metrics of the global model on held-out data, or None.
 EvaluateFn = Callable[[int, ArrayRecord], dict[str, float] | None]
 
@@ -57,9 +56,12 @@ class FedSynResult:
     allocation: dict[str, int] = field(default_factory=dict)
     pool_texts: list[str] = field(default_factory=list)
     pool_codes: list[str] = field(default_factory=list)
-    node_votes: dict[int, list[float]] = field(default_factory=dict)
-    votes: np.ndarray | None = None
+    node_votes: dict[int, list[float]] = field(default_factory=dict)  # the last vote round's, by node
+    votes: np.ndarray | None = None  # aggregated noisy votes of the final population (last round)
     selected: np.ndarray | None = None
+    vote_rounds: list[dict[str, Any]] = field(default_factory=list)  # one entry per vote round
+    refinement: dict[str, Any] = field(default_factory=dict)  # the method's own per-round notes
+    generator_refined: bool = False  # the refinement trained the generator (its weights are ``arrays``)
     releases: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
     ledgers: dict[int, dict[str, Any]] = field(default_factory=dict)  # node -> its own book of this run
     budgets: dict[int, float] = field(default_factory=dict)
@@ -106,7 +108,7 @@ class FedSynStrategy(Strategy):
 
     def __init__(
         self, cfg: RunConfig, vocabulary: list[str], make_aggregator: Callable[[int], Strategy], refinement: Refinement,
-        generate_pool: PoolGenerator, delta: float, evaluate_fn: EvaluateFn | None = None,
+        generator: Generator, delta: float, evaluate_fn: EvaluateFn | None = None,
         stable_seconds: float = 3.0,
     ) -> None:
         self.cfg, self.vocabulary = cfg, list(vocabulary)
@@ -114,11 +116,13 @@ class FedSynStrategy(Strategy):
         # its minimum node counts match the federation.
         self.make_aggregator, self.refinement = make_aggregator, refinement
         self.aggregator: Strategy = make_aggregator(1)
-        self.generate_pool, self.evaluate_fn = generate_pool, evaluate_fn
+        self.generator, self.evaluate_fn = generator, evaluate_fn
         self.delta = delta  # per release; each node caps it by its own policy
         self.stable_seconds = stable_seconds
         self.result = FedSynResult()
         self._strong: list[int] = []
+        self._voters: list[int] = []
+        self._grid: Grid | None = None
 
     # ------------------------------------------------------------ Strategy API
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
@@ -151,10 +155,11 @@ class FedSynStrategy(Strategy):
     def run(self, grid: Grid, initial_arrays: ArrayRecord | None) -> FedSynResult:
         """Run stages 0-5 of Algorithm 1 and return everything produced."""
         self.summary()
-        res, t0 = self.result, time.time()
+        res, t0, self._grid = self.result, time.time(), grid
         nodes = self._discover(grid)                                   # stage 0
         res.tiers = nodes
         self._strong = sorted(n for n, t in nodes.items() if t == STRONG)
+        self._voters = sorted(nodes) if self.cfg.voters == "all" else sorted(n for n, t in nodes.items() if t == WEAK)
         self.aggregator = self.make_aggregator(len(self._strong))
         res.timings["tiers"] = time.time() - t0
 
@@ -169,35 +174,59 @@ class FedSynStrategy(Strategy):
         if not res.node_profiles:
             raise RuntimeError("no node returned a profile; nothing to allocate (see failures above)")
         res.profile = aggregate_profiles(list(res.node_profiles.values()))
-        pool_size = self.refinement.pool_size(self.cfg.num_synthetic, self.cfg.sampling_rate)
-        res.allocation = dict(zip(self.vocabulary, (int(a) for a in allocate(res.profile, pool_size))))
+        res.allocation = dict(zip(self.vocabulary, (int(a) for a in allocate(res.profile, self.refinement.pool_size(self.cfg)))))
         log.info("noisy profile %s -> allocation %s", np.round(res.profile, 1).tolist(), res.allocation)
         res.timings["profile"] = time.time() - t
 
         t = time.time()                                                 # stage 3
-        res.pool_texts, res.pool_codes = self.generate_pool(res.arrays, res.allocation)
+        self.generator.load(res.arrays)
+        res.pool_texts, res.pool_codes = self.generator.generate(res.allocation, seed=self.cfg.seed)
         res.timings["generate"] = time.time() - t
 
         t = time.time()                                                 # stage 4
-        if self.refinement.needs_votes and res.pool_texts:
-            voters = sorted(nodes) if self.cfg.voters == "all" else sorted(n for n, t_ in nodes.items() if t_ == WEAK)
-            if not voters:
-                log.warning("no voters (voters=%s and no weak node): votes are all zero", self.cfg.voters)
-            vote_replies = self._ask(grid, voters, R.MSG_VOTE, "vote", RecordDict({
-                R.CANDIDATES: ConfigRecord({"texts": res.pool_texts, "codes": res.pool_codes}),
-                R.CONFIG: self._request(**{"num-votes": self.cfg.num_votes, "histogram": "knn-vote"}),
-            }))
-            res.node_votes = self._vectors(vote_replies, R.VOTES, len(res.pool_texts), "vote")
-            res.votes = (np.sum([np.asarray(v) for v in res.node_votes.values()], axis=0)
-                         if res.node_votes else np.zeros(len(res.pool_texts)))
-        res.timings["vote"] = time.time() - t
+        refined = self.refinement.refine(RefinementContext(
+            cfg=self.cfg, texts=list(res.pool_texts), codes=list(res.pool_codes), allocation=dict(res.allocation),
+            profile=res.profile, vocabulary=list(self.vocabulary), generator=self.generator, vote=self._vote,
+            rng=np.random.default_rng(self.cfg.seed)))
+        res.pool_texts, res.pool_codes, res.votes = refined.texts, refined.codes, refined.votes
+        res.selected, res.refinement = np.asarray(refined.selected, dtype=np.int64), refined.notes
+        if refined.trained_generator:
+            res.arrays, res.generator_refined = self.generator.weights(), True
+        log.info("final synthetic set: %d of %d texts (%s, %d vote rounds)", len(res.selected), len(res.pool_texts),
+                 self.refinement.name, len(res.vote_rounds))
+        res.timings["refine"] = time.time() - t
 
-        res.selected = self.refinement.select(res.pool_codes, res.votes, self.cfg.sampling_rate, self.cfg.seed)  # stage 5
-        log.info("final synthetic set: %d of %d pool texts", len(res.selected), len(res.pool_texts))
-
-        self._ledgers(grid, sorted(set(nodes) | set(res.releases)))  # stage 6
+        self._ledgers(grid, sorted(set(nodes) | set(res.releases)))  # stage 5
         res.timings["total"] = time.time() - t0
         return res
+
+    def _vote(self, texts: list[str], codes: list[str], histogram: str = "knn-vote", epsilon_share: float = 1.0,
+              **params: Any) -> np.ndarray:
+        """One vote round (the refinements' ``ctx.vote``): every voter releases the named histogram
+        of its records over the candidates at ``epsilon_share`` of its vote budget; returns the sum.
+
+        Each node authorises the round against its own budget for the phase, so the rounds of
+        one run can never add up to more than its epsilon_vote. Voters that fail are left out.
+        """
+        if not texts:
+            return np.zeros(0)
+        if len(texts) != len(codes):
+            raise ValueError(f"{len(texts)} candidate texts but {len(codes)} codes")
+        res = self.result
+        rnd = len(res.vote_rounds) + 1
+        if not self._voters:
+            log.warning("no voters (voters=%s and no weak node): votes are all zero", self.cfg.voters)
+        replies = self._ask(self._grid, self._voters, R.MSG_VOTE, "vote", RecordDict({
+            R.CANDIDATES: ConfigRecord({"texts": list(texts), "codes": list(codes)}),
+            R.CONFIG: self._request(**params, **{"histogram": histogram, "epsilon-share": float(epsilon_share),
+                                                 "server-round": rnd}),
+        }))
+        res.node_votes = self._vectors(replies, R.VOTES, len(texts), "vote")
+        total = (np.sum([np.asarray(v) for v in res.node_votes.values()], axis=0)
+                 if res.node_votes else np.zeros(len(texts)))
+        res.vote_rounds.append({"round": rnd, "histogram": histogram, "epsilon_share": float(epsilon_share),
+                                "candidates": len(texts), "voters": sorted(res.node_votes)})
+        return total
 
     def _request(self, **extra: Any) -> ConfigRecord:
         """The part every request carries: the public vocabulary and the delta per release."""
@@ -269,7 +298,7 @@ class FedSynStrategy(Strategy):
             self.result.eval_metrics[rnd] = metrics
             log.info("[phase 1] round %d held-out %s", rnd, {k: round(v, 4) for k, v in metrics.items()})
 
-    # ------------------------------------------------------------ stage 6
+    # ------------------------------------------------------------ stage 5
     def _ledgers(self, grid: Grid, node_ids: list[int]) -> None:
         """Ask every node for this run's releases from its own ledger (costs no privacy).
 

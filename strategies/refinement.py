@@ -1,79 +1,145 @@
-"""Plug-in point 2: the refinement method that turns the synthetic pool into the final set.
+"""Plug-in point 2: the refinement stage, which turns the generated pool into the final set.
 
-A ``Refinement`` says whether it needs the nodes' noisy votes (stage 4), how large a
-pool to generate, and which pool items to keep (stage 5). Built-ins:
+A ``Refinement`` owns its rounds. The strategy generates the pool (stage 3) and calls
+``refine(ctx)`` once; the context gives the method everything it may use:
 
-- ``knn-vote`` (the paper): pool of s, keep A.4 draws weighted by the DP kNN votes.
-- ``uniform`` (paper Table A.14 baseline): pool of s, keep A.4 draws with equal weights.
-- ``none``: generate the final size directly (max(1, floor(r*s))), keep everything,
-  so every method ends with the same number of texts and compares fairly.
+- the pool (``texts``, ``codes``), the ``allocation`` and the noisy ``profile``;
+- the ``generator`` (``generate``, ``variation``, and its model for training);
+- ``vote(texts, codes, histogram=..., epsilon_share=...)``: one federated round on the voters,
+  returning the sum of their noised histograms (each node authorises, noises and books it);
+- a seeded ``rng``.
+
+A method returns a ``Refined``: the population the final set is drawn from, which of it is
+kept, and that population's aggregated votes (if any). Built-ins are registered by name in
+``REFINEMENTS``; any other class is named by path, ``"package.module:Class"``. See
+``docs/writing_a_refinement.md``.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
+from flwr.app import ArrayRecord
 
-from fedsyn_server.resampling import resample_by_code
+from common.config import RunConfig
+from strategies.allocation import allocate
+
+
+class Generator(ABC):
+    """The server's generator as a refinement sees it (implemented by ``fedsyn_server.synthesis``)."""
+
+    model: Any  # the (peft-wrapped) causal LM; a refinement may train its trainable weights
+    tokenizer: Any
+
+    @abstractmethod
+    def load(self, arrays: ArrayRecord | None) -> Any:
+        """Set the trainable weights (None keeps the current ones); returns the model."""
+
+    @abstractmethod
+    def weights(self) -> ArrayRecord:
+        """The current trainable weights."""
+
+    @abstractmethod
+    def prompt(self, code: str) -> str:
+        """The generation prompt for a control code."""
+
+    @abstractmethod
+    def generate(self, allocation: Mapping[str, int], seed: int) -> tuple[list[str], list[str]]:
+        """``allocation[c]`` samples for each code ``c``; returns (texts, codes), grouped by code."""
+
+    @abstractmethod
+    def variation(self, texts: list[str], codes: list[str], seed: int) -> list[str]:
+        """One variation of each text, conditioned on its code (same order)."""
+
+
+class VoteFn(Protocol):
+    """One vote round on the voters; returns the sum of the nodes' noised histograms."""
+
+    def __call__(self, texts: list[str], codes: list[str], histogram: str = "knn-vote",
+                 epsilon_share: float = 1.0, **params: Any) -> np.ndarray: ...
+
+
+@dataclass
+class RefinementContext:
+    """What a refinement may use (see the module docstring)."""
+
+    cfg: RunConfig
+    texts: list[str]
+    codes: list[str]
+    allocation: dict[str, int]
+    profile: np.ndarray  # the global noisy profile, one value per vocabulary code
+    vocabulary: list[str]
+    generator: Generator
+    vote: VoteFn
+    rng: np.random.Generator
+
+    def allocation_for(self, size: int) -> dict[str, int]:
+        """The profile's allocation of ``size`` samples (Algorithm 1, stage 3)."""
+        return dict(zip(self.vocabulary, (int(a) for a in allocate(self.profile, size))))
+
+
+@dataclass
+class Refined:
+    """A refinement's answer: the final population, which of it is kept, its votes."""
+
+    texts: list[str]
+    codes: list[str]
+    selected: np.ndarray
+    votes: np.ndarray | None = None  # aggregated noisy votes of ``texts`` (the last round), if any
+    trained_generator: bool = False  # the method trained the generator: the run saves its weights
+    notes: dict[str, Any] = field(default_factory=dict)  # per-round diagnostics for metrics.json
 
 
 class Refinement(ABC):
-    """Interface of a refinement method (subclass it to plug in another)."""
+    """A refinement method. Subclass it, set ``name``, implement ``refine``."""
 
     name: str = "base"
-    needs_votes: bool = False
 
-    def pool_size(self, num_synthetic: int, sampling_rate: float) -> int:
-        """How many texts to generate in stage 3 (before allocation by the profile)."""
-        return num_synthetic
+    def pool_size(self, cfg: RunConfig) -> int:
+        """How many texts stage 3 generates (then allocated by the profile); default s."""
+        return cfg.num_synthetic
 
     @abstractmethod
-    def select(self, codes: list[str], votes: np.ndarray | None, sampling_rate: float, seed: int) -> np.ndarray:
-        """Indices of the pool items kept in the final synthetic set."""
+    def refine(self, ctx: RefinementContext) -> Refined:
+        """Run the method's rounds on ``ctx`` and return the final set."""
 
 
-class KnnVoteRefinement(Refinement):
-    """Paper Algorithm 1 stage 4-5: resample by aggregated DP votes (A.2 + A.4)."""
-
-    name, needs_votes = "knn-vote", True
-
-    def select(self, codes, votes, sampling_rate, seed):  # noqa: D102
-        if votes is None:
-            raise ValueError("knn-vote refinement needs votes")
-        return resample_by_code(codes, votes, sampling_rate, seed)
+def final_size(cfg: RunConfig) -> int:
+    """The final set's size every built-in method ends with: ``max(1, floor(r * s))``."""
+    return max(1, math.floor(cfg.sampling_rate * cfg.num_synthetic))
 
 
-class UniformRefinement(Refinement):
-    """A.4 with equal weights: same pool and final size as knn-vote, no votes."""
-
-    name = "uniform"
-
-    def select(self, codes, votes, sampling_rate, seed):  # noqa: D102
-        return resample_by_code(codes, None, sampling_rate, seed)
-
-
-class NoRefinement(Refinement):
-    """Generate the final size directly and keep it all."""
-
-    name = "none"
-
-    def pool_size(self, num_synthetic, sampling_rate):  # noqa: D102
-        return max(1, math.floor(sampling_rate * num_synthetic))
-
-    def select(self, codes, votes, sampling_rate, seed):  # noqa: D102
-        return np.arange(len(codes))
-
-
-REFINEMENTS: dict[str, type[Refinement]] = {
-    cls.name: cls for cls in (KnnVoteRefinement, UniformRefinement, NoRefinement)
+# Built-ins by name; resolved lazily so that e.g. POPri's training stack is imported only when used.
+REFINEMENTS: dict[str, str] = {
+    "knn-vote": "strategies.knn_vote:KnnVoteRefinement",
+    "uniform": "strategies.knn_vote:UniformRefinement",
+    "none": "strategies.knn_vote:NoRefinement",
+    "pe": "strategies.private_evolution:PrivateEvolution",
+    "popri": "strategies.popri:POPri",
 }
 
 
 def build_refinement(name: str) -> Refinement:
-    """The refinement method registered under ``name`` (see ``REFINEMENTS``)."""
+    """The refinement registered as ``name``, or the class at ``"package.module:Class"``.
+
+    Raises ``ValueError`` naming the problem (unknown name, missing module or class, not a
+    ``Refinement``) before any message is sent.
+    """
+    path = REFINEMENTS.get(name, name)
+    if ":" not in path:
+        raise ValueError(f"refinement {name!r} is unknown; choose one of {sorted(REFINEMENTS)} "
+                         "or a class path 'package.module:Class'")
+    module_name, _, cls_name = path.partition(":")
     try:
-        return REFINEMENTS[name]()
-    except KeyError:
-        raise ValueError(f"refinement {name!r} is unknown; choose one of {sorted(REFINEMENTS)}") from None
+        cls = getattr(importlib.import_module(module_name), cls_name)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"refinement {name!r}: cannot load {path} ({err})") from None
+    if not (isinstance(cls, type) and issubclass(cls, Refinement)):
+        raise ValueError(f"refinement {name!r}: {path} is not a subclass of strategies.refinement.Refinement")
+    return cls()

@@ -44,7 +44,7 @@ def test_flwr_run_tiny_model_writes_all_outputs(tmp_path):
 @pytest.mark.flwr
 def test_default_run_with_real_weights_follows_the_noisy_profile(tmp_path):
     """`flwr run .` with every pyproject default (SmolLM2, MiniLM, BBC News, 2 nodes)."""
-    from fedsyn_server.resampling import sample_size
+    from strategies.resampling import sample_size
 
     res = run_app({"out-dir": str(tmp_path), "run-name": "default"}, timeout=2400)
     assert res.ok, f"{res.status}\n{res.output[-4000:]}"

@@ -101,7 +101,7 @@ def test_heldout_loss_and_generation_on_cuda(tmp_path):
     assert model_device(server.model).type == "cuda"
     loss = server.heldout_loss(server.initial_arrays(), TextData(["a held-out text"] * 20, ["topic=a"] * 20))
     assert math.isfinite(loss["heldout_loss"])
-    texts, codes = server.generate_pool(None, {"topic=a": 3, "topic=b": 2})
+    texts, codes = server.generate({"topic=a": 3, "topic=b": 2}, seed=0)
     assert len(texts) == 5 and codes.count("topic=b") == 2
 
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from fedsyn_client.voting import knn_votes
-from fedsyn_server.allocation import aggregate_profiles, allocate
-from fedsyn_server.resampling import resample_by_code, sample_size, sample_without_replacement
+from strategies.allocation import aggregate_profiles, allocate
+from strategies.resampling import resample_by_code, sample_size, sample_without_replacement
 
 
 def _unit(rows):

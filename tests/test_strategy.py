@@ -12,7 +12,7 @@ from common import records as R
 from common.config import RunConfig
 from fedsyn_client.client_app import app as client_app
 from fedsyn_server.server_app import build_strategy
-from fedsyn_server.resampling import sample_size
+from strategies.resampling import sample_size
 from tests.fakes import FakeGrid, client_node, set_task_identity, write_topic_csv
 
 TOPICS = {

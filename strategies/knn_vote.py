@@ -1,0 +1,48 @@
+"""The paper's refinement and its two baselines, as ``Refinement`` plug-ins.
+
+- ``knn-vote`` (Algorithm 1 stages 4-5): one vote round of DP kNN votes (A.2) on the pool of
+  s, then A.4 resampling by the votes, per code.
+- ``uniform`` (paper Table A.14): the same pool and final size, A.4 with equal weights, no votes.
+- ``none``: generate the final size directly (``max(1, floor(r*s))``) and keep all of it, so
+  every method ends with the same number of texts and compares fairly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from common.config import RunConfig
+from strategies.refinement import Refined, RefinementContext, Refinement, final_size
+from strategies.resampling import resample_by_code
+
+
+class KnnVoteRefinement(Refinement):
+    """Paper Algorithm 1 stages 4-5: resample the pool by its aggregated DP kNN votes."""
+
+    name = "knn-vote"
+
+    def refine(self, ctx: RefinementContext) -> Refined:  # noqa: D102
+        votes = ctx.vote(ctx.texts, ctx.codes, histogram="knn-vote", epsilon_share=1.0, **{"num-votes": ctx.cfg.num_votes})
+        selected = resample_by_code(ctx.codes, votes, ctx.cfg.sampling_rate, ctx.cfg.seed)
+        return Refined(ctx.texts, ctx.codes, selected, votes)
+
+
+class UniformRefinement(Refinement):
+    """A.4 with equal weights: same pool and final size as knn-vote, no votes."""
+
+    name = "uniform"
+
+    def refine(self, ctx: RefinementContext) -> Refined:  # noqa: D102
+        return Refined(ctx.texts, ctx.codes, resample_by_code(ctx.codes, None, ctx.cfg.sampling_rate, ctx.cfg.seed))
+
+
+class NoRefinement(Refinement):
+    """Generate the final size directly and keep it all."""
+
+    name = "none"
+
+    def pool_size(self, cfg: RunConfig) -> int:  # noqa: D102
+        return final_size(cfg)
+
+    def refine(self, ctx: RefinementContext) -> Refined:  # noqa: D102
+        return Refined(ctx.texts, ctx.codes, np.arange(len(ctx.codes)))

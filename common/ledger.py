@@ -289,8 +289,10 @@ def _entry(data: dict[str, Any], entry_id: str) -> dict[str, Any]:
 
 
 def _statement(entry: dict[str, Any]) -> dict[str, Any]:
-    keys = ("phase", "mechanism", "epsilon", "delta", "run_id", "round")
-    return {**{k: entry[k] for k in keys}, **entry.get("public", {})}
+    keys = ("phase", "mechanism", "run_id", "round")
+    # the file stores a non-finite epsilon (no DP) as the string "inf": statements carry floats
+    return {**{k: entry[k] for k in keys}, "epsilon": float(entry["epsilon"]), "delta": float(entry["delta"]),
+            **entry.get("public", {})}
 
 
 def _legacy_releases(state_dir: Path) -> list[dict[str, Any]]:

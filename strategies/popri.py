@@ -12,8 +12,9 @@ T rounds (``refinement-rounds``); in each:
 3. in each group, the highest-scored text is *chosen* and the l-th highest
    (``popri-rejected-rank``, the paper's l = 5) *rejected*;
 4. the generator's trainable weights (its LoRA adapter) are DPO-finetuned on those pairs
-   with ``trl``'s ``DPOTrainer``; with a peft model the reference is the adapter-disabled
-   model, i.e. the public checkpoint, as in the paper.
+   with ``trl``'s ``DPOTrainer``. The reference is the generator as the round starts (trl
+   copies the adapter), where the paper keeps the public checkpoint: here the generator
+   starts DP-finetuned, and DPO should not pull it back towards the pretrained model.
 
 Then the final set, ``max(1, floor(r*s))`` texts by the profile's allocation, is generated
 with the finetuned generator (the paper's output step), so every method ends with the
@@ -83,7 +84,14 @@ def dpo_finetune(generator: Generator, prompts: list[str], chosen: list[str], re
                          max_length=None, save_strategy="no", report_to=[], seed=seed, logging_steps=1,
                          use_cpu=model_device(generator.model).type == "cpu" or not torch.cuda.is_available())
         trainer = DPOTrainer(model=generator.model, args=args, train_dataset=data, processing_class=generator.tokenizer)
-        result = trainer.train()
+        try:
+            result = trainer.train()
+        finally:
+            # trl keeps the reference as a frozen copy of the adapter, named "ref"; drop it so the
+            # saved weights are the trained adapter alone and the next round can copy it again
+            peft_config = getattr(generator.model, "peft_config", {})
+            if "ref" in peft_config:
+                generator.model.delete_adapter("ref")
     generator.model.eval()
     return float(result.training_loss)
 
@@ -115,5 +123,5 @@ class POPri(Refinement):
             log.info("[popri] round %d/%d: %d texts scored, %d preference pairs%s", t, rounds, len(texts), len(pairs),
                      f", DPO loss {note['dpo_loss']:.4f}" if "dpo_loss" in note else "")
         final_texts, final_codes = gen.generate(ctx.allocation_for(final_size(cfg)), seed=cfg.seed + rounds + 1)
-        return Refined(final_texts, final_codes, np.arange(len(final_codes)), None, {"rounds": notes},
+        return Refined(final_texts, final_codes, np.arange(len(final_codes)), None, notes={"rounds": notes},
                        trained_generator=any("dpo_loss" in n for n in notes))

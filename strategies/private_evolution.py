@@ -75,4 +75,4 @@ class PrivateEvolution(Refinement):
             texts = [texts[i] for i in survivors] + children
             codes = [codes[i] for i in survivors] + [codes[i] for i in parents]
         selected = resample_by_code(codes, votes, ctx.cfg.sampling_rate, ctx.cfg.seed)
-        return Refined(texts, codes, selected, votes, {"rounds": notes})
+        return Refined(texts, codes, selected, votes, notes={"rounds": notes})

@@ -92,8 +92,8 @@ class Refined:
     codes: list[str]
     selected: np.ndarray
     votes: np.ndarray | None = None  # aggregated noisy votes of ``texts`` (the last round), if any
-    trained_generator: bool = False  # the method trained the generator: the run saves its weights
     notes: dict[str, Any] = field(default_factory=dict)  # per-round diagnostics for metrics.json
+    trained_generator: bool = False  # the method trained the generator: the run saves its weights
 
 
 class Refinement(ABC):

@@ -1,0 +1,198 @@
+"""The refinement stage as a plug-in: the maths of PE and POPri, the histograms' sensitivity,
+every built-in through the strategy with the real ClientApp, a class by path, and a server
+that asks for more vote rounds than the nodes' budgets allow."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from common import records as R
+from common.config import REFINEMENTS as CONFIG_NAMES, ConfigError, RunConfig
+from fedsyn_client.histograms import VOTE_HISTOGRAMS
+from fedsyn_client.voting import knn_votes, similarity_scores
+from strategies.popri import preference_pairs
+from strategies.private_evolution import next_generation
+from strategies.refinement import REFINEMENTS, Refinement, build_refinement, final_size
+from strategies.resampling import resample_by_code
+from tests.test_strategy import TOPICS, dataset, nodes_for, run, run_config  # noqa: F401 - fixture
+
+
+# --------------------------------------------------------------------------- pure maths
+def test_next_generation_keeps_the_top_half_per_code_and_refills_it_from_the_best():
+    codes = ["a"] * 5 + ["b"] * 4
+    votes = np.array([1.0, 9.0, 3.0, 7.0, 5.0, 0.0, 2.0, 2.0, -1.0])
+    survivors, parents = next_generation(codes, votes)
+    assert survivors == [1, 3, 4, 6, 7]  # a: 9, 7, 5 (ceil(5/2)); b: the tie keeps the earlier text
+    assert parents == [1, 3, 6, 7]  # a needs 2 children, b needs 2; best first
+    assert Counter(codes[i] for i in survivors + parents) == Counter(codes)  # every code keeps its size
+    with pytest.raises(ValueError, match="votes"):
+        next_generation(codes, votes[:3])
+
+
+def test_preference_pairs_take_the_top_and_the_l_th_of_each_group_of_j():
+    codes = ["a"] * 7 + ["b"] * 3
+    scores = np.array([0.1, 0.9, 0.5, 0.3, 0.8, 0.2, 0.7, 1.0, 0.0, 0.5])
+    # a: groups [0..3] and [4..6]; b: [7..9]; J = 4, l = 3
+    assert preference_pairs(codes, scores, group=4, rejected_rank=3) == [(1, 3), (4, 5), (7, 8)]
+    # a trailing group smaller than l gives no pair
+    assert preference_pairs(codes, scores, group=4, rejected_rank=4) == [(1, 0)]
+    with pytest.raises(ValueError, match="rejected rank"):
+        preference_pairs(codes, scores, group=4, rejected_rank=1)
+
+
+def _unit(rng, n, d=16):
+    x = rng.normal(size=(n, d))
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+# Every registered histogram with the pure function it computes and the sensitivity the node states.
+PURE = {
+    "knn-vote": (lambda *a: knn_votes(*a, 3), math.sqrt(3)),
+    "nearest-neighbour": (lambda *a: knn_votes(*a, 1), 1.0),
+    "similarity": (similarity_scores, 1.0),
+}
+
+
+def test_every_registered_histogram_has_a_sensitivity_test():
+    assert set(PURE) == set(VOTE_HISTOGRAMS)
+
+
+@pytest.mark.parametrize("name", sorted(PURE))
+def test_adding_one_record_moves_a_histogram_by_at_most_its_sensitivity(name):
+    fn, bound = PURE[name]
+    rng = np.random.default_rng(0)
+    worst = 0.0
+    for trial in range(200):
+        syn = _unit(rng, 12)
+        syn_codes = ["a"] * 7 + ["b"] * 5
+        loc = _unit(rng, 15)
+        loc_codes = list(rng.choice(["a", "b"], size=15))
+        # the added record: random, or a copy of a candidate (the adversary's best guess)
+        extra = syn[trial % 12: trial % 12 + 1] if trial % 2 else _unit(rng, 1)
+        code = syn_codes[trial % 12] if trial % 2 else str(rng.choice(["a", "b"]))
+        v0 = fn(loc, loc_codes, syn, syn_codes)
+        v1 = fn(np.vstack([loc, extra]), loc_codes + [code], syn, syn_codes)
+        worst = max(worst, float(np.linalg.norm(v1 - v0)))
+    assert worst <= bound + 1e-9
+    assert worst > 0.5 * bound  # the bound is not vacuous: a record does move the histogram
+
+
+def test_similarity_scores_clip_each_record_and_ignore_other_codes():
+    syn = np.eye(4)
+    scores = similarity_scores(np.array([[1.0, 1.0, 0, 0]]) / math.sqrt(2), ["a"], syn, ["a", "a", "a", "b"])
+    assert scores[3] == 0.0  # another code's text gets nothing
+    assert np.linalg.norm(scores) == pytest.approx(1.0)  # sims (0.71, 0.71, 0) have norm 1: unclipped
+    many = similarity_scores(np.tile(syn[:1], (5, 1)), ["a"] * 5, syn, ["a"] * 4)
+    assert many.tolist() == [5.0, 0.0, 0.0, 0.0]
+
+
+# --------------------------------------------------------------------------- the registry
+def test_built_in_names_match_the_run_config_and_class_paths_load():
+    assert set(REFINEMENTS) == set(CONFIG_NAMES)
+    assert build_refinement("examples.top_voted:TopVoted").name == "top-voted"
+    for bad, why in [("nope", "unknown"), ("examples.top_voted:Missing", "cannot load"),
+                     ("strategies.resampling:sample_size", "not a subclass")]:
+        with pytest.raises(ValueError, match=why):
+            build_refinement(bad)
+    with pytest.raises(ConfigError, match="refinement"):
+        RunConfig(refinement="nope").validate()
+    with pytest.raises(ConfigError, match="popri-rejected-rank"):
+        RunConfig(popri_samples_per_prompt=4, popri_rejected_rank=5).validate()
+
+
+# --------------------------------------------------------------------------- through the strategy
+def _vote_configs(grid, node=101):
+    return [m.content.config_records[R.CONFIG] for m in grid.sent
+            if m.metadata.message_type == R.MSG_VOTE and m.metadata.dst_node_id == node]
+
+
+def _vote_releases(res, node):
+    return [r for r in res.ledgers[node]["releases"] if r["phase"] == "vote"]
+
+
+def test_knn_vote_gives_the_papers_selection_exactly(dataset, tmp_path):
+    """Pinned against the maths: without noise, the final set is A.4 on the exact kNN votes of
+    the weak nodes' records, and the request is the paper's (K votes, the whole epsilon_vote)."""
+    from common.federation import simulation_node_data
+    from common.models import embed, load_embedder
+
+    rc = run_config(dataset, epsilon="inf", **{"num-server-rounds": 0})
+    res, grid, _ = run(rc, nodes_for(rc, 3, tmp_path))
+    cfg = RunConfig.from_flower(rc)
+    exact = np.zeros(len(res.pool_texts))
+    emb = load_embedder(cfg.embedder)
+    syn = embed(emb, res.pool_texts)
+    for pid in (1, 2):  # the weak nodes
+        part = simulation_node_data(cfg, pid, 3)[1]
+        exact += knn_votes(embed(emb, part.texts), part.codes, syn, res.pool_codes, cfg.num_votes)
+    assert np.array_equal(res.votes, exact)
+    assert np.array_equal(res.selected, resample_by_code(res.pool_codes, exact, cfg.sampling_rate, cfg.seed))
+    [conf] = _vote_configs(grid)
+    assert (conf["histogram"], conf["epsilon-share"], conf["num-votes"]) == ("knn-vote", 1.0, cfg.num_votes)
+
+
+@pytest.mark.parametrize("method", ["pe", "popri"])
+def test_multi_round_refinements_split_epsilon_vote_across_their_rounds(dataset, tmp_path, method):
+    rc = run_config(dataset, refinement=method, **{"num-server-rounds": 1, "refinement-rounds": 3,
+                                                   "popri-samples-per-prompt": 3, "popri-rejected-rank": 2})
+    res, grid, _ = run(rc, nodes_for(rc, 3, tmp_path))
+    cfg = RunConfig.from_flower(rc)
+    assert not res.failures
+    assert [c["epsilon-share"] for c in _vote_configs(grid)] == pytest.approx([1 / 3] * 3)
+    assert [v["round"] for v in res.vote_rounds] == [1, 2, 3]
+    for weak in (101, 102):
+        votes = _vote_releases(res, weak)
+        assert [r["round"] for r in votes] == [1, 2, 3]
+        assert sum(r["epsilon"] for r in votes) == pytest.approx(cfg.epsilon - cfg.epsilon_profile)
+        assert res.ledgers[weak]["epsilon-spent"] == pytest.approx(cfg.epsilon)
+    # every method ends with the same final size as knn-vote would
+    per_code = Counter(res.pool_codes[i] for i in res.selected)
+    if method == "pe":
+        assert len(res.pool_texts) == sum(res.allocation.values())
+        assert all(per_code[c] == max(1, math.floor(cfg.sampling_rate * n)) for c, n in res.allocation.items() if n)
+        assert len(res.refinement["rounds"]) == 3 and not res.generator_refined
+    else:
+        assert len(res.selected) == len(res.pool_texts) == pytest.approx(final_size(cfg), abs=len(res.allocation))
+        assert all(r["pairs"] > 0 and math.isfinite(r["dpo_loss"]) for r in res.refinement["rounds"])
+        assert res.generator_refined  # the saved model is the DPO-finetuned one, and only its adapter
+        from fedsyn_server.synthesis import ServerModel
+
+        assert list(res.arrays.keys()) == list(ServerModel(cfg).weights().keys())
+
+
+class Greedy(Refinement):
+    """A server that asks for more vote rounds than the budget: 3 rounds at half of epsilon_vote."""
+
+    name = "greedy"
+
+    def refine(self, ctx):
+        from strategies.refinement import Refined
+
+        votes = [ctx.vote(ctx.texts, ctx.codes, histogram="nearest-neighbour", epsilon_share=0.5) for _ in range(3)]
+        return Refined(ctx.texts, ctx.codes, np.arange(len(ctx.texts)), votes[-1])
+
+
+def test_vote_rounds_beyond_epsilon_vote_are_refused_by_every_node(dataset, tmp_path):
+    rc = run_config(dataset, refinement="tests.test_refinement:Greedy", **{"num-server-rounds": 0})
+    res, _, _ = run(rc, nodes_for(rc, 3, tmp_path))
+    refused = {(f["node_id"], f["phase"]) for f in res.failures if "refused" in f["reason"]}
+    assert refused == {(101, "vote"), (102, "vote")}  # the third round, on each weak node
+    for weak in (101, 102):
+        assert [r["round"] for r in _vote_releases(res, weak)] == [1, 2]
+        assert res.ledgers[weak]["epsilon-spent"] == pytest.approx(8.0)
+    assert not res.node_votes and not res.votes.any()  # the refused round adds nothing
+
+
+def test_the_docs_example_runs_end_to_end(dataset, tmp_path):
+    rc = run_config(dataset, refinement="examples.top_voted:TopVoted", **{"num-server-rounds": 0})
+    res, grid, _ = run(rc, nodes_for(rc, 3, tmp_path))
+    assert not res.failures and len(res.vote_rounds) == 1
+    for code, n in res.allocation.items():
+        kept = [i for i in res.selected if res.pool_codes[i] == code]
+        assert len(kept) == max(1, math.floor(0.5 * n)) if n else not kept
+        others = [res.votes[i] for i in range(len(res.pool_codes)) if res.pool_codes[i] == code and i not in kept]
+        assert all(res.votes[i] >= max(others, default=-math.inf) for i in kept)  # the top-voted per code

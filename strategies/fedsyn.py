@@ -33,7 +33,7 @@ from flwr.serverapp.strategy import Strategy
 from common.logs import get_logger
 from common import records as R
 from common.config import RunConfig
-from common.dp import STRONG, WEAK
+from common.dp import PROFILE, STRONG, TRAIN, VOTE, WEAK
 from strategies.allocation import aggregate_profiles, allocate
 from strategies.refinement import Generator, Refinement, RefinementContext
 
@@ -144,8 +144,8 @@ class FedSynStrategy(Strategy):
     def summary(self) -> None:
         """Log the run's shape."""
         c = self.cfg
-        log.info("fedsyn: R=%d tau=%d B=%d eps=%s refinement=%s voters=%s s=%d r=%g K=%d aggregator=%s",
-                 c.num_server_rounds, c.local_steps, c.batch_size, c.epsilon, self.refinement.name,
+        log.info("fedsyn: R=%d tau=%d B=%d eps=%s refinement=%s (T=%d) voters=%s s=%d r=%g K=%d aggregator=%s",
+                 c.num_server_rounds, c.local_steps, c.batch_size, c.epsilon, self.refinement.name, c.refinement_rounds,
                  c.voters, c.num_synthetic, c.sampling_rate, c.num_votes, type(self.aggregator).__name__)
         if not c.private:
             log.warning("epsilon = inf: NO DIFFERENTIAL PRIVACY. Nodes release exact counts, exact votes "
@@ -168,9 +168,9 @@ class FedSynStrategy(Strategy):
         res.timings["finetune"] = time.time() - t
 
         t = time.time()                                                 # stage 2
-        profile_replies = self._ask(grid, sorted(nodes), R.MSG_PROFILE, "profile", RecordDict(
+        profile_replies = self._ask(grid, sorted(nodes), R.MSG_PROFILE, PROFILE, RecordDict(
             {R.CONFIG: self._request()}))
-        res.node_profiles = self._vectors(profile_replies, R.PROFILE, len(self.vocabulary), "profile")
+        res.node_profiles = self._vectors(profile_replies, R.PROFILE, len(self.vocabulary), PROFILE)
         if not res.node_profiles:
             raise RuntimeError("no node returned a profile; nothing to allocate (see failures above)")
         res.profile = aggregate_profiles(list(res.node_profiles.values()))
@@ -216,12 +216,12 @@ class FedSynStrategy(Strategy):
         rnd = len(res.vote_rounds) + 1
         if not self._voters:
             log.warning("no voters (voters=%s and no weak node): votes are all zero", self.cfg.voters)
-        replies = self._ask(self._grid, self._voters, R.MSG_VOTE, "vote", RecordDict({
+        replies = self._ask(self._grid, self._voters, R.MSG_VOTE, VOTE, RecordDict({
             R.CANDIDATES: ConfigRecord({"texts": list(texts), "codes": list(codes)}),
             R.CONFIG: self._request(**params, **{"histogram": histogram, "epsilon-share": float(epsilon_share),
                                                  "server-round": rnd}),
         }))
-        res.node_votes = self._vectors(replies, R.VOTES, len(texts), "vote")
+        res.node_votes = self._vectors(replies, R.VOTES, len(texts), VOTE)
         total = (np.sum([np.asarray(v) for v in res.node_votes.values()], axis=0)
                  if res.node_votes else np.zeros(len(texts)))
         res.vote_rounds.append({"round": rnd, "histogram": histogram, "epsilon_share": float(epsilon_share),
@@ -279,7 +279,7 @@ class FedSynStrategy(Strategy):
             log.info("[phase 1] round %d/%d on %d strong nodes", rnd, rounds, len(self._strong))
             messages = list(self.configure_train(rnd, arrays, self._request(), grid))
             replies = list(grid.send_and_receive(messages, timeout=self.cfg.node_timeout))
-            good = self._collect(replies, {m.metadata.dst_node_id for m in messages}, "train")
+            good = self._collect(replies, {m.metadata.dst_node_id for m in messages}, TRAIN)
             if not good:
                 log.warning("round %d: no strong node replied; weights unchanged", rnd)
                 continue

@@ -60,3 +60,33 @@ def test_default_run_with_real_weights_follows_the_noisy_profile(tmp_path):
     texts = [r["text"] for r in read_jsonl(run_dir / "synthetic.jsonl")]
     assert len(texts) >= 50 and sum(len(t.split()) for t in texts) / len(texts) > 15
     assert (run_dir / "evaluation.json").exists() and (run_dir / "model" / "adapter_config.json").exists()
+
+
+@pytest.mark.flwr
+@pytest.mark.parametrize("refinement", ["pe", "popri", "examples.top_voted:TopVoted"])
+def test_flwr_run_refinement_plugins_book_every_vote_round(tmp_path, refinement):
+    """`flwr run` with each refinement plug-in (tiny model): every vote round is in each weak
+    node's own ledger, and the rounds add up to its epsilon_vote."""
+    res = run_app({
+        "model": "tiny-gpt2", "num-server-rounds": 1, "local-steps": 2, "batch-size": 4,
+        "num-synthetic": 24, "max-new-tokens": 8, "out-dir": str(tmp_path), "run-name": "plugin",
+        "test-fraction": 0.02, "strong-fraction": 0.34, "refinement": refinement, "refinement-rounds": 2,
+        "popri-samples-per-prompt": 3, "popri-rejected-rank": 2,
+    }, federation_config="num-supernodes=3", timeout=1200)
+    assert res.ok, f"{res.status}\n{res.output[-4000:]}"
+    run_dir = tmp_path / "plugin"
+    rounds = 1 if ":" in refinement else 2
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["failures"] == [] and len(metrics["refinement"]["vote_rounds"]) == rounds
+    report = json.loads((run_dir / "privacy_report.json").read_text())
+    weak = [n for n in report["nodes"] if n["tier"] == "weak"]
+    assert len(weak) == 2
+    for node in weak:
+        assert node["source"] == "node ledger"
+        votes = [r for r in node["releases"] if r["phase"] == "vote"]
+        assert [r["round"] for r in votes] == list(range(1, rounds + 1))
+        assert sum(r["epsilon"] for r in votes) == pytest.approx(6.0)
+        assert node["epsilon_spent"] == pytest.approx(8.0)
+    assert len(read_jsonl(run_dir / "synthetic.jsonl")) == metrics["final_size"] > 0
+    if refinement == "popri":  # the DPO-finetuned adapter is the run's model
+        assert (run_dir / "model" / "adapter_config.json").exists()

@@ -18,7 +18,7 @@ from strategies.popri import preference_pairs
 from strategies.private_evolution import next_generation
 from strategies.refinement import REFINEMENTS, Refinement, build_refinement, final_size
 from strategies.resampling import resample_by_code
-from tests.test_strategy import TOPICS, dataset, nodes_for, run, run_config  # noqa: F401 - fixture
+from tests.test_strategy import dataset, nodes_for, run, run_config  # noqa: F401 - dataset is a fixture
 
 
 # --------------------------------------------------------------------------- pure maths

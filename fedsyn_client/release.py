@@ -51,7 +51,8 @@ def read_request(msg: Message, context: Context, node: Node, cfg: RunConfig, pha
 
     The run's epsilon for ``phase`` is the appendix-B split of the run's per-node epsilon
     (already checked to be within the node's budget), capped by the policy's per-phase cap.
-    An ``epsilon-share`` in (0, 1] asks for part of it (a refinement with several vote rounds).
+    An ``epsilon-share`` in (0, 1] asks for that part of it *and* of delta (a refinement with
+    several vote rounds): the rounds of a phase never compose to more than (epsilon, delta).
     Raises ``PolicyRefused`` or ``ConfigError``.
     """
     conf = dict(msg.content.config_records[R.CONFIG]) if R.CONFIG in msg.content.config_records else {}
@@ -67,7 +68,9 @@ def read_request(msg: Message, context: Context, node: Node, cfg: RunConfig, pha
     share = float(conf.get("epsilon-share", 1.0))
     if not 0 < share <= 1:
         raise ConfigError(f"epsilon-share = {share}; must be in (0, 1]")
-    return Request(run_id=str(context.run_id), phase=phase, epsilon=budget * share, delta=float(delta),
+    # delta is split like epsilon: however many rounds a server asks for, the phase's rounds
+    # together cost at most (epsilon, delta) of the phase; a delta per round would grow with them
+    return Request(run_id=str(context.run_id), phase=phase, epsilon=budget * share, delta=float(delta) * share,
                    phase_budget=budget, vocabulary=vocabulary, round=int(conf.get("server-round", 0)),
                    params={k: v for k, v in conf.items() if k not in ("codes", "delta")})
 

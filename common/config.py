@@ -19,6 +19,7 @@ FINETUNE_MODES = ("full", "lora")
 REFINEMENTS = ("knn-vote", "uniform", "none", "pe", "popri")  # built-ins; or a class path
 PROMPTS = ("code", "zero-shot")
 VOTERS = ("weak", "all")
+ON_NODE_SHORTFALL = ("refuse", "continue-without")
 
 
 class ConfigError(ValueError):
@@ -68,6 +69,7 @@ class RunConfig:
     voters: str = "weak"
     min_nodes: int = 0
     node_timeout: float = 3600.0
+    on_node_shortfall: str = "refuse"  # a node that cannot finish the run: refuse to start, or go on without it
     out_dir: str = "outputs"
     run_name: str = ""
     seed: int = 0
@@ -139,6 +141,7 @@ class RunConfig:
             ("voters", self.voters in VOTERS, f"one of {list(VOTERS)}"),
             ("min-nodes", self.min_nodes >= 0, "an integer >= 0 (0 = wait until the node count is stable)"),
             ("node-timeout", self.node_timeout > 0, "seconds > 0"),
+            ("on-node-shortfall", self.on_node_shortfall in ON_NODE_SHORTFALL, f"one of {list(ON_NODE_SHORTFALL)}"),
             ("out-dir", bool(self.out_dir.strip()), "a non-empty path"),
             ("run-name", "/" not in self.run_name and ".." not in self.run_name, "a folder name without '/' or '..'"),
         ]

@@ -119,6 +119,20 @@ def phase_epsilon(epsilon: float, epsilon_profile: float, tier: str, voters: str
     return split.main if phase == VOTE else 0.0
 
 
+def preflight(needed: float, spent_this_run: float, remaining: float) -> float:
+    """The epsilon a node lacks to finish a run (0 when it can).
+
+    ``needed`` is what the run asks of the node over all its phases, ``spent_this_run``
+    what the node's ledger already holds for this run (those releases are paid for), and
+    ``remaining`` what the ledger has left. Any of them may be inf: an unlimited budget
+    lacks nothing; a non-private run on a finite budget lacks everything.
+    """
+    if math.isinf(remaining):
+        return 0.0
+    still = max(needed - spent_this_run, 0.0)
+    return math.inf if math.isinf(still) else max(still - remaining, 0.0)
+
+
 def paper_delta(num_records: int) -> float:
     """The paper's per-phase delta 1 / (2 N log N) for N records (appendix B).
 

@@ -2,14 +2,16 @@
 
 | message           | down (server -> node)                              | up (node -> server)                        |
 |-------------------|----------------------------------------------------|--------------------------------------------|
-| ``query.tier``    | config: codes, delta                               | tier: tier, epsilon-budget                 |
+| ``query.tier``    | config: codes, delta, phases                       | tier: tier, epsilon-budget, epsilon-needed,|
+|                   |                                                    | epsilon-remaining, epsilon-shortfall       |
 | ``train``         | arrays, config: codes, delta, server-round         | arrays, metrics: weight, steps; release    |
 | ``query.profile`` | config: codes, delta                               | profile: counts (noisy); release           |
 | ``query.vote``    | candidates: texts, codes; config: codes, delta,    | votes: votes (noisy); release              |
 |                   | histogram, epsilon-share, server-round, [num-votes]|                                            |
 | ``query.ledger``  | config: codes                                      | ledger: this run's release statements      |
 
-Only noised statistics travel up. ``release`` is the node's *statement* of a release:
+Only noised statistics travel up. The tier reply's budget figures are statements about the
+node's ledger (what earlier runs spent), never about its records. ``release`` is the node's *statement* of a release:
 phase, mechanism, epsilon, delta, round and data-independent parameters (a Gaussian's
 sigma and sensitivity, DP-SGD's steps), plus the node's ledger total and budget. It never
 carries a sampling rate, noise multiplier or count, from which |D| would follow.
@@ -38,6 +40,16 @@ VOTES = "votes"
 CANDIDATES = "candidates"
 RELEASE = "release"
 LEDGER = "ledger"
+# Error codes in replies (Flower reserves small ints; these are app-level).
+ERR_BUDGET = 1001  # refused: would exceed the node's privacy budget
+ERR_CONFIG = 1002  # the node's or the run's configuration is unusable
+ERR_INTERNAL = 1003  # anything else; details stay in the node's log
+ERR_POLICY = 1004  # refused: the request asks for more than the node's policy allows
+# A node that answers with one of these spent nothing on that request: each is raised before
+# the ledger reserves (an internal error may come after a release, so it is not in this set).
+ERR_NOTHING_SPENT = (ERR_BUDGET, ERR_CONFIG, ERR_POLICY)
+ERR_REFUSED = (ERR_BUDGET, ERR_POLICY)  # the node refuses the run's terms: it cannot finish the run
+
 # Phase-1 replies are averaged with this weight. It is 1.0 for every node (paper A.3:
 # Delta = 1/N sum Delta_i) because a node's true example count is an un-noised statistic.
 WEIGHT_KEY = "weight"
@@ -60,9 +72,13 @@ def release_record(release: dict[str, Any], spent: float, budget: float) -> Conf
     return ConfigRecord(payload)
 
 
-def tier_reply(tier: str, budget: float) -> RecordDict:
-    """Content of a ``query.tier`` reply: the node's tier and its (policy) budget."""
-    return RecordDict({TIER: ConfigRecord({"tier": tier, "epsilon-budget": float(budget)})})
+def tier_reply(tier: str, budget: float, needed: float, remaining: float, shortfall: float) -> RecordDict:
+    """Content of a ``query.tier`` reply: the node's tier, its (policy) budget, and its pre-flight
+    statement: epsilon this run still needs of it, epsilon left in its ledger, and the shortfall
+    (0 when the node can finish the run)."""
+    return RecordDict({TIER: ConfigRecord({
+        "tier": tier, "epsilon-budget": float(budget), "epsilon-needed": float(needed),
+        "epsilon-remaining": float(remaining), "epsilon-shortfall": float(shortfall)})})
 
 
 def vector_reply(key: str, values: np.ndarray, release: ConfigRecord) -> RecordDict:

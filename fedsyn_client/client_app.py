@@ -18,7 +18,7 @@ from flwr.clientapp import ClientApp
 
 from common import records as R
 from common.config import ConfigError, RunConfig
-from common.dp import PROFILE, STRONG, TRAIN, VOTE
+from common.dp import PHASES, PROFILE, STRONG, TRAIN, VOTE, phase_epsilon, preflight
 from common.ledger import BudgetExceeded
 from common.logs import get_logger
 from common.policy import PolicyRefused
@@ -29,12 +29,6 @@ from fedsyn_client.release import GaussianHistogram, read_request, release
 
 log = get_logger(__name__)
 app = ClientApp(mods=[audit_mod])
-
-# Error codes in replies (Flower reserves small ints; these are app-level).
-ERR_BUDGET = 1001  # refused: would exceed the node's privacy budget
-ERR_CONFIG = 1002  # the node's or the run's configuration is unusable
-ERR_INTERNAL = 1003  # anything else; details stay in the node's log
-ERR_POLICY = 1004  # refused: the request asks for more than the node's policy allows
 
 
 def _handler(fn: Callable[[Message, Context, Node, RunConfig], RecordDict]) -> Callable[[Message, Context], Message]:
@@ -51,16 +45,16 @@ def _handler(fn: Callable[[Message, Context, Node, RunConfig], RecordDict]) -> C
             return Message(fn(msg, context, node, cfg), reply_to=msg)
         except BudgetExceeded as err:
             log.warning("%s", err)
-            return Message(Error(ERR_BUDGET, str(err)), reply_to=msg)
+            return Message(Error(R.ERR_BUDGET, str(err)), reply_to=msg)
         except PolicyRefused as err:
             log.warning("refused by this node's policy: %s", err)
-            return Message(Error(ERR_POLICY, f"refused by the node's policy: {err}"), reply_to=msg)
+            return Message(Error(R.ERR_POLICY, f"refused by the node's policy: {err}"), reply_to=msg)
         except (ConfigError, NodeSetupError) as err:
             log.error("%s", err)
-            return Message(Error(ERR_CONFIG, str(err)), reply_to=msg)
+            return Message(Error(R.ERR_CONFIG, str(err)), reply_to=msg)
         except Exception as err:  # noqa: BLE001 - a node must answer, never crash the run
             log.error("handler %s failed:\n%s", fn.__name__, traceback.format_exc())
-            return Message(Error(ERR_INTERNAL, f"{type(err).__name__} on the node (see the node's log)"), reply_to=msg)
+            return Message(Error(R.ERR_INTERNAL, f"{type(err).__name__} on the node (see the node's log)"), reply_to=msg)
 
     wrapped.__name__ = fn.__name__
     return wrapped
@@ -70,13 +64,31 @@ def _handler(fn: Callable[[Message, Context, Node, RunConfig], RecordDict]) -> C
 @app.query("tier")
 @_handler
 def tier(msg: Message, context: Context, node: Node, cfg: RunConfig) -> RecordDict:
-    """Reply with this node's tier and budget once the run's view, vocabulary and delta are
-    allowed by the policy. Nothing about the records: no yes/no on which codes occur."""
+    """Reply with this node's tier, budget and pre-flight statement once the run's view,
+    vocabulary, delta and per-phase epsilons are allowed by the policy.
+
+    The pre-flight statement says whether the node's ledger can pay for every phase the
+    server plans to ask of it (``phases``), so a run that some node cannot finish is refused
+    before anything is spent. It is about the ledger (what earlier runs spent), never about
+    the records: no yes/no on which codes occur. The ledger still authorises every release.
+    """
     conf = msg.content.config_records[R.CONFIG] if R.CONFIG in msg.content.config_records else {}
     node.policy.check_vocabulary(tuple(str(c) for c in conf.get("codes", [])))
     if "delta" in conf:
         node.policy.check_delta(conf["delta"])
-    return R.tier_reply(node.tier, node.policy.epsilon)
+    planned = [str(p) for p in conf.get("phases", PHASES)]
+    needs = {p: phase_epsilon(cfg.epsilon, cfg.epsilon_profile, node.tier, cfg.voters, p) for p in planned if p in PHASES}
+    for phase, eps in needs.items():
+        if eps > 0:
+            node.policy.check_phase(phase, eps)
+    needed = float(sum(needs.values()))
+    remaining = node.ledger.remaining()
+    shortfall = preflight(needed, node.ledger.spent(run_id=str(context.run_id)), remaining)
+    if shortfall > 0:
+        log.warning("pre-flight: this run needs epsilon = %.4g of this node but its ledger has %.4g left (budget "
+                    "%g); this node cannot finish the run, and any release beyond the budget will be refused",
+                    needed, max(remaining, 0.0), node.policy.epsilon)
+    return R.tier_reply(node.tier, node.policy.epsilon, needed, remaining, shortfall)
 
 
 # --------------------------------------------------------------------------- stage 1

@@ -3,7 +3,7 @@
 Subcommands:
 
 - ``fedsyn evaluate --synthetic S --real R``: utility, alignment and allocation metrics of
-  a synthetic set against real data; prints a table and writes ``metrics.json``.
+  a synthetic set against real data; prints a table and writes ``<synthetic-stem>.metrics.json``.
 - ``fedsyn experiment grid.toml``: a grid of simulations (``fedsyn_server.experiment``),
   resumable, with results.csv, results.md and plots.
 - ``fedsyn run [APP] [FEDERATION] [flwr run options]``: ``flwr run`` with the ClientApps
@@ -47,8 +47,9 @@ def _add_evaluate(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--embedder", default=DEFAULT_EMBEDDER, help=f"sentence embedder (default: {DEFAULT_EMBEDDER})")
     p.add_argument(
         "--out", default=None,
-        help="metrics file (default: metrics.json next to the synthetic file; results go under "
-             "the key 'evaluation', other keys of an existing file are kept)",
+        help="metrics file (default: <synthetic-stem>.metrics.json next to the synthetic file, so two "
+             "evaluations never overwrite each other; results go under the key 'evaluation', other keys of "
+             "an existing file are kept)",
     )
     p.add_argument("--no-mauve", action="store_true", help="skip MAUVE")
     p.add_argument(
@@ -66,10 +67,16 @@ def _add_evaluate(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_run_evaluate)
 
 
+def default_metrics_path(synthetic: str) -> Path:
+    """``<dir>/<stem>.metrics.json`` for the synthetic file ``<dir>/<stem>.<ext>``."""
+    path = Path(synthetic).expanduser()
+    return path.with_name(f"{path.stem}.metrics.json")
+
+
 def _run_evaluate(args: argparse.Namespace) -> int:
     from fedsyn_server.evaluation import evaluate_files, format_report
 
-    out = Path(args.out) if args.out else Path(args.synthetic).expanduser().parent / "metrics.json"
+    out = Path(args.out) if args.out else default_metrics_path(args.synthetic)
     result = evaluate_files(
         args.synthetic, args.real, text_column=args.text_column, control_columns=args.control_columns,
         out=out, embedder=args.embedder, seed=args.seed, mauve=not args.no_mauve,

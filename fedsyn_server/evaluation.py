@@ -56,6 +56,37 @@ METRICS_KEY = "evaluation"  # where evaluation results live inside metrics.json
 # --------------------------------------------------------------------- downstream utility
 
 
+MIN_TEST_ROWS = 5  # fewer real test rows than this in a class: its share of the score is noise
+
+
+def utility_warnings(train_labels: Sequence[str], real_labels: Sequence[str],
+                     min_test_rows: int = MIN_TEST_ROWS) -> list[str]:
+    """What makes a train-on-synthetic, test-on-real score untrustworthy, in words.
+
+    In: the synthetic (training) labels and the real (test) labels. Out: one sentence per
+    problem: a real set with one class (accuracy and macro-F1 are trivially 1 or 0), a class
+    with fewer than ``min_test_rows`` real rows, synthetic labels the real set lacks (the
+    classifier can only be wrong on them) and real labels the synthetic set lacks.
+    """
+    counts = Counter(str(x) for x in real_labels)
+    train, out = {str(x) for x in train_labels}, []
+    if len(counts) == 1:
+        out.append(f"the real set has one class ({next(iter(counts))!r}): accuracy and macro-F1 measure nothing")
+    few = sorted(c for c, n in counts.items() if n < min_test_rows)
+    if few:
+        out.append(f"{len(few)} class(es) have fewer than {min_test_rows} real test rows ("
+                   + ", ".join(f"{c!r}: {counts[c]}" for c in few[:5]) + ("" if len(few) <= 5 else ", ...")
+                   + "): their scores are noise")
+    absent = sorted(train - set(counts))
+    if absent:
+        out.append(f"synthetic label(s) {absent[:5]} do not occur in the real set: check that both files use the "
+                   "same control columns and values")
+    lacking = sorted(set(counts) - train)
+    if lacking:
+        out.append(f"real label(s) {lacking[:5]} do not occur in the synthetic set: they count as F1 = 0")
+    return out
+
+
 def _utility_result(
     real_labels: Sequence[str], predicted: Sequence[str], train_labels: Sequence[str]
 ) -> dict[str, Any]:
@@ -63,6 +94,9 @@ def _utility_result(
 
     test_classes = sorted(set(real_labels))
     train_classes = set(train_labels)
+    warnings = utility_warnings(train_labels, real_labels)
+    for w in warnings:
+        log.warning("evaluation: %s", w)
     return {
         "accuracy": float(accuracy_score(real_labels, predicted)),
         # Macro-F1 over the classes of the real test set: a class the synthetic set lacks
@@ -75,6 +109,7 @@ def _utility_result(
         "n_classes_train": len(train_classes),
         "n_classes_test": len(test_classes),
         "missing_classes": [c for c in test_classes if c not in train_classes],
+        "warnings": warnings,
     }
 
 
@@ -698,6 +733,7 @@ def format_report(result: dict[str, Any]) -> str:
         [[name, u["accuracy"], u["macro_f1"], u.get("label_fidelity"), u["n_train"], u["n_test"],
           f"{u['n_classes_train']}/{u['n_classes_test']}"] for name, u in result["utility"].items()],
     )
+    lines += [f"  WARNING ({name}): {w}" for name, u in result["utility"].items() for w in u.get("warnings", [])]
     align = result["alignment"]
     m = align["mauve"]
     lines += ["", "Distribution alignment (sentence embeddings)"]

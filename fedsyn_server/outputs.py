@@ -6,7 +6,7 @@
 | ``pool.jsonl`` | the refinement's final population (for knn-vote: the generated pool) with its aggregated noisy votes and whether it was kept |
 | ``profile.json`` | vocabulary, each node's noisy profile, the global profile, the allocation |
 | ``privacy_report.json`` | per node: budget, spent, every release, basic and PLD totals |
-| ``metrics.json`` | held-out loss per round, phase timings, failures, sizes |
+| ``metrics.json`` | held-out loss per round, phase timings, failures, degradations, sizes |
 | ``config.json`` | the validated run config |
 | ``model/`` | the finetuned trainable weights (a peft adapter or a full model folder) |
 | ``plots/*.png`` | votes per code, allocation vs. final counts, held-out loss per round |
@@ -25,7 +25,7 @@ import numpy as np
 
 from common.codes import parse_code
 from common.config import RunConfig
-from common.dp import GAUSSIAN, gaussian_event, pld_epsilon
+from common.dp import GAUSSIAN, gaussian_event, phase_epsilon, pld_epsilon
 from common.io import atomic_write_json, atomic_write_jsonl
 from strategies.fedsyn import FedSynResult
 
@@ -52,6 +52,7 @@ def write_outputs(run_dir: Path, cfg: RunConfig, vocabulary: list[str], res: Fed
             "eval": {str(k): v for k, v in res.eval_metrics.items()},
             "train": {str(k): v for k, v in res.train_metrics.items()},
             "timings_s": res.timings, "failures": res.failures,
+            "degradations": res.degradations, "degraded": bool(res.degradations),
             "pool_size": len(res.pool_texts), "final_size": len(final),
             "nodes": {str(n): t for n, t in res.tiers.items()},
             "refinement": {"method": cfg.refinement, "vote_rounds": res.vote_rounds, **res.refinement},
@@ -70,7 +71,9 @@ def privacy_report(cfg: RunConfig, res: FedSynResult) -> dict[str, Any]:
     """Per node: budget, this run's releases as the node stated them, and their totals.
 
     Each node's releases come from its own ledger (the end-of-run ``query.ledger``), or,
-    if it did not answer, from the statements in its replies. The basic total sums the
+    if it did not answer, from the statements in its replies plus every request whose
+    reply never came, counted as spent at what the request asked (``unknown_releases``).
+    The basic total sums the
     stated epsilons (as the paper), delta sums the stated deltas. The PLD total composes
     the Gaussian releases (their sigma and sensitivity are data-independent) with a PLD
     accountant and adds DP-SGD's stated epsilon by basic composition: a node never tells
@@ -80,13 +83,17 @@ def privacy_report(cfg: RunConfig, res: FedSynResult) -> dict[str, Any]:
     for nid in sorted(set(res.tiers) | set(res.releases) | set(res.ledgers)):
         book = res.ledgers.get(nid)
         statements = book["releases"] if book else [_release_view(r) for r in res.releases.get(nid, [])]
+        if not book:
+            statements += unknown_releases(cfg, res.tiers.get(nid, ""), statements,
+                                           [f for f in res.failures if f["node_id"] == nid])
         basic = float(sum(float(r["epsilon"]) for r in statements))
         total_delta = float(sum(float(r["delta"]) for r in statements))
         last = res.releases.get(nid, [{}])[-1]
         budget = (book or {}).get("epsilon-budget", res.budgets.get(nid, last.get("epsilon-budget", math.nan)))
         nodes.append({
             "node_id": nid, "tier": res.tiers.get(nid, "unknown"),
-            "source": "node ledger" if book else "replies (the node did not confirm its ledger)",
+            "source": "node ledger" if book else ("replies (the node did not confirm its ledger); requests without "
+                                                  "a reply are counted as spent"),
             "epsilon_budget": float(budget),
             "epsilon_spent": basic,
             "epsilon_spent_all_runs": float((book or {}).get("epsilon-spent", last.get("epsilon-spent", basic))),
@@ -108,6 +115,30 @@ def privacy_report(cfg: RunConfig, res: FedSynResult) -> dict[str, Any]:
                           "voters": cfg.voters},
         "nodes": nodes,
     }
+
+
+def unknown_releases(cfg: RunConfig, tier: str, stated: list[dict[str, Any]],
+                     failures: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Statements for the release requests of a node that failed without saying what it spent.
+
+    The node may have released and lost the reply, so each counts as spent at the epsilon and
+    delta the request asked, capped so that a phase never counts more than this run's epsilon
+    for it (DP-SGD reserves its whole phase at round 1: later rounds add nothing). Marked
+    ``"status": "unknown, counted as spent"``; never 0, never more than the node could spend.
+    """
+    out: list[dict[str, Any]] = []
+    for f in failures:
+        if f.get("spent") != "unknown":
+            continue
+        phase = f["phase"]
+        cap = phase_epsilon(cfg.epsilon, cfg.epsilon_profile, tier, cfg.voters, phase) if tier else math.inf
+        counted = sum(float(r["epsilon"]) for r in stated + out if r["phase"] == phase)
+        epsilon = min(float(f["epsilon_requested"]), max(cap - counted, 0.0))
+        if epsilon > 0 or not cfg.private:
+            out.append({"phase": phase, "mechanism": "unknown", "epsilon": epsilon,
+                        "delta": float(f["delta_requested"]), "round": f.get("round", 0),
+                        "status": "unknown, counted as spent", "reason": f["reason"]})
+    return out
 
 
 def stated_pld_epsilon(statements: list[dict[str, Any]], delta: float) -> float:

@@ -90,3 +90,6 @@ def main(grid: Grid, context: Context) -> None:
         evaluate_run(run_dir, cfg, result, bench)
     log.info("fedsyn run %s finished in %.0fs: %d synthetic texts in %s", context.run_id,
              result.timings.get("total", 0.0), len(result.selected), paths["synthetic"])
+    if result.degradations:  # said last, so an operator reading the tail of the log sees it
+        log.warning("run %s finished DEGRADED (%d, also in metrics.json): %s", context.run_id,
+                    len(result.degradations), "; ".join(result.degradations))

@@ -2,7 +2,9 @@
 
 ``FedSynStrategy.run`` is the one place to read the server's logic:
 
-0. tiers      -- ask every node its tier; a node whose policy refuses the run says so (no privacy spent)
+0. tiers      -- ask every node its tier and whether its ledger and policy cover what this run
+                 will ask of it (pre-flight, no privacy spent); a run some node cannot finish
+                 is refused here, before anything is spent (or goes on without that node)
 1. finetune   -- R rounds of DP federated finetuning on strong nodes (A.3), aggregated
                  by a plug-in Flower strategy
 2. profile    -- every node sends its noisy per-code counts
@@ -12,8 +14,9 @@
                  round is ``_vote``, one federated round on the voters
 5. ledgers    -- every node states this run's releases from its own ledger (free), for the report
 
-Nodes that fail or refuse are logged, recorded in ``result.failures`` and left out; the
-run goes on with the rest. The server only ever asks for noised statistics: every
+Nodes that fail are logged, recorded in ``result.failures`` under the node that failed, and
+left out; the run goes on with the rest and says so: every phase that ran on fewer nodes than
+it asked, or not at all, is a named *degradation* (log, ``result.degradations``, metrics.json). The server only ever asks for noised statistics: every
 request type here has a noise mechanism on the node.
 """
 
@@ -33,11 +36,15 @@ from flwr.serverapp.strategy import Strategy
 from common.logs import get_logger
 from common import records as R
 from common.config import RunConfig
-from common.dp import PROFILE, STRONG, TRAIN, VOTE, WEAK
+from common.dp import PHASES, PROFILE, STRONG, TRAIN, VOTE, WEAK, phase_epsilon
 from strategies.allocation import aggregate_profiles, allocate
 from strategies.refinement import Generator, Refinement, RefinementContext
 
 log = get_logger("fedsyn")
+
+class RunRefused(RuntimeError):
+    """The run cannot be finished by some node (stage 0); nothing was spent."""
+
 
 # (round, arrays) -> metrics of the global model on held-out data, or None.
 EvaluateFn = Callable[[int, ArrayRecord], dict[str, float] | None]
@@ -66,6 +73,7 @@ class FedSynResult:
     ledgers: dict[int, dict[str, Any]] = field(default_factory=dict)  # node -> its own book of this run
     budgets: dict[int, float] = field(default_factory=dict)
     failures: list[dict[str, Any]] = field(default_factory=list)
+    degradations: list[str] = field(default_factory=list)  # what the run did with less than it asked for
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -171,6 +179,7 @@ class FedSynStrategy(Strategy):
         profile_replies = self._ask(grid, sorted(nodes), R.MSG_PROFILE, PROFILE, RecordDict(
             {R.CONFIG: self._request()}))
         res.node_profiles = self._vectors(profile_replies, R.PROFILE, len(self.vocabulary), PROFILE)
+        self._coverage("profile", res.node_profiles, nodes)
         if not res.node_profiles:
             raise RuntimeError("no node returned a profile; nothing to allocate (see failures above)")
         res.profile = aggregate_profiles(list(res.node_profiles.values()))
@@ -215,18 +224,24 @@ class FedSynStrategy(Strategy):
         res = self.result
         rnd = len(res.vote_rounds) + 1
         if not self._voters:
-            log.warning("no voters (voters=%s and no weak node): votes are all zero", self.cfg.voters)
+            self._degrade(f"vote round {rnd}: no voters (voters={self.cfg.voters} and no weak node); votes are all zero")
         replies = self._ask(self._grid, self._voters, R.MSG_VOTE, VOTE, RecordDict({
             R.CANDIDATES: ConfigRecord({"texts": list(texts), "codes": list(codes)}),
             R.CONFIG: self._request(**params, **{"histogram": histogram, "epsilon-share": float(epsilon_share),
                                                  "server-round": rnd}),
         }))
         res.node_votes = self._vectors(replies, R.VOTES, len(texts), VOTE)
+        self._coverage(f"vote round {rnd}", res.node_votes, self._voters)
         total = (np.sum([np.asarray(v) for v in res.node_votes.values()], axis=0)
                  if res.node_votes else np.zeros(len(texts)))
         res.vote_rounds.append({"round": rnd, "histogram": histogram, "epsilon_share": float(epsilon_share),
                                 "candidates": len(texts), "voters": sorted(res.node_votes)})
         return total
+
+    def _plan(self) -> list[str]:
+        """The phases this run will ask of nodes (each node takes those of its tier)."""
+        trains = self.cfg.prompt != "zero-shot" and self.cfg.num_server_rounds > 0
+        return [p for p in PHASES if (p != TRAIN or trains) and (p != VOTE or self.refinement.asks_votes)]
 
     def _request(self, **extra: Any) -> ConfigRecord:
         """The part every request carries: the public vocabulary and the delta per release."""
@@ -234,13 +249,36 @@ class FedSynStrategy(Strategy):
 
     # ------------------------------------------------------------ stage 0
     def _discover(self, grid: Grid) -> dict[int, str]:
+        """Stage 0: tiers, budgets and the pre-flight check. Raises ``RunRefused`` when a node
+        that answered cannot finish the run (and ``on-node-shortfall`` is "refuse")."""
         node_ids = self._wait_for_nodes(grid)
-        replies = self._ask(grid, node_ids, R.MSG_TIER, "tiers", RecordDict({R.CONFIG: self._request()}))
+        replies = self._ask(grid, node_ids, R.MSG_TIER, "tiers", RecordDict({R.CONFIG: self._request(phases=self._plan())}))
         nodes: dict[int, str] = {}
+        cannot = {f["node_id"]: f["reason"] for f in self.result.failures
+                  if f["phase"] == "tiers" and f.get("code") in R.ERR_REFUSED}
         for nid, msg in replies.items():
-            rec = msg.content.config_records[R.TIER]
-            nodes[nid] = str(rec["tier"])
-            self.result.budgets[nid] = float(rec["epsilon-budget"])
+            try:
+                rec = msg.content.config_records[R.TIER]
+                tier, budget, short = str(rec["tier"]), float(rec["epsilon-budget"]), float(rec["epsilon-shortfall"])
+            except (KeyError, TypeError, ValueError) as err:
+                self._fail(nid, "tiers", f"malformed reply ({type(err).__name__})")
+                continue
+            self.result.budgets[nid] = budget
+            if short > 0:
+                cannot[nid] = (f"its ledger lacks epsilon = {short:.4g}: this run needs {float(rec['epsilon-needed']):.4g} "
+                               f"of it and {max(float(rec['epsilon-remaining']), 0.0):.4g} of its budget {budget:g} is left")
+                continue
+            nodes[nid] = tier
+        if cannot:
+            why = "; ".join(f"node {nid}: {reason}" for nid, reason in sorted(cannot.items()))
+            if self.cfg.on_node_shortfall == "refuse":
+                raise RunRefused(
+                    f"run refused before anything was spent: {len(cannot)} node(s) cannot finish it ({why}). Fix: run "
+                    "with a smaller epsilon, or within the node's policy; an institution may reset its ledger "
+                    "(`fedsyn ledger STATE_DIR --reset`); or leave such nodes out with "
+                    "--run-config 'on-node-shortfall=\"continue-without\"'")
+            for nid, reason in sorted(cannot.items()):
+                self._degrade(f"node {nid} left out (on-node-shortfall=continue-without): {reason}")
         if not nodes:
             raise RuntimeError("no usable node answered the tier query (see failures above)")
         log.info("nodes: %d strong, %d weak", sum(t == STRONG for t in nodes.values()),
@@ -271,7 +309,10 @@ class FedSynStrategy(Strategy):
         skip = ("prompt = zero-shot (pretrained baseline)" if self.cfg.prompt == "zero-shot"
                 else "no strong node" if not self._strong else "num-server-rounds = 0" if rounds == 0 else "")
         if arrays is None or skip:
-            log.warning("phase 1 skipped (%s): generating with the pretrained model", skip or "no weights")
+            if not self._strong and TRAIN in self._plan():  # the run asked for training and gets none
+                self._degrade("phase 1 skipped: no strong node in the run; generating with the pretrained model")
+            else:
+                log.warning("phase 1 skipped (%s): generating with the pretrained model", skip or "no weights")
             return arrays
         if self.evaluate_fn:
             self._evaluate(0, arrays)
@@ -279,9 +320,9 @@ class FedSynStrategy(Strategy):
             log.info("[phase 1] round %d/%d on %d strong nodes", rnd, rounds, len(self._strong))
             messages = list(self.configure_train(rnd, arrays, self._request(), grid))
             replies = list(grid.send_and_receive(messages, timeout=self.cfg.node_timeout))
-            good = self._collect(replies, {m.metadata.dst_node_id for m in messages}, TRAIN)
+            good = self._collect(replies, messages, TRAIN, rnd)
+            self._coverage(f"phase 1 round {rnd}", good, (m.metadata.dst_node_id for m in messages))
             if not good:
-                log.warning("round %d: no strong node replied; weights unchanged", rnd)
                 continue
             new_arrays, metrics = self.aggregate_train(rnd, list(good.values()))
             if new_arrays is not None:
@@ -322,39 +363,74 @@ class FedSynStrategy(Strategy):
             return {}
         messages = [Message(content=content, message_type=message_type, dst_node_id=n) for n in node_ids]
         replies = list(grid.send_and_receive(messages, timeout=self.cfg.node_timeout))
-        return self._collect(replies, set(node_ids), phase)
+        conf = content.config_records.get(R.CONFIG, {})
+        return self._collect(replies, messages, phase, int(conf.get("server-round", 0)),
+                             float(conf.get("epsilon-share", 1.0)))
 
-    def _collect(self, replies: list[Message], asked: set[int], phase: str) -> dict[int, Message]:
-        """Split replies into good ones (returned) and failures (logged and recorded)."""
+    def _collect(self, replies: list[Message], sent: list[Message], phase: str, rnd: int = 0,
+                 share: float = 1.0) -> dict[int, Message]:
+        """Split replies to ``sent`` into good ones (returned, by node) and failures (logged and
+        recorded under the node each message went to).
+
+        A reply is matched to its request by ``reply_to_message_id``: Flower's own error
+        replies (e.g. "node unavailable") come from the SuperLink, not from the node.
+        """
+        to_node = {m.metadata.message_id: m.metadata.dst_node_id for m in sent}
         good: dict[int, Message] = {}
+        answered: set[int] = set()
         for msg in replies:
-            nid = msg.metadata.src_node_id
+            nid = to_node.get(msg.metadata.reply_to_message_id, msg.metadata.src_node_id)
+            answered.add(nid)
             if msg.has_error():
-                self._fail(nid, phase, f"error {msg.error.code}: {msg.error.reason}")
+                self._fail(nid, phase, f"error {msg.error.code}: {msg.error.reason}", rnd, share, msg.error.code)
                 continue
             good[nid] = msg
             if R.RELEASE in msg.content.config_records:
                 self.result.releases.setdefault(nid, []).append(dict(msg.content.config_records[R.RELEASE]))
-        for nid in sorted(asked - set(good) - {m.metadata.src_node_id for m in replies}):
-            self._fail(nid, phase, "no reply before node-timeout")
+        for nid in sorted(set(to_node.values()) - answered):
+            self._fail(nid, phase, "no reply before node-timeout", rnd, share)
         return good
+
+    def _coverage(self, what: str, good: dict[int, Any], asked: Iterable[int]) -> None:
+        """Name a degradation when ``what`` ran on fewer nodes than it asked."""
+        asked = set(asked)
+        if len(good) < len(asked):
+            missing = ", ".join(str(n) for n in sorted(asked - set(good)))
+            self._degrade(f"{what}: {len(good)} of {len(asked)} nodes answered (missing: {missing})"
+                          + ("; weights unchanged" if not good and what.startswith("phase 1") else ""))
 
     def _vectors(self, replies: dict[int, Message], key: str, length: int, phase: str) -> dict[int, list[float]]:
         """The noisy vectors of good replies; a malformed one (wrong length, not finite,
         missing) is a node failure, not a crash of the run."""
         out: dict[int, list[float]] = {}
         for nid, msg in replies.items():
+            stated = R.RELEASE in msg.content.config_records  # the release is on record already
             try:
                 vec = R.read_vector(msg.content, key)
             except (KeyError, TypeError, ValueError) as err:
-                self._fail(nid, phase, f"malformed reply ({type(err).__name__})")
+                self._fail(nid, phase, f"malformed reply ({type(err).__name__})", stated=stated)
                 continue
             if vec.shape != (length,) or not np.isfinite(vec).all():
-                self._fail(nid, phase, f"malformed reply: {vec.shape[0] if vec.ndim else 0} values, expected {length}")
+                self._fail(nid, phase, f"malformed reply: {vec.shape[0] if vec.ndim else 0} values, expected {length}",
+                           stated=stated)
                 continue
             out[nid] = vec.tolist()
         return out
 
-    def _fail(self, node_id: int, phase: str, reason: str) -> None:
+    def _fail(self, node_id: int, phase: str, reason: str, rnd: int = 0, share: float = 1.0,
+              code: int | None = None, stated: bool = False) -> None:
+        """Record a failure of ``node_id``. For a release request the node may still have spent
+        (it released, then the reply was lost): unless the error says nothing was spent, the
+        request's epsilon and delta are recorded, and the report counts them as spent until
+        the node's own ledger says otherwise."""
         log.warning("node %d failed in %s: %s", node_id, phase, reason)
-        self.result.failures.append({"node_id": node_id, "phase": phase, "reason": reason})
+        entry: dict[str, Any] = {"node_id": node_id, "phase": phase, "round": rnd, "reason": reason, "code": code}
+        if phase in PHASES and code not in R.ERR_NOTHING_SPENT and not stated:
+            tier = self.result.tiers.get(node_id, STRONG if phase == TRAIN else WEAK)
+            entry.update(spent="unknown", epsilon_requested=share * phase_epsilon(
+                self.cfg.epsilon, self.cfg.epsilon_profile, tier, self.cfg.voters, phase), delta_requested=share * self.delta)
+        self.result.failures.append(entry)
+
+    def _degrade(self, what: str) -> None:
+        log.warning("DEGRADED: %s", what)
+        self.result.degradations.append(what)

@@ -31,6 +31,7 @@ class UniformRefinement(Refinement):
     """A.4 with equal weights: same pool and final size as knn-vote, no votes."""
 
     name = "uniform"
+    asks_votes = False
 
     def refine(self, ctx: RefinementContext) -> Refined:  # noqa: D102
         return Refined(ctx.texts, ctx.codes, resample_by_code(ctx.codes, None, ctx.cfg.sampling_rate, ctx.cfg.seed))
@@ -40,6 +41,7 @@ class NoRefinement(Refinement):
     """Generate the final size directly and keep it all."""
 
     name = "none"
+    asks_votes = False
 
     def pool_size(self, cfg: RunConfig) -> int:  # noqa: D102
         return final_size(cfg)

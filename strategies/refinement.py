@@ -100,6 +100,10 @@ class Refinement(ABC):
     """A refinement method. Subclass it, set ``name``, implement ``refine``."""
 
     name: str = "base"
+    # Whether ``refine`` calls ``ctx.vote``: the server tells the nodes which phases it plans to
+    # ask of them, so each can say up front whether its budget covers the run (a method that
+    # votes while saying False is still bounded by every node's ledger).
+    asks_votes: bool = True
 
     def pool_size(self, cfg: RunConfig) -> int:
         """How many texts stage 3 generates (then allocated by the profile); default s."""

@@ -8,7 +8,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 
 from common import records as R
 from common.config import RunConfig
-from fedsyn_client.client_app import ERR_BUDGET, ERR_CONFIG, ERR_POLICY, app
+from common.records import ERR_BUDGET, ERR_CONFIG, ERR_POLICY
+from fedsyn_client.client_app import app
 from tests.fakes import client_node, set_task_identity
 
 
@@ -35,10 +36,37 @@ def _profile_request(codes):
     return RecordDict({R.CONFIG: ConfigRecord({"codes": codes, "delta": 1e-5})})
 
 
-def test_tier_reply_states_tier_and_budget_only(csv_path, tmp_path):
+def _tier(node, phases=None) -> dict:
+    conf = {"codes": ["topic=x", "topic=y"], **({"phases": phases} if phases is not None else {})}
+    reply = _send(node, R.MSG_TIER, RecordDict({R.CONFIG: ConfigRecord(conf)}))
+    assert not reply.has_error(), reply.error
+    return dict(reply.content.config_records[R.TIER])
+
+
+def test_tier_reply_states_tier_budget_and_the_ledger_preflight_only(csv_path, tmp_path):
     node = _node(csv_path, tmp_path)
-    ok = _send(node, R.MSG_TIER, RecordDict({R.CONFIG: ConfigRecord({"codes": ["topic=x", "topic=y"]})}))
-    assert dict(ok.content.config_records[R.TIER]) == {"tier": "weak", "epsilon-budget": 8.0}
+    assert _tier(node) == {"tier": "weak", "epsilon-budget": 8.0, "epsilon-needed": 8.0,
+                           "epsilon-remaining": 8.0, "epsilon-shortfall": 0.0}
+    assert _tier(node, ["profile"])["epsilon-needed"] == 2.0  # a run that sends no votes needs less
+    assert _tier(node, ["train", "profile"])["epsilon-needed"] == 2.0  # a weak node does not train
+    # this run's profile is paid for: the run can still be finished
+    assert not _send(node, R.MSG_PROFILE, _profile_request(["topic=x", "topic=y"])).has_error()
+    assert _tier(node) == {"tier": "weak", "epsilon-budget": 8.0, "epsilon-needed": 8.0,
+                           "epsilon-remaining": 6.0, "epsilon-shortfall": 0.0}
+    # the next run on the same ledger needs 8 and finds 6
+    rc = RunConfig(model="tiny-gpt2", dataset=csv_path, test_fraction=0.0).to_flower()
+    later = client_node(app, 5, {"tier": "weak", "data-path": csv_path, "state-dir": str(tmp_path), "epsilon": 8.0},
+                        rc, run_id=8)
+    assert _tier(later)["epsilon-shortfall"] == pytest.approx(2.0)
+
+
+def test_the_preflight_statement_does_not_depend_on_the_records(tmp_path):
+    answers = []
+    for n in (3, 30):
+        path = tmp_path / f"d{n}.csv"
+        pd.DataFrame([{"text": f"r {i}", "topic": "x" if i % 3 else "y"} for i in range(n)]).to_csv(path, index=False)
+        answers.append(_tier(_node(str(path), tmp_path / f"s{n}")))
+    assert answers[0] == answers[1]
 
 
 def test_profile_is_released_once_per_run_and_then_refused(csv_path, tmp_path):

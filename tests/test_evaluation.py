@@ -308,20 +308,25 @@ def write_run_files(folder: Path) -> tuple[Path, Path]:
 
 def test_cli_evaluate_run_outputs(tmp_path, capsys):
     syn_path, real_path = write_run_files(tmp_path)
-    # The run's own metrics.json sits where the evaluation writes by default: keep its keys.
+    # The run's own metrics.json sits next to it and is left alone; two evaluations of two files in
+    # one folder each get their own <stem>.metrics.json
     (tmp_path / "metrics.json").write_text(json.dumps({"heldout_loss": {"1": 2.5}}))
-    args = ["evaluate", "--synthetic", str(syn_path), "--real", str(real_path)]
-    assert main(args if E.mauve_available() else [*args, "--no-mauve"]) == 0
+    other = tmp_path / "other.jsonl"
+    other.write_text(syn_path.read_text())
+    for path in (syn_path, other):
+        args = ["evaluate", "--synthetic", str(path), "--real", str(real_path)]
+        assert main(args if E.mauve_available() else [*args, "--no-mauve"]) == 0
     printed = capsys.readouterr().out
-    metrics = json.loads((tmp_path / "metrics.json").read_text())
-    assert metrics["heldout_loss"] == {"1": 2.5}
-    ev = metrics["evaluation"]
+    assert json.loads((tmp_path / "metrics.json").read_text()) == {"heldout_loss": {"1": 2.5}}
+    assert json.loads((tmp_path / "other.metrics.json").read_text())["evaluation"]["synthetic_path"] == str(other)
+    ev = json.loads((tmp_path / "synthetic.metrics.json").read_text())["evaluation"]
+    assert ev["synthetic_path"] == str(syn_path)
     assert ev["control_columns"] == ["topic"]  # derived from control_code
-    assert ev["utility"]["topic"]["accuracy"] >= 0.9
+    assert ev["utility"]["topic"]["accuracy"] >= 0.9 and ev["utility"]["topic"]["warnings"] == []
     assert ev["real_path"] == str(real_path) and ev["n_real"] == 60
     assert set(ev["allocation"]["per_code"]) == {f"topic={t}" for t in TOPICS}
     for text in ("Downstream utility", "Frechet distance", "k-NN precision (k=5)", "MAUVE",
-                 "topic=sport", "total variation", str(tmp_path / "metrics.json")):
+                 "topic=sport", "total variation", str(tmp_path / "synthetic.metrics.json")):
         assert text in printed
     utility_row = next(line for line in printed.splitlines() if line.strip().startswith("topic "))
     assert f"{ev['utility']['topic']['accuracy']:.3f}" in utility_row
@@ -388,3 +393,24 @@ def test_console_script_declared():
     assert any(req.startswith("mauve-text") for req in project["optional-dependencies"]["eval"])
     with pytest.raises(SystemExit):
         main(["--help"])
+
+
+def test_degenerate_evaluations_say_why_their_scores_cannot_be_trusted():
+    # one value in the control column, 3 test rows: accuracy 1.0 that means nothing
+    one = E.utility_warnings(["a"] * 10, ["a"] * 3)
+    assert any("one class" in w for w in one) and any("fewer than 5 real test rows ('a': 3)" in w for w in one)
+    # synthetic labels the real set lacks (accuracy 0 with "classes 3/3"), and the reverse
+    swapped = E.utility_warnings(["x", "y", "z"] * 4, ["a", "b", "c"] * 10)
+    assert any("synthetic label(s) ['x', 'y', 'z'] do not occur in the real set" in w for w in swapped)
+    assert any("real label(s) ['a', 'b', 'c'] do not occur in the synthetic set" in w for w in swapped)
+    assert E.utility_warnings(["a", "b"] * 5, ["a", "b"] * 10) == []
+
+
+def test_the_report_prints_the_warnings(capsys):
+    rng = np.random.default_rng(0)
+    res = E.downstream_utility(rng.normal(size=(6, 4)), ["a", "b"] * 3, rng.normal(size=(3, 4)), ["a", "a", "a"])
+    assert len(res["warnings"]) == 3  # one class, 3 test rows, "b" absent from the real set
+    report = {"n_synthetic": 6, "n_real": 3, "embedder": "e", "classifier": "logreg", "utility": {"topic": res},
+              "alignment": {"frechet_distance": 1.0, "knn_precision": 0.5, "knn_recall": 0.5, "knn_k": 2,
+                            "mauve": None}, "allocation": {"per_code": {}, "total_variation": 0.0, "max_abs_error": 0.0}}
+    assert "WARNING (topic): the real set has one class" in E.format_report(report)

@@ -12,7 +12,8 @@ from fedsyn_server.flwr_runner import run_app
 
 # What each reply may carry: record key -> (kind, allowed value keys)
 ALLOWED = {
-    "query.tier": {"tier": ("config", {"tier", "epsilon-budget"})},
+    "query.tier": {"tier": ("config", {"tier", "epsilon-budget", "epsilon-needed", "epsilon-remaining",
+                                       "epsilon-shortfall"})},
     "train": {"arrays": ("array", None), "metrics": ("metric", {"weight", "steps"}), "release": ("config", None)},
     "query.profile": {"profile": ("metric", {"profile"}), "release": ("config", None)},
     "query.vote": {"votes": ("metric", {"votes"}), "release": ("config", None)},

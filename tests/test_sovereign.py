@@ -21,7 +21,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from common import records as R
 from common.config import RunConfig
 from common.ledger import PrivacyLedger
-from fedsyn_client.client_app import ERR_BUDGET, ERR_CONFIG, ERR_POLICY, app
+from common.records import ERR_BUDGET, ERR_CONFIG, ERR_POLICY
+from fedsyn_client.client_app import app
 from tests.fakes import FakeGrid, client_node, set_task_identity
 
 VOCAB = ["topic=x", "topic=y"]

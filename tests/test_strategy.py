@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ from common import records as R
 from common.config import RunConfig
 from fedsyn_client.client_app import app as client_app
 from fedsyn_server.server_app import build_strategy
+from strategies.fedsyn import RunRefused
 from strategies.resampling import sample_size
 from tests.fakes import FakeGrid, client_node, set_task_identity, write_topic_csv
 
@@ -107,17 +110,39 @@ def test_failing_and_silent_nodes_do_not_stop_the_run(dataset, tmp_path):
     assert len(res.selected) > 0 and sorted(res.tiers) == [100, 101, 102]
 
 
-def test_second_run_on_spent_budget_is_refused_by_the_nodes(dataset, tmp_path):
+def test_second_run_on_spent_budget_is_refused_up_front(dataset, tmp_path):
     rc = run_config(dataset, **{"epsilon": 4.0, "epsilon-profile": 1.0})
     run(rc, nodes_for(rc, 3, tmp_path))
+    before = {n: json.loads((tmp_path / f"node{n}" / "ledger.json").read_text()) for n in range(3)}
     set_task_identity()
     strategy, _, model = build_strategy(RunConfig.from_flower(rc))
     strategy.stable_seconds = 0.0
-    with pytest.raises(RuntimeError, match="no node returned a profile"):
-        strategy.run(FakeGrid(nodes_for(rc, 3, tmp_path, run_id=8)), model.initial_arrays())
-    # every node refused on its own ledger, and said how much budget is left
-    refusals = [f for f in strategy.result.failures if "refused" in f["reason"] and "left" in f["reason"]]
-    assert {(f["node_id"], f["phase"]) for f in refusals} >= {(100, "train"), (100, "profile"), (101, "profile")}
+    grid = FakeGrid(nodes_for(rc, 3, tmp_path, run_id=8))
+    with pytest.raises(RunRefused) as refused:
+        strategy.run(grid, model.initial_arrays())
+    # the error names every node and its shortfall, and the way out
+    for nid in (100, 101, 102):
+        assert f"node {nid}: its ledger lacks epsilon = 4" in str(refused.value)
+    assert "on-node-shortfall" in str(refused.value)
+    # nothing but the pre-flight question was asked, and no ledger changed
+    assert {m.metadata.message_type for m in grid.sent} == {R.MSG_TIER}
+    assert all(json.loads((tmp_path / f"node{n}" / "ledger.json").read_text()) == before[n] for n in range(3))
+
+
+def test_a_node_that_cannot_finish_stops_the_run_unless_the_run_goes_on_without_it(dataset, tmp_path):
+    rc = run_config(dataset, **{"epsilon": 4.0, "epsilon-profile": 1.0})
+    # node 101 (weak) took part in an earlier run on the same ledger; 100 and 102 are fresh
+    run(rc, nodes_for(rc, 3, tmp_path / "before"))
+    (tmp_path / "now" / "node1").mkdir(parents=True)
+    shutil.copy(tmp_path / "before" / "node1" / "ledger.json", tmp_path / "now" / "node1" / "ledger.json")
+    with pytest.raises(RunRefused, match=r"1 node\(s\) cannot finish it \(node 101: .*lacks epsilon = 4"):
+        run(rc, nodes_for(rc, 3, tmp_path / "now", run_id=8))
+    res, grid, _ = run({**rc, "on-node-shortfall": "continue-without"}, nodes_for(rc, 3, tmp_path / "now", run_id=9))
+    assert sorted(res.tiers) == [100, 102] and len(res.selected) > 0
+    assert not [m for m in grid.sent if m.metadata.dst_node_id == 101 and m.metadata.message_type != R.MSG_TIER]
+    assert any("node 101 left out" in d for d in res.degradations)
+    # node 102 was the only voter: its vote round is complete, so no other degradation
+    assert len(res.degradations) == 1, res.degradations
 
 
 @pytest.mark.parametrize("refinement", ["uniform", "none"])
@@ -164,3 +189,45 @@ def test_a_malformed_profile_reply_is_a_node_failure(dataset, tmp_path):
     res, _, _ = run(rc, nodes)
     assert {(f["node_id"], f["phase"]) for f in res.failures} == {(101, "profile")}
     assert sorted(res.node_profiles) == [100] and len(res.selected) > 0
+
+
+def test_failures_are_recorded_under_the_node_that_failed_and_its_lost_releases_counted(dataset, tmp_path):
+    from fedsyn_server.outputs import privacy_report
+
+    rc = run_config(dataset, **{"num-server-rounds": 1})
+    nodes = nodes_for(rc, 4, tmp_path)  # 100 strong; 101, 102, 103 weak
+    strong, weak, silent = nodes[100], nodes[101], nodes[103]
+
+    def unavailable(m):  # Flower's own error reply: it comes from the SuperLink (node id 1)
+        if m.metadata.message_type in (R.MSG_VOTE, R.MSG_LEDGER):
+            reply = Message(Error(0, "Node Unavailable"), reply_to=m)
+            reply.metadata.__dict__["_src_node_id"] = 1
+            return reply
+        return weak(m)
+
+    def dies_in_training(m):  # releases its round, then the process dies before replying
+        if m.metadata.message_type in (R.MSG_TRAIN, R.MSG_LEDGER):
+            if m.metadata.message_type == R.MSG_TRAIN:
+                strong(m)
+            return None
+        return strong(m)
+
+    nodes[101], nodes[100] = unavailable, dies_in_training
+    nodes[103] = lambda m: None if m.metadata.message_type in (R.MSG_VOTE, R.MSG_LEDGER) else silent(m)
+    res, _, _ = run(rc, nodes)
+    assert 1 not in {f["node_id"] for f in res.failures}
+    assert {(f["node_id"], f["phase"]) for f in res.failures} == {
+        (100, "train"), (100, "ledger"), (101, "vote"), (101, "ledger"), (103, "vote"), (103, "ledger")}
+    report = {n["node_id"]: n for n in privacy_report(RunConfig.from_flower(rc), res)["nodes"]}
+    # weak nodes profiled (stated), then voted or not: their vote is counted as spent, never 0
+    for nid in (101, 103):
+        node = report[nid]
+        assert [(r["phase"], r.get("status")) for r in node["releases"]] == [
+            ("profile", None), ("vote", "unknown, counted as spent")]
+        assert node["epsilon_spent"] == pytest.approx(8.0) and node["delta"] == pytest.approx(2e-5)
+    # the strong node's whole training epsilon is counted, and its profile it stated
+    assert report[100]["epsilon_spent"] == pytest.approx(8.0)
+    assert [r["phase"] for r in report[100]["releases"]] == ["profile", "train"]
+    # and each phase that ran on fewer nodes than it asked is named
+    assert any(d.startswith("phase 1 round 1: 0 of 1 nodes answered") for d in res.degradations)
+    assert any(d.startswith("vote round 1: 1 of 3 nodes answered (missing: 101, 103)") for d in res.degradations)

@@ -62,6 +62,10 @@ _HF_ID = re.compile(
 PARTITIONING_FORMS = "'iid', 'dirichlet:<alpha>' with alpha > 0, 'strong-codes:<code>,<code>,...'"
 
 
+class DatasetFileError(ValueError):
+    """A local dataset file that cannot be read; the message names the file, the problem and the fix."""
+
+
 class DatasetLoadError(RuntimeError):
     """A dataset id could not be loaded (e.g. the Hugging Face hub is unreachable)."""
 
@@ -207,6 +211,40 @@ def _looks_like_path(dataset: str) -> bool:
 
 
 def _read_local_table(path: Path) -> pd.DataFrame:
+    """Read a local table; a file pandas cannot read raises ``DatasetFileError`` naming the
+    file, what is wrong (and the line, for JSON Lines) and the fix."""
+    try:
+        return _read_local_table_raw(path)
+    except pd.errors.EmptyDataError:
+        raise DatasetFileError(f"dataset file {str(path)!r} is empty; it needs a header row and records") from None
+    except UnicodeDecodeError as err:
+        raise DatasetFileError(
+            f"dataset file {str(path)!r} is not UTF-8 (byte {err.object[err.start:err.start + 1]!r} at offset "
+            f"{err.start}); convert it, e.g. `iconv -f latin1 -t utf-8 IN > OUT`") from None
+    except (ValueError, TypeError) as err:  # pandas: ValueError for bad JSON, TypeError for a non-object line
+        if _table_suffix(path) not in (".jsonl", ".json") or isinstance(err, DatasetFileError):
+            raise
+        raise DatasetFileError(_json_problem(path) or f"dataset file {str(path)!r} is not valid JSON: {err}") from None
+
+
+def _json_problem(path: Path) -> str | None:
+    """The first line of a JSON Lines file that is not a JSON object, in words (None if all are)."""
+    if path.suffix.lower() in _COMPRESSION_SUFFIXES or _json_is_array(path):
+        return None
+    with path.open("r", encoding="utf-8", errors="replace") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                if not isinstance(json.loads(line.rstrip("\r\n")), dict):
+                    return f"dataset file {str(path)!r} line {number} is not a JSON object; each line must be one"
+            except json.JSONDecodeError as err:
+                return (f"dataset file {str(path)!r} line {number} is not valid JSON ({err.msg} at column "
+                        f"{err.colno}); fix or remove that line")
+    return None
+
+
+def _read_local_table_raw(path: Path) -> pd.DataFrame:
     if not path.exists():
         raise FileNotFoundError(f"dataset file {str(path)!r} does not exist")
     if path.is_dir():

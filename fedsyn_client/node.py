@@ -102,10 +102,10 @@ def _open(policy: NodePolicy, sim_cfg: RunConfig | None) -> Node:
             data = load_node_data(policy.data_path, policy.text_column, list(policy.control_columns))
         except (OSError, ValueError, KeyError) as err:
             # The reason names the file and the column, never a record.
-            raise NodeSetupError(f"data-path {policy.data_path!r} cannot be used: {type(err).__name__}: "
-                                 f"{str(err)[:300]}") from None
+            raise NodeSetupError(f"data unavailable: data-path {policy.data_path!r} cannot be used: "
+                                 f"{type(err).__name__}: {str(err)[:300]}") from None
     if len(data) == 0:
-        raise NodeSetupError("this node has no records")
+        raise NodeSetupError(f"data unavailable: data-path {policy.data_path!r} has no records")
     if policy.delta >= 1.0 / len(data):  # the node's own log only: the count never leaves
         log.warning("delta = %g >= 1/%d records on this node: the guarantee is weak; set a smaller node-config delta",
                     policy.delta, len(data))

@@ -9,14 +9,15 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from common.logs import get_logger
-from common.config import RunConfig
+from common.config import ConfigError, RunConfig
+from common.data import DatasetFileError, DatasetLoadError
 from common.federation import Benchmark, benchmark
 from common.io import atomic_write_json, atomic_write_jsonl
 from fedsyn_server.experiment import EVALUATION_FILE
 from fedsyn_server.outputs import save_model, write_outputs
 from fedsyn_server.synthesis import ServerModel
 from strategies.aggregators import build_aggregator
-from strategies.fedsyn import FedSynResult, FedSynStrategy
+from strategies.fedsyn import FedSynResult, FedSynStrategy, RunRefused
 from strategies.refinement import build_refinement
 
 log = get_logger("fedsyn")
@@ -74,9 +75,31 @@ def evaluate_run(run_dir: Path, cfg: RunConfig, result: FedSynResult, bench: Ben
     log.info("evaluation against %d held-out records:\n%s", len(bench.test), format_report(scores))
 
 
+class RunFailed(RuntimeError):
+    """The run stopped on an input error or a refusal; the message is the whole story (one line)."""
+
+
+# Errors whose message already names the key or file, the value and the fix: the operator
+# needs that line, not a traceback through Flower. Anything else keeps its traceback (a bug).
+INPUT_ERRORS = (ConfigError, RunRefused, FileNotFoundError, DatasetLoadError, DatasetFileError)
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    """Run fedsyn (Algorithm 1) over ``grid`` with the run config in ``context``."""
+    """Run fedsyn (Algorithm 1) over ``grid`` with the run config in ``context``.
+
+    An input error or a refusal is logged as one line and ends the run as failed
+    (``RunFailed``, raised without the chain so the log stays short).
+    """
+    try:
+        _main(grid, context)
+    except INPUT_ERRORS as err:
+        line = f"{type(err).__name__}: {err}"
+        log.error("fedsyn run %s failed: %s", context.run_id, line)
+        raise RunFailed(line) from None
+
+
+def _main(grid: Grid, context: Context) -> None:
     cfg = RunConfig.from_flower(context.run_config)  # before anything is sent to a node
     run_dir = run_directory(cfg, context.run_id)
     log.info("fedsyn run %s: outputs go to %s", context.run_id, run_dir)

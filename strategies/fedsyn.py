@@ -279,6 +279,7 @@ class FedSynStrategy(Strategy):
                     "--run-config 'on-node-shortfall=\"continue-without\"'")
             for nid, reason in sorted(cannot.items()):
                 self._degrade(f"node {nid} left out (on-node-shortfall=continue-without): {reason}")
+        self._coverage("tiers", nodes, set(node_ids) - set(cannot))
         if not nodes:
             raise RuntimeError("no usable node answered the tier query (see failures above)")
         log.info("nodes: %d strong, %d weak", sum(t == STRONG for t in nodes.values()),

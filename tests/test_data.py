@@ -148,6 +148,21 @@ def test_missing_path_and_bad_type(tmp_path):
         D.load_table(str(bad))
 
 
+def test_unreadable_files_name_the_file_the_problem_and_the_fix(tmp_path):
+    (tmp_path / "empty.csv").write_text("")
+    (tmp_path / "latin.csv").write_bytes("text,topic\ncaf\xe9 ol\xe9,x\n".encode("latin-1"))
+    (tmp_path / "broken.jsonl").write_text('{"text": "a", "topic": "x"}\n\n{"text": "secret b", "topic": \n')
+    (tmp_path / "list.jsonl").write_text('{"text": "a", "topic": "x"}\n[1, 2]\n')
+    cases = {"empty.csv": "empty.csv' is empty; it needs a header row",
+             "latin.csv": r"latin.csv' is not UTF-8 .*iconv -f latin1",
+             "broken.jsonl": r"broken.jsonl' line 3 is not valid JSON \(Expecting value at column 31\)",
+             "list.jsonl": "list.jsonl' line 2 is not a JSON object"}
+    for name, message in cases.items():
+        with pytest.raises(D.DatasetFileError, match=message) as err:
+            D.load_table(str(tmp_path / name))
+        assert "secret" not in str(err.value)  # the file and line, never a record
+
+
 def test_hf_id_calls_load_dataset_and_wraps_offline_errors(monkeypatch):
     import datasets
 

@@ -288,3 +288,16 @@ def test_per_phase_caps_and_a_policy_file(data, tmp_path):
     bad = _ask(client_node(app, 5, {**config, "policy-file": str(tmp_path / "missing.toml")}, _rc(data), run_id=3),
                R.MSG_TIER)
     assert bad.error.code == ERR_CONFIG and "missing.toml" in bad.error.reason
+
+
+def test_a_node_whose_data_cannot_be_loaded_says_so_without_quoting_records(data, tmp_path, caplog):
+    broken = tmp_path / "notes.jsonl"
+    broken.write_text('{"text": "patient 7 secret note", "topic": "x"}\n{"text": "patient 8 secret, "topic": "y"}\n')
+    node = client_node(app, 5, {"tier": "weak", "data-path": str(broken), "state-dir": str(tmp_path / "s"),
+                                "epsilon": 8.0}, _rc(data), run_id=4)
+    with caplog.at_level("ERROR"):
+        reply = _ask(node, R.MSG_TIER)
+    assert reply.error.code == ERR_CONFIG
+    assert reply.error.reason.startswith("data unavailable: data-path") and "notes.jsonl' line 2" in reply.error.reason
+    assert "notes.jsonl' line 2" in caplog.text  # and the node's own log says which file and line
+    assert "secret" not in reply.error.reason and "patient" not in reply.error.reason

@@ -231,3 +231,21 @@ def test_failures_are_recorded_under_the_node_that_failed_and_its_lost_releases_
     # and each phase that ran on fewer nodes than it asked is named
     assert any(d.startswith("phase 1 round 1: 0 of 1 nodes answered") for d in res.degradations)
     assert any(d.startswith("vote round 1: 1 of 3 nodes answered (missing: 101, 103)") for d in res.degradations)
+
+
+def test_input_errors_end_the_run_with_one_line_that_names_the_problem(dataset, tmp_path):
+    from flwr.app import Context, RecordDict
+
+    from fedsyn_server import server_app
+
+    set_task_identity()
+    cases = {"epsilon": (-1.0, "ConfigError: invalid run config: epsilon = -1.0; allowed: a float > 0"),
+             "dataset": (str(tmp_path / "nope.csv"), "FileNotFoundError: dataset file '" + str(tmp_path / "nope.csv"))}
+    for key, (value, message) in cases.items():
+        rc = {**run_config(dataset), key: value, "out-dir": str(tmp_path / "out")}
+        ctx = Context(run_id=3, node_id=0, node_config={}, state=RecordDict(), run_config=rc)
+        with pytest.raises(server_app.RunFailed) as err:
+            server_app.main(FakeGrid({}), ctx)
+        assert "\n" not in str(err.value) and err.value.__cause__ is None
+        assert str(err.value).startswith(message), str(err.value)
+    assert not (tmp_path / "out").exists()  # nothing was written

@@ -72,6 +72,7 @@ class RunConfig:
     on_node_shortfall: str = "refuse"  # a node that cannot finish the run: refuse to start, or go on without it
     out_dir: str = "outputs"
     run_name: str = ""
+    resume: str = ""  # a run directory: continue that run from its checkpoint
     seed: int = 0
 
     # ------------------------------------------------------------------ parsing

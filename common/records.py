@@ -10,6 +10,10 @@
 |                   | histogram, epsilon-share, server-round, [num-votes]|                                            |
 | ``query.ledger``  | config: codes                                      | ledger: this run's release statements      |
 
+Every request's config also carries ``resume-key`` (the run key: a resumed run repeats its
+original run's), under which a node books its budgets and stores its replies, so a repeated
+request is answered with the same bytes at no privacy cost.
+
 Only noised statistics travel up. The tier reply's budget figures are statements about the
 node's ledger (what earlier runs spent), never about its records. ``release`` is the node's *statement* of a release:
 phase, mechanism, epsilon, delta, round and data-independent parameters (a Gaussian's

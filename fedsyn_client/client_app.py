@@ -25,7 +25,7 @@ from common.policy import PolicyRefused
 from fedsyn_client.audit import audit_mod
 from fedsyn_client.histograms import vote_histogram
 from fedsyn_client.node import Node, NodeSetupError, get_node
-from fedsyn_client.release import GaussianHistogram, read_request, release
+from fedsyn_client.release import GaussianHistogram, read_request, release, run_key
 
 log = get_logger(__name__)
 app = ClientApp(mods=[audit_mod])
@@ -41,7 +41,7 @@ def _handler(fn: Callable[[Message, Context, Node, RunConfig], RecordDict]) -> C
     def wrapped(msg: Message, context: Context) -> Message:
         try:
             cfg = RunConfig.from_flower(context.run_config)
-            node = get_node(context.run_id, dict(context.node_config), cfg)
+            node = get_node(run_key(msg, context), dict(context.node_config), cfg)
             return Message(fn(msg, context, node, cfg), reply_to=msg)
         except BudgetExceeded as err:
             log.warning("%s", err)
@@ -83,7 +83,7 @@ def tier(msg: Message, context: Context, node: Node, cfg: RunConfig) -> RecordDi
             node.policy.check_phase(phase, eps)
     needed = float(sum(needs.values()))
     remaining = node.ledger.remaining()
-    shortfall = preflight(needed, node.ledger.spent(run_id=str(context.run_id)), remaining)
+    shortfall = preflight(needed, node.ledger.spent(run_id=run_key(msg, context)), remaining)
     if shortfall > 0:
         log.warning("pre-flight: this run needs epsilon = %.4g of this node but its ledger has %.4g left (budget "
                     "%g); this node cannot finish the run, and any release beyond the budget will be refused",
@@ -100,10 +100,10 @@ def train(msg: Message, context: Context, node: Node, cfg: RunConfig) -> RecordD
         raise ConfigError("train was sent to a weak node; weak nodes do not finetune")
     if cfg.num_server_rounds < 1:
         raise ConfigError("train was sent but this run has num-server-rounds = 0 (no phase 1)")
-    from fedsyn_client.train_release import DpSgdRound, run_key  # the training stack: strong nodes only
+    from fedsyn_client.train_release import DpSgdRound, accountant_key  # the training stack: strong nodes only
 
     req = read_request(msg, context, node, cfg, TRAIN)
-    state = node.ledger.accountant_state(run_key(req.run_id))
+    state = node.ledger.accountant_state(accountant_key(req.run_id))
     mechanism = DpSgdRound(cfg, node.records(req.vocabulary), msg.content.array_records[R.ARRAYS], state,
                            context.node_id)
     weights, statement = release(node, req, mechanism)
@@ -150,7 +150,7 @@ def ledger(msg: Message, context: Context, node: Node, cfg: RunConfig) -> Record
     """This run's releases as the node's ledger has them (statements only; free): the
     server's privacy report is built from the node's own book, including releases whose
     reply was lost."""
-    statements = node.ledger.run_statements(str(context.run_id))
+    statements = node.ledger.run_statements(run_key(msg, context))
     return RecordDict({R.LEDGER: ConfigRecord({
         "releases": json.dumps(statements, allow_nan=True),
         "epsilon-spent": float(node.ledger.spent()), "epsilon-budget": float(node.policy.epsilon),

@@ -22,6 +22,7 @@ from common.data import TextData, dataset_fingerprint, load_node_data
 from common.ledger import PrivacyLedger
 from common.logs import get_logger
 from common.policy import NodePolicy, PolicyError, is_simulated, policy_from_node_config, simulation_policy
+from fedsyn_client.replies import ReplyStore
 
 log = get_logger(__name__)
 
@@ -37,6 +38,7 @@ class Node:
     policy: NodePolicy
     data: TextData  # every record of the node, read with the policy's columns
     ledger: PrivacyLedger
+    replies: ReplyStore  # the noised replies it released, for repeated requests
     _views: dict[tuple[str, ...], TextData] = field(default_factory=dict, repr=False)
 
     @property
@@ -57,7 +59,7 @@ class Node:
         return self._views[vocabulary]
 
 
-def get_node(run_id: int, node_config: dict[str, Any], cfg: RunConfig) -> Node:
+def get_node(run_id: str, node_config: dict[str, Any], cfg: RunConfig) -> Node:
     """This node for a run: its policy checked against the run config, then its data and ledger.
 
     Raises ``PolicyRefused`` (the run asks for more than the policy allows) before any record
@@ -72,7 +74,7 @@ def get_node(run_id: int, node_config: dict[str, Any], cfg: RunConfig) -> Node:
 
 
 @lru_cache(maxsize=16)
-def _policy(run_id: int, node_config_items: tuple[tuple[str, str], ...], cfg: RunConfig) -> NodePolicy:
+def _policy(run_id: str, node_config_items: tuple[tuple[str, str], ...], cfg: RunConfig) -> NodePolicy:
     node_config = dict(node_config_items)
     if not is_simulated(node_config):
         policy = policy_from_node_config(node_config)
@@ -112,4 +114,4 @@ def _open(policy: NodePolicy, sim_cfg: RunConfig | None) -> Node:
     state_dir = policy.state_dir or str(Path.home() / ".fedsyn" / "state")
     ledger = PrivacyLedger.open(state_dir, policy.epsilon, policy.ledger_id, dataset_fingerprint(data))
     log.info("node ready: tier=%s records=%d budget=%s ledger=%s", policy.tier, len(data), policy.epsilon, ledger.path)
-    return Node(policy, data, ledger)
+    return Node(policy, data, ledger, ReplyStore(ledger.path.with_name(f"{ledger.path.stem}-replies")))

@@ -5,11 +5,14 @@ and any histogram a refinement adds) goes through ``release``, so a new mechanis
 the same protection by construction:
 
 1. **authorise** against the node's policy (``read_request``: data view, vocabulary, delta,
-   per-phase caps) -- before any record is read;
+   per-phase caps) -- before any record is read; a request this node already answered
+   (same run key, phase, round and content) gets its stored reply, at no cost
+   (``fedsyn_client.replies``);
 2. **reserve** epsilon in the ledger under its file lock (total budget, this run's budget
    for the phase; DP-SGD also its step budget);
 3. **compute and noise** in the mechanism (``Mechanism.release``);
-4. **confirm** in the ledger with the private details (or cancel on a clean failure);
+4. **confirm** in the ledger with the private details (or cancel on a clean failure), and
+   store the noised reply for a repeated request;
 5. **reply** with the release's *statement*: phase, mechanism, epsilon, delta and only
    data-independent parameters (sigma and sensitivity of a Gaussian, DP-SGD's steps) --
    never a sampling rate, noise multiplier or count from which |D| follows.
@@ -29,7 +32,11 @@ from common import records as R
 from common.config import ConfigError, RunConfig
 from common.dp import GAUSSIAN, analytic_gaussian_sigma, gaussian_release, phase_epsilon
 from common.ledger import Release
+from common.logs import get_logger
 from fedsyn_client.node import Node
+from fedsyn_client.replies import check_run_key, request_digest
+
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,14 @@ class Request:
     vocabulary: tuple[str, ...]
     round: int = 0
     params: dict[str, Any] = field(default_factory=dict)  # the message's other config values
+    digest: str = ""  # of the whole request, to answer a repeat with the stored reply
+
+
+def run_key(msg: Message, context: Context) -> str:
+    """The run a request belongs to on this node: its ``resume-key`` (a resumed run repeats
+    the original run's) or the Flower run id. Budgets per run and stored replies use it."""
+    conf = msg.content.config_records[R.CONFIG] if R.CONFIG in msg.content.config_records else {}
+    return check_run_key(str(conf.get("resume-key") or context.run_id))
 
 
 def read_request(msg: Message, context: Context, node: Node, cfg: RunConfig, phase: str) -> Request:
@@ -70,9 +85,10 @@ def read_request(msg: Message, context: Context, node: Node, cfg: RunConfig, pha
         raise ConfigError(f"epsilon-share = {share}; must be in (0, 1]")
     # delta is split like epsilon: however many rounds a server asks for, the phase's rounds
     # together cost at most (epsilon, delta) of the phase; a delta per round would grow with them
-    return Request(run_id=str(context.run_id), phase=phase, epsilon=budget * share, delta=float(delta) * share,
+    return Request(run_id=run_key(msg, context), phase=phase, epsilon=budget * share, delta=float(delta) * share,
                    phase_budget=budget, vocabulary=vocabulary, round=int(conf.get("server-round", 0)),
-                   params={k: v for k, v in conf.items() if k not in ("codes", "delta")})
+                   params={k: v for k, v in conf.items() if k not in ("codes", "delta", "resume-key")},
+                   digest=request_digest(msg.content))
 
 
 @dataclass
@@ -124,7 +140,15 @@ class GaussianHistogram(Mechanism):
 
 
 def release(node: Node, request: Request, mechanism: Mechanism) -> tuple[Any, ConfigRecord]:
-    """Reserve, run ``mechanism``, confirm; return (noised payload, the release's statement)."""
+    """Reserve, run ``mechanism``, confirm, store; return (noised payload, the release's statement).
+
+    A request this node already answered gets the stored reply and costs nothing.
+    """
+    stored = node.replies.get(request.run_id, request.phase, request.round, request.digest)
+    if stored is not None:
+        log.info("%s round %d of run %s was released before: replaying the same reply (no privacy cost)",
+                 request.phase, request.round, request.run_id)
+        return stored[0], ConfigRecord(stored[1])
     epsilon, delta = mechanism.cost(request)
     rel = Release(phase=request.phase, mechanism=mechanism.name, epsilon=epsilon, delta=delta,
                   run_id=request.run_id, round=request.round, public=mechanism.public(request))
@@ -135,7 +159,9 @@ def release(node: Node, request: Request, mechanism: Mechanism) -> tuple[Any, Co
         node.ledger.cancel(entry, f"{type(err).__name__} before anything left the node")
         raise
     node.ledger.confirm(entry, out.private, out.accountant)
-    return out.payload, statement_record(node, rel)
+    statement = statement_record(node, rel)
+    node.replies.put(request.run_id, request.phase, request.round, request.digest, out.payload, dict(statement))
+    return out.payload, statement
 
 
 def statement_record(node: Node, rel: Release) -> ConfigRecord:

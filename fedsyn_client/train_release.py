@@ -100,9 +100,9 @@ class DpSgdRound(Mechanism):
         private = {"noise_multiplier": nm, "sample_rate": q, "steps": result.steps,
                    "epsilon_accountant": result.epsilon if cfg.private else math.inf}
         state = {"history": result.accountant_history, "mechanism": "rdp", "noise_multiplier": nm, "delta": delta}
-        return Output(result.state, private=private, accountant=(run_key(request.run_id), state))
+        return Output(result.state, private=private, accountant=(accountant_key(request.run_id), state))
 
 
-def run_key(run_id: str) -> str:
+def accountant_key(run_id: str) -> str:
     """The ledger key of a run's DP-SGD accountant state."""
     return f"run-{run_id}"

@@ -12,30 +12,59 @@ from common.logs import get_logger
 from common.config import ConfigError, RunConfig
 from common.data import DatasetFileError, DatasetLoadError
 from common.federation import Benchmark, benchmark
-from common.io import atomic_write_json, atomic_write_jsonl
+from common.io import atomic_write_json, atomic_write_jsonl, atomic_write_text
 from fedsyn_server.experiment import EVALUATION_FILE
 from fedsyn_server.outputs import save_model, write_outputs
 from fedsyn_server.synthesis import ServerModel
 from strategies.aggregators import build_aggregator
+from strategies.checkpoint import Checkpoint, load_checkpoint
 from strategies.fedsyn import FedSynResult, FedSynStrategy, RunRefused
 from strategies.refinement import build_refinement
 
 log = get_logger("fedsyn")
 APP_ROOT = Path(__file__).resolve().parent.parent
+RESUME_CONFIG = "resume.toml"
 app = ServerApp()
 
 
-def run_directory(cfg: RunConfig, run_id: int) -> Path:
-    """``<out-dir>/<run-name>`` as an absolute path; a relative out-dir is under the app root.
+def app_path(path: str) -> Path:
+    """``path`` as an absolute path; a relative one is under the app root (the ServerApp's
+    working directory is not the app's)."""
+    out = Path(path).expanduser()
+    return (out if out.is_absolute() else APP_ROOT / out).resolve()
 
-    The ServerApp's working directory is not the app's, so a relative path is resolved
-    against the app root explicitly. The default run name is time + run id: unique.
-    """
-    out = Path(cfg.out_dir).expanduser()
-    if not out.is_absolute():
-        out = APP_ROOT / out
-    name = cfg.run_name or time.strftime("%Y%m%d-%H%M%S") + f"-{run_id}"
-    return (out / name).resolve()
+
+def run_directory(cfg: RunConfig, run_id: int) -> Path:
+    """``<out-dir>/<run-name>`` as an absolute path (the default run name, time + run id, is
+    unique); for a resumed run, the run directory it continues."""
+    if cfg.resume:
+        return app_path(cfg.resume)
+    return app_path(cfg.out_dir) / (cfg.run_name or time.strftime("%Y%m%d-%H%M%S") + f"-{run_id}")
+
+
+# Keys a resumed run may change: where and how long to wait, not what is computed.
+RESUME_MAY_CHANGE = ("resume", "node-timeout", "min-nodes", "on-node-shortfall", "out-dir", "run-name")
+
+
+def check_resumable(checkpoint: Checkpoint, cfg: RunConfig, run_dir: Path) -> None:
+    """Raise ``ConfigError`` when ``cfg`` differs from the checkpointed run's config in a key
+    that changes what is computed (nodes read the run config too), naming keys and the fix."""
+    now = cfg.to_flower()
+    differs = sorted(k for k, v in checkpoint.progress.config.items()
+                     if k not in RESUME_MAY_CHANGE and str(now.get(k)) != str(v))
+    if differs:
+        raise ConfigError(
+            "resume: the run config differs from the run being resumed in " + ", ".join(
+                f"{k} ({now.get(k)!r}, was {checkpoint.progress.config[k]!r})" for k in differs)
+            + f"; resume with its config: flwr run . --run-config {run_dir / RESUME_CONFIG}")
+
+
+def write_resume_config(cfg: RunConfig, run_dir: Path) -> Path:
+    """``<run-dir>/resume.toml``: this run's config plus ``resume``, for ``--run-config``."""
+    import tomli_w
+
+    values = {k: v for k, v in cfg.to_flower().items() if k != "resume"}
+    return atomic_write_text(run_dir / RESUME_CONFIG, tomli_w.dumps({**values, "resume": str(run_dir)}))
 
 
 def build_strategy(cfg: RunConfig) -> tuple[FedSynStrategy, Benchmark, ServerModel]:
@@ -102,9 +131,16 @@ def main(grid: Grid, context: Context) -> None:
 def _main(grid: Grid, context: Context) -> None:
     cfg = RunConfig.from_flower(context.run_config)  # before anything is sent to a node
     run_dir = run_directory(cfg, context.run_id)
-    log.info("fedsyn run %s: outputs go to %s", context.run_id, run_dir)
+    checkpoint = load_checkpoint(run_dir, FedSynResult) if cfg.resume else None
+    if checkpoint is not None:
+        check_resumable(checkpoint, cfg, run_dir)
+    log.info("fedsyn run %s: outputs go to %s%s", context.run_id, run_dir, " (resumed)" if checkpoint else "")
     strategy, bench, server_model = build_strategy(cfg)
-    result = strategy.run(grid, server_model.initial_arrays())
+    strategy.resume_key = checkpoint.progress.resume_key if checkpoint else str(context.run_id)
+    strategy.checkpoint_dir = run_dir
+    if checkpoint is None:
+        write_resume_config(cfg, run_dir)
+    result = strategy.run(grid, server_model.initial_arrays(), resume=checkpoint)
     paths = write_outputs(run_dir, cfg, bench.vocabulary, result)
     if result.arrays is not None and (result.train_metrics or result.generator_refined):
         save_model(server_model.load(result.arrays), run_dir)

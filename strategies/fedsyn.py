@@ -14,6 +14,11 @@
                  round is ``_vote``, one federated round on the voters
 5. ledgers    -- every node states this run's releases from its own ledger (free), for the report
 
+After every stage and phase-1 round and vote round the run is checkpointed (``strategies.
+checkpoint``); a resumed run skips the stages it finished and takes finished vote rounds
+from the checkpoint. Stage 0 and 5 are always run again: they are free, and the nodes
+(their ids) may have changed.
+
 Nodes that fail are logged, recorded in ``result.failures`` under the node that failed, and
 left out; the run goes on with the rest and says so: every phase that ran on fewer nodes than
 it asked, or not at all, is a named *degradation* (log, ``result.degradations``, metrics.json). The server only ever asks for noised statistics: every
@@ -26,6 +31,7 @@ import json
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -38,6 +44,7 @@ from common import records as R
 from common.config import RunConfig
 from common.dp import PHASES, PROFILE, STRONG, TRAIN, VOTE, WEAK, phase_epsilon
 from strategies.allocation import aggregate_profiles, allocate
+from strategies.checkpoint import Checkpoint, Progress, save_checkpoint
 from strategies.refinement import Generator, Refinement, RefinementContext
 
 log = get_logger("fedsyn")
@@ -127,6 +134,12 @@ class FedSynStrategy(Strategy):
         self.generator, self.evaluate_fn = generator, evaluate_fn
         self.delta = delta  # per release; each node caps it by its own policy
         self.stable_seconds = stable_seconds
+        # Every request carries it: nodes book budgets and store replies per run key, so a
+        # resumed run (same key) is answered the same bytes for what was released before.
+        self.resume_key = ""
+        self.checkpoint_dir: Path | None = None  # where to checkpoint (None: nowhere)
+        self.progress = Progress(resume_key="", config=cfg.to_flower())
+        self._vote_round = 0
         self.result = FedSynResult()
         self._strong: list[int] = []
         self._voters: list[int] = []
@@ -160,10 +173,14 @@ class FedSynStrategy(Strategy):
                         "and non-private weights; use this only as a baseline on public data.")
 
     # ------------------------------------------------------------- the phases
-    def run(self, grid: Grid, initial_arrays: ArrayRecord | None) -> FedSynResult:
-        """Run stages 0-5 of Algorithm 1 and return everything produced."""
+    def run(self, grid: Grid, initial_arrays: ArrayRecord | None, resume: Checkpoint | None = None) -> FedSynResult:
+        """Run stages 0-5 of Algorithm 1 and return everything produced; with ``resume`` (a
+        loaded checkpoint of this run) continue where it stopped."""
         self.summary()
-        res, t0, self._grid = self.result, time.time(), grid
+        if resume is not None:
+            self._restore(resume)
+        self.progress.resume_key = self.resume_key
+        res, done, t0, self._grid = self.result, self.progress.completed, time.time(), grid
         nodes = self._discover(grid)                                   # stage 0
         res.tiers = nodes
         self._strong = sorted(n for n, t in nodes.items() if t == STRONG)
@@ -172,10 +189,46 @@ class FedSynStrategy(Strategy):
         res.timings["tiers"] = time.time() - t0
 
         t = time.time()                                                 # stage 1
-        res.arrays = self._finetune(grid, initial_arrays)
-        res.timings["finetune"] = time.time() - t
+        if "finetune" not in done:
+            res.arrays = self._finetune(grid, res.arrays if res.arrays is not None else initial_arrays)
+            self._checkpoint("finetune")
+            res.timings["finetune"] = time.time() - t
 
-        t = time.time()                                                 # stage 2
+        if "profile" not in done:
+            self._profile(grid, nodes)                                  # stage 2
+            self._checkpoint("profile")
+
+        t = time.time()                                                 # stage 3
+        if "generate" not in done:
+            self.generator.load(res.arrays)
+            res.pool_texts, res.pool_codes = self.generator.generate(res.allocation, seed=self.cfg.seed)
+            self._checkpoint("generate")
+            res.timings["generate"] = time.time() - t
+
+        t = time.time()                                                 # stage 4
+        if "refine" not in done:
+            self.generator.load(res.arrays)
+            self._vote_round, res.vote_rounds = 0, res.vote_rounds[:len(self.progress.vote_totals)]
+            refined = self.refinement.refine(RefinementContext(
+                cfg=self.cfg, texts=list(res.pool_texts), codes=list(res.pool_codes), allocation=dict(res.allocation),
+                profile=res.profile, vocabulary=list(self.vocabulary), generator=self.generator, vote=self._vote,
+                rng=np.random.default_rng(self.cfg.seed)))
+            res.pool_texts, res.pool_codes, res.votes = refined.texts, refined.codes, refined.votes
+            res.selected, res.refinement = np.asarray(refined.selected, dtype=np.int64), refined.notes
+            if refined.trained_generator:
+                res.arrays, res.generator_refined = self.generator.weights(), True
+            self._checkpoint("refine")
+            res.timings["refine"] = time.time() - t
+        log.info("final synthetic set: %d of %d texts (%s, %d vote rounds)", len(res.selected), len(res.pool_texts),
+                 self.refinement.name, len(res.vote_rounds))
+
+        self._ledgers(grid, sorted(set(nodes) | set(res.releases)))  # stage 5
+        res.timings["total"] = time.time() - t0
+        return res
+
+    def _profile(self, grid: Grid, nodes: dict[int, str]) -> None:
+        """Stage 2: every node's noisy per-code counts; their sum allocates the pool (stage 3)."""
+        res, t = self.result, time.time()
         profile_replies = self._ask(grid, sorted(nodes), R.MSG_PROFILE, PROFILE, RecordDict(
             {R.CONFIG: self._request()}))
         res.node_profiles = self._vectors(profile_replies, R.PROFILE, len(self.vocabulary), PROFILE)
@@ -187,27 +240,20 @@ class FedSynStrategy(Strategy):
         log.info("noisy profile %s -> allocation %s", np.round(res.profile, 1).tolist(), res.allocation)
         res.timings["profile"] = time.time() - t
 
-        t = time.time()                                                 # stage 3
-        self.generator.load(res.arrays)
-        res.pool_texts, res.pool_codes = self.generator.generate(res.allocation, seed=self.cfg.seed)
-        res.timings["generate"] = time.time() - t
+    # ------------------------------------------------------------ checkpoints
+    def _checkpoint(self, stage: str | None = None) -> None:
+        """Mark ``stage`` done and save where the run stands (if a checkpoint folder is set)."""
+        if stage:
+            self.progress.completed.append(stage)
+        if self.checkpoint_dir is not None:
+            save_checkpoint(self.checkpoint_dir, self.progress, self.result, self.result.arrays)
 
-        t = time.time()                                                 # stage 4
-        refined = self.refinement.refine(RefinementContext(
-            cfg=self.cfg, texts=list(res.pool_texts), codes=list(res.pool_codes), allocation=dict(res.allocation),
-            profile=res.profile, vocabulary=list(self.vocabulary), generator=self.generator, vote=self._vote,
-            rng=np.random.default_rng(self.cfg.seed)))
-        res.pool_texts, res.pool_codes, res.votes = refined.texts, refined.codes, refined.votes
-        res.selected, res.refinement = np.asarray(refined.selected, dtype=np.int64), refined.notes
-        if refined.trained_generator:
-            res.arrays, res.generator_refined = self.generator.weights(), True
-        log.info("final synthetic set: %d of %d texts (%s, %d vote rounds)", len(res.selected), len(res.pool_texts),
-                 self.refinement.name, len(res.vote_rounds))
-        res.timings["refine"] = time.time() - t
-
-        self._ledgers(grid, sorted(set(nodes) | set(res.releases)))  # stage 5
-        res.timings["total"] = time.time() - t0
-        return res
+    def _restore(self, ck: Checkpoint) -> None:
+        """Continue from ``ck``: its results, progress and run key; tiers are asked again."""
+        self.result, self.progress, self.resume_key = ck.result, ck.progress, ck.progress.resume_key
+        self.result.arrays, self.result.tiers, self.result.budgets = ck.arrays, {}, {}
+        log.info("resuming run %s: done %s, phase-1 round %d, %d vote rounds", self.resume_key,
+                 ck.progress.completed or "nothing", ck.progress.train_round, len(ck.progress.vote_totals))
 
     def _vote(self, texts: list[str], codes: list[str], histogram: str = "knn-vote", epsilon_share: float = 1.0,
               **params: Any) -> np.ndarray:
@@ -222,7 +268,11 @@ class FedSynStrategy(Strategy):
         if len(texts) != len(codes):
             raise ValueError(f"{len(texts)} candidate texts but {len(codes)} codes")
         res = self.result
-        rnd = len(res.vote_rounds) + 1
+        self._vote_round += 1
+        rnd = self._vote_round
+        if rnd <= len(self.progress.vote_totals):  # finished before the run was resumed: not asked again
+            log.info("vote round %d: taken from the checkpoint", rnd)
+            return np.asarray(self.progress.vote_totals[rnd - 1], dtype=np.float64)
         if not self._voters:
             self._degrade(f"vote round {rnd}: no voters (voters={self.cfg.voters} and no weak node); votes are all zero")
         replies = self._ask(self._grid, self._voters, R.MSG_VOTE, VOTE, RecordDict({
@@ -236,6 +286,8 @@ class FedSynStrategy(Strategy):
                  if res.node_votes else np.zeros(len(texts)))
         res.vote_rounds.append({"round": rnd, "histogram": histogram, "epsilon_share": float(epsilon_share),
                                 "candidates": len(texts), "voters": sorted(res.node_votes)})
+        self.progress.vote_totals.append([float(v) for v in total])
+        self._checkpoint()
         return total
 
     def _plan(self) -> list[str]:
@@ -244,8 +296,9 @@ class FedSynStrategy(Strategy):
         return [p for p in PHASES if (p != TRAIN or trains) and (p != VOTE or self.refinement.asks_votes)]
 
     def _request(self, **extra: Any) -> ConfigRecord:
-        """The part every request carries: the public vocabulary and the delta per release."""
-        return ConfigRecord({"codes": self.vocabulary, "delta": self.delta, **extra})
+        """The part every request carries: the public vocabulary, the delta per release, the run key."""
+        key = {"resume-key": self.resume_key} if self.resume_key else {}
+        return ConfigRecord({"codes": self.vocabulary, "delta": self.delta, **key, **extra})
 
     # ------------------------------------------------------------ stage 0
     def _discover(self, grid: Grid) -> dict[int, str]:
@@ -315,9 +368,10 @@ class FedSynStrategy(Strategy):
             else:
                 log.warning("phase 1 skipped (%s): generating with the pretrained model", skip or "no weights")
             return arrays
-        if self.evaluate_fn:
+        start = self.progress.train_round + 1
+        if self.evaluate_fn and start == 1:
             self._evaluate(0, arrays)
-        for rnd in range(1, rounds + 1):
+        for rnd in range(start, rounds + 1):
             log.info("[phase 1] round %d/%d on %d strong nodes", rnd, rounds, len(self._strong))
             messages = list(self.configure_train(rnd, arrays, self._request(), grid))
             replies = list(grid.send_and_receive(messages, timeout=self.cfg.node_timeout))
@@ -332,6 +386,8 @@ class FedSynStrategy(Strategy):
                 self.result.train_metrics[rnd] = {k: float(v) for k, v in metrics.items() if not isinstance(v, list)}
             if self.evaluate_fn:
                 self._evaluate(rnd, arrays)
+            self.result.arrays, self.progress.train_round = arrays, rnd
+            self._checkpoint()
         return arrays
 
     def _evaluate(self, rnd: int, arrays: ArrayRecord) -> None:
@@ -386,8 +442,9 @@ class FedSynStrategy(Strategy):
                 self._fail(nid, phase, f"error {msg.error.code}: {msg.error.reason}", rnd, share, msg.error.code)
                 continue
             good[nid] = msg
-            if R.RELEASE in msg.content.config_records:
-                self.result.releases.setdefault(nid, []).append(dict(msg.content.config_records[R.RELEASE]))
+            statement = dict(msg.content.config_records.get(R.RELEASE, {}))
+            if statement and statement not in self.result.releases.setdefault(nid, []):  # a replay is not a new release
+                self.result.releases[nid].append(statement)
         for nid in sorted(set(to_node.values()) - answered):
             self._fail(nid, phase, "no reply before node-timeout", rnd, share)
         return good

@@ -69,15 +69,32 @@ def test_the_preflight_statement_does_not_depend_on_the_records(tmp_path):
     assert answers[0] == answers[1]
 
 
-def test_profile_is_released_once_per_run_and_then_refused(csv_path, tmp_path):
+def test_profile_is_released_once_per_run_a_repeat_is_replayed_free_and_more_is_refused(csv_path, tmp_path):
+    from common.ledger import PrivacyLedger
+
     node = _node(csv_path, tmp_path)
     first = _send(node, R.MSG_PROFILE, _profile_request(["topic=x", "topic=y"]))
     assert not first.has_error()
     rel = first.content.config_records[R.RELEASE]
     assert rel["phase"] == "profile" and rel["sensitivity"] == 1.0 and rel["epsilon"] == 2.0
+    spent = PrivacyLedger.open(tmp_path, 8.0).spent()
+    # the same request again (a lost reply, a resumed run): the same bytes, nothing spent
     again = _send(node, R.MSG_PROFILE, _profile_request(["topic=x", "topic=y"]))
-    assert again.has_error() and again.error.code == ERR_BUDGET
-    assert "profile budget" in again.error.reason
+    assert not again.has_error()
+    assert list(again.content.metric_records[R.PROFILE][R.PROFILE]) == list(first.content.metric_records[R.PROFILE][R.PROFILE])
+    assert dict(again.content.config_records[R.RELEASE]) == dict(rel)
+    assert PrivacyLedger.open(tmp_path, 8.0).spent() == spent == 2.0
+    # another request under the same run, phase and round: refused, not a second release
+    other = _profile_request(["topic=x", "topic=y"])
+    other.config_records[R.CONFIG]["delta"] = 5e-6
+    differs = _send(node, R.MSG_PROFILE, other)
+    assert differs.error.code == ERR_CONFIG and "for a different request" in differs.error.reason
+    # a second profile in the same run (another round): beyond the run's profile budget
+    more = _profile_request(["topic=x", "topic=y"])
+    more.config_records[R.CONFIG]["server-round"] = 1
+    refused = _send(node, R.MSG_PROFILE, more)
+    assert refused.error.code == ERR_BUDGET and "profile budget" in refused.error.reason
+    assert PrivacyLedger.open(tmp_path, 8.0).spent() == 2.0
 
 
 def test_train_on_a_weak_node_is_a_config_error(csv_path, tmp_path):

@@ -301,3 +301,62 @@ def test_a_node_whose_data_cannot_be_loaded_says_so_without_quoting_records(data
     assert reply.error.reason.startswith("data unavailable: data-path") and "notes.jsonl' line 2" in reply.error.reason
     assert "notes.jsonl' line 2" in caplog.text  # and the node's own log says which file and line
     assert "secret" not in reply.error.reason and "patient" not in reply.error.reason
+
+
+# --------------------------------------------------------------------------- idempotent releases
+def _spent(state: Path) -> float:
+    return PrivacyLedger.open(state, BUDGET).spent()
+
+
+def test_a_repeated_vote_is_replayed_across_runs_with_its_key_and_a_changed_one_is_refused(data, tmp_path):
+    rc = _rc(data, **{"num-votes": 1})
+    votes = {"histogram": "knn-vote", "epsilon-share": 0.5, "server-round": 1, "num-votes": 1, "resume-key": "k1"}
+    cand = ConfigRecord({"texts": ["the x", "the y"], "codes": VOCAB})
+
+    def vote(node, texts=None, **over):
+        set_task_identity()
+        content = RecordDict({R.CANDIDATES: ConfigRecord({**cand, **({"texts": texts} if texts else {})}),
+                              R.CONFIG: ConfigRecord({"codes": VOCAB, "delta": 1e-5, **votes, **over})})
+        return node(Message(content=content, message_type=R.MSG_VOTE, dst_node_id=5))
+
+    first = vote(_node(data, tmp_path, rc, run_id=1))
+    assert not first.has_error(), first.error
+    spent = _spent(tmp_path)
+    # the server was restarted: a new Flower run id, the same resume key and request -> the same bytes, free
+    again = vote(_node(data, tmp_path, rc, run_id=2))
+    assert list(again.content.metric_records[R.VOTES][R.VOTES]) == list(first.content.metric_records[R.VOTES][R.VOTES])
+    assert _spent(tmp_path) == spent
+    # other candidates under the same key and round would be a second release under the first one's name
+    changed = vote(_node(data, tmp_path, rc, run_id=2), texts=["another x", "another y"])
+    assert changed.error.code == ERR_CONFIG and "for a different request" in changed.error.reason
+    # the next round is a new release, booked under the same run
+    second = vote(_node(data, tmp_path, rc, run_id=2), **{"server-round": 2})
+    assert not second.has_error() and _spent(tmp_path) == pytest.approx(2 * spent)
+    for bad in ("../etc", "a b", "x" * 81):  # a key names a folder on the node's disk
+        refused = vote(_node(data, tmp_path, rc, run_id=3), **{"resume-key": bad, "server-round": 3})
+        assert refused.error.code == ERR_CONFIG and "resume-key" in refused.error.reason
+    assert _spent(tmp_path) == pytest.approx(2 * spent)
+
+
+def test_a_repeated_training_round_is_replayed_and_only_the_latest_round_is_kept(data, tmp_path):
+    from fedsyn_server.synthesis import ServerModel
+
+    rc = _rc(data, **{"num-server-rounds": 2})
+    arrays = ServerModel(RunConfig.from_flower(rc)).initial_arrays()
+
+    def train(rnd: int) -> Message:
+        set_task_identity()
+        content = RecordDict({R.CONFIG: ConfigRecord({"codes": VOCAB, "delta": 1e-5, "server-round": rnd}),
+                              R.ARRAYS: arrays})
+        return _node(data, tmp_path, rc, run_id=1, tier="strong")(
+            Message(content=content, message_type=R.MSG_TRAIN, dst_node_id=5))
+
+    first = train(1)
+    assert not first.has_error(), first.error
+    spent, weights = _spent(tmp_path), first.content.array_records[R.ARRAYS].to_numpy_ndarrays()
+    again = train(1)
+    assert all((a == b).all() for a, b in zip(again.content.array_records[R.ARRAYS].to_numpy_ndarrays(), weights))
+    assert _spent(tmp_path) == spent
+    assert not train(2).has_error()
+    stored = sorted(p.name for p in (tmp_path / "ledger-replies" / "1").iterdir())
+    assert stored == ["train-2.npz"]  # a resumed run re-asks at most the round that was cut off

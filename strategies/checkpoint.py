@@ -1,0 +1,95 @@
+"""The server's checkpoint: where a run stands, saved after every stage and round.
+
+``<run-dir>/checkpoint/`` holds ``state.json`` (the stages done, the last phase-1 round,
+each vote round's aggregated noisy votes, everything the run produced so far, the run key
+and the run config) and ``weights.npz`` (the global trainable weights). Both are written
+atomically, weights first, so a crash leaves the previous consistent pair or the new one.
+
+A resumed run (run config ``resume="<run-dir>"``) loads it, sends the same run key, and
+asks no node again for a finished stage. A round that was cut off is asked again; each
+node answers it with the reply it stored when it released it, byte for byte, at no cost
+(``fedsyn_client.replies``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from flwr.app import ArrayRecord
+
+from common import records as R
+from common.io import atomic_write_npz, atomic_write_text
+
+FOLDER = "checkpoint"
+STATE, WEIGHTS = "state.json", "weights.npz"
+FORMAT = 1
+# FedSynResult fields keyed by node id (JSON makes the keys strings) and those that are arrays.
+_BY_NODE = ("tiers", "train_metrics", "eval_metrics", "node_profiles", "node_votes", "releases", "ledgers", "budgets")
+_ARRAYS = ("profile", "votes", "selected")
+
+
+@dataclass
+class Progress:
+    """How far a run got: stages done, the last finished phase-1 round, each vote round's total."""
+
+    resume_key: str
+    config: dict[str, Any]
+    completed: list[str] = field(default_factory=list)  # "finetune", "profile", "generate", "refine"
+    train_round: int = 0
+    vote_totals: list[list[float]] = field(default_factory=list)
+
+
+@dataclass
+class Checkpoint:
+    """A loaded checkpoint: the progress, the result so far (a ``FedSynResult``) and the weights."""
+
+    progress: Progress
+    result: Any
+    arrays: ArrayRecord | None
+
+
+def save_checkpoint(run_dir: Path, progress: Progress, result: Any, arrays: ArrayRecord | None) -> Path:
+    """Write the checkpoint under ``run_dir/checkpoint`` atomically; returns its folder."""
+    folder = Path(run_dir) / FOLDER
+    if arrays is not None:
+        atomic_write_npz(folder / WEIGHTS, dict(R.state_from_arrays(arrays)))
+    state = {"format": FORMAT, "progress": vars(progress), "has_weights": arrays is not None,
+             "weight_order": list(arrays.keys()) if arrays is not None else [],
+             "result": {f.name: getattr(result, f.name) for f in fields(result) if f.name != "arrays"}}
+    atomic_write_text(folder / STATE, json.dumps(state, allow_nan=True, default=_plain))
+    return folder
+
+
+def load_checkpoint(run_dir: str | Path, result_type: type) -> Checkpoint:
+    """Read ``run_dir/checkpoint``; ``result_type`` is ``FedSynResult``. Raises ``FileNotFoundError``
+    (naming the folder) when there is no checkpoint, ``ValueError`` for an unknown format."""
+    folder = Path(run_dir).expanduser() / FOLDER
+    if not (folder / STATE).is_file():
+        raise FileNotFoundError(f"resume: no checkpoint in {str(folder)!r}; give the run directory of a run "
+                                "started by this version of fedsyn")
+    state = json.loads((folder / STATE).read_text(encoding="utf-8"))
+    if state.get("format") != FORMAT:
+        raise ValueError(f"resume: checkpoint format {state.get('format')!r} in {folder} is not {FORMAT}")
+    raw = state["result"]
+    for name in _BY_NODE:
+        raw[name] = {int(k): v for k, v in raw.get(name, {}).items()}
+    for name in _ARRAYS:
+        if raw.get(name) is not None:
+            raw[name] = np.asarray(raw[name], dtype=np.int64 if name == "selected" else np.float64)
+    arrays = None
+    if state["has_weights"]:
+        with np.load(folder / WEIGHTS, allow_pickle=False) as stored:
+            arrays = R.arrays_from_state({k: np.array(stored[k]) for k in state["weight_order"]})
+    return Checkpoint(Progress(**state["progress"]), result_type(**raw), arrays)
+
+
+def _plain(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, np.generic):
+        return obj.item()
+    raise TypeError(f"cannot checkpoint {type(obj).__name__}")

@@ -164,7 +164,27 @@ def _run_flwr(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(" ".join(command))
         return 0
-    return subprocess.run(command, check=False).returncode
+    # Pass the output through as it comes, and keep it: `flwr run --stream` exits 0 even when
+    # the run failed, so the run's status decides this command's exit code.
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:
+        lines = []
+        for line in proc.stdout or []:
+            sys.stdout.write(line)
+            lines.append(line)
+    return exit_code_of_run(proc.returncode, "".join(lines), dict(os.environ))
+
+
+def exit_code_of_run(code: int, output: str, env: dict[str, str]) -> int:
+    """``flwr run``'s exit code, or 1 when the run it streamed ended other than completed."""
+    from fedsyn_server.flwr_runner import run_status
+
+    if code != 0:
+        return code
+    status = run_status(output, env)  # "" when no run was started; not finished without --stream
+    if status.startswith("finished:") and status != "finished:completed":
+        print(f"fedsyn run: the run ended {status} (see the log above; `flwr ls` for details)", file=sys.stderr)
+        return 1
+    return code
 
 
 def _add_ledger(subparsers: argparse._SubParsersAction) -> None:

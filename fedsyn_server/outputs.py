@@ -52,7 +52,7 @@ def write_outputs(run_dir: Path, cfg: RunConfig, vocabulary: list[str], res: Fed
             "eval": {str(k): v for k, v in res.eval_metrics.items()},
             "train": {str(k): v for k, v in res.train_metrics.items()},
             "timings_s": res.timings, "failures": res.failures,
-            "degradations": res.degradations, "degraded": bool(res.degradations),
+            "degradations": res.degradations, "degraded": bool(res.degradations), "skipped": res.skipped,
             "pool_size": len(res.pool_texts), "final_size": len(final),
             "nodes": {str(n): t for n, t in res.tiers.items()},
             "refinement": {"method": cfg.refinement, "vote_rounds": res.vote_rounds, **res.refinement},

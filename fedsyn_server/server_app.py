@@ -108,9 +108,13 @@ class RunFailed(RuntimeError):
     """The run stopped on an input error or a refusal; the message is the whole story (one line)."""
 
 
+class RunSkipped(RunFailed):
+    """The run wrote its outputs, but a phase it planned got no node at all: its status is failed."""
+
+
 # Errors whose message already names the key or file, the value and the fix: the operator
 # needs that line, not a traceback through Flower. Anything else keeps its traceback (a bug).
-INPUT_ERRORS = (ConfigError, RunRefused, FileNotFoundError, DatasetLoadError, DatasetFileError)
+INPUT_ERRORS = (ConfigError, RunRefused, RunSkipped, FileNotFoundError, DatasetLoadError, DatasetFileError)
 
 
 @app.main()
@@ -152,3 +156,6 @@ def _main(grid: Grid, context: Context) -> None:
     if result.degradations:  # said last, so an operator reading the tail of the log sees it
         log.warning("run %s finished DEGRADED (%d, also in metrics.json): %s", context.run_id,
                     len(result.degradations), "; ".join(result.degradations))
+    if result.skipped:  # a planned phase that got no node at all is not a completed run
+        raise RunSkipped(f"a planned phase got no node at all: {'; '.join(result.skipped)} (outputs in {run_dir}; "
+                         "see metrics.json)")

@@ -81,6 +81,7 @@ class FedSynResult:
     budgets: dict[int, float] = field(default_factory=dict)
     failures: list[dict[str, Any]] = field(default_factory=list)
     degradations: list[str] = field(default_factory=list)  # what the run did with less than it asked for
+    skipped: list[str] = field(default_factory=list)  # planned phases that got no node at all: the run fails
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -274,7 +275,8 @@ class FedSynStrategy(Strategy):
             log.info("vote round %d: taken from the checkpoint", rnd)
             return np.asarray(self.progress.vote_totals[rnd - 1], dtype=np.float64)
         if not self._voters:
-            self._degrade(f"vote round {rnd}: no voters (voters={self.cfg.voters} and no weak node); votes are all zero")
+            self._degrade(f"vote round {rnd}: no voters (voters={self.cfg.voters} and no weak node); votes are all zero",
+                          skipped=True)
         replies = self._ask(self._grid, self._voters, R.MSG_VOTE, VOTE, RecordDict({
             R.CANDIDATES: ConfigRecord({"texts": list(texts), "codes": list(codes)}),
             R.CONFIG: self._request(**params, **{"histogram": histogram, "epsilon-share": float(epsilon_share),
@@ -282,6 +284,8 @@ class FedSynStrategy(Strategy):
         }))
         res.node_votes = self._vectors(replies, R.VOTES, len(texts), VOTE)
         self._coverage(f"vote round {rnd}", res.node_votes, self._voters)
+        if self._voters and not res.node_votes:
+            self.result.skipped.append(f"vote round {rnd}: no voter answered")
         total = (np.sum([np.asarray(v) for v in res.node_votes.values()], axis=0)
                  if res.node_votes else np.zeros(len(texts)))
         res.vote_rounds.append({"round": rnd, "histogram": histogram, "epsilon_share": float(epsilon_share),
@@ -364,11 +368,13 @@ class FedSynStrategy(Strategy):
                 else "no strong node" if not self._strong else "num-server-rounds = 0" if rounds == 0 else "")
         if arrays is None or skip:
             if not self._strong and TRAIN in self._plan():  # the run asked for training and gets none
-                self._degrade("phase 1 skipped: no strong node in the run; generating with the pretrained model")
+                self._degrade("phase 1 skipped: no strong node in the run; generating with the pretrained model",
+                              skipped=True)
             else:
                 log.warning("phase 1 skipped (%s): generating with the pretrained model", skip or "no weights")
             return arrays
         start = self.progress.train_round + 1
+        trained = start > 1  # rounds finished before a resume count
         if self.evaluate_fn and start == 1:
             self._evaluate(0, arrays)
         for rnd in range(start, rounds + 1):
@@ -379,6 +385,7 @@ class FedSynStrategy(Strategy):
             self._coverage(f"phase 1 round {rnd}", good, (m.metadata.dst_node_id for m in messages))
             if not good:
                 continue
+            trained = True
             new_arrays, metrics = self.aggregate_train(rnd, list(good.values()))
             if new_arrays is not None:
                 arrays = new_arrays
@@ -388,6 +395,9 @@ class FedSynStrategy(Strategy):
                 self._evaluate(rnd, arrays)
             self.result.arrays, self.progress.train_round = arrays, rnd
             self._checkpoint()
+        if not trained:
+            self._degrade("phase 1 skipped: no strong node answered any round; generating with the pretrained model",
+                          skipped=True)
         return arrays
 
     def _evaluate(self, rnd: int, arrays: ArrayRecord) -> None:
@@ -489,6 +499,10 @@ class FedSynStrategy(Strategy):
                 self.cfg.epsilon, self.cfg.epsilon_profile, tier, self.cfg.voters, phase), delta_requested=share * self.delta)
         self.result.failures.append(entry)
 
-    def _degrade(self, what: str) -> None:
+    def _degrade(self, what: str, skipped: bool = False) -> None:
+        """Name what the run does with less than it asked for; ``skipped``: a planned phase got
+        no node at all, and the run will end failed (after writing its outputs)."""
         log.warning("DEGRADED: %s", what)
         self.result.degradations.append(what)
+        if skipped:
+            self.result.skipped.append(what)

@@ -90,3 +90,26 @@ def test_flwr_run_refinement_plugins_book_every_vote_round(tmp_path, refinement)
     assert len(read_jsonl(run_dir / "synthetic.jsonl")) == metrics["final_size"] > 0
     if refinement == "popri":  # the DPO-finetuned adapter is the run's model
         assert (run_dir / "model" / "adapter_config.json").exists()
+
+
+@pytest.mark.flwr
+def test_fedsyn_run_exits_non_zero_with_one_line_when_the_run_fails(tmp_path):
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from fedsyn_server.flwr_runner import APP_DIR, flwr_env, stop_processes_of
+
+    home = Path(tempfile.mkdtemp(prefix="fedsyn-flwr-home-"))
+    cmd = [str(Path(sys.executable).with_name("fedsyn")), "run", str(APP_DIR), "--stream",
+           "--run-config", f"epsilon=-1 out-dir=\"{tmp_path}\""]
+    try:
+        proc = subprocess.run(cmd, env=flwr_env(home), capture_output=True, text=True, timeout=600)
+    finally:
+        stop_processes_of(home)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 1, output[-3000:]
+    assert "failed: ConfigError: invalid run config: epsilon = -1.0; allowed: a float > 0" in output
+    assert "the run ended finished:failed" in output
+    assert not list(tmp_path.iterdir())  # nothing was written

@@ -249,3 +249,22 @@ def test_input_errors_end_the_run_with_one_line_that_names_the_problem(dataset, 
         assert "\n" not in str(err.value) and err.value.__cause__ is None
         assert str(err.value).startswith(message), str(err.value)
     assert not (tmp_path / "out").exists()  # nothing was written
+
+
+def test_a_planned_phase_that_no_node_answered_fails_the_run_after_writing_its_outputs(dataset, tmp_path):
+    from flwr.app import Context, RecordDict
+
+    from fedsyn_server import server_app
+
+    rc = {**run_config(dataset, **{"num-server-rounds": 1}), "out-dir": str(tmp_path), "run-name": "r"}
+    nodes = nodes_for(rc, 3, tmp_path / "state")
+    strong = nodes[100]
+    nodes[100] = lambda m: None if m.metadata.message_type == R.MSG_TRAIN else strong(m)  # trains never answered
+    set_task_identity()
+    ctx = Context(run_id=7, node_id=0, node_config={}, state=RecordDict(), run_config=rc)
+    with pytest.raises(server_app.RunFailed, match="RunSkipped: a planned phase got no node at all: phase 1 skipped"):
+        server_app.main(FakeGrid(nodes), ctx)
+    metrics = json.loads((tmp_path / "r" / "metrics.json").read_text())
+    assert metrics["degraded"] and metrics["skipped"] == [
+        "phase 1 skipped: no strong node answered any round; generating with the pretrained model"]
+    assert (tmp_path / "r" / "synthetic.jsonl").exists()  # what the run made is kept

@@ -105,7 +105,7 @@ def train(msg: Message, context: Context, node: Node, cfg: RunConfig) -> RecordD
     req = read_request(msg, context, node, cfg, TRAIN)
     state = node.ledger.accountant_state(accountant_key(req.run_id))
     mechanism = DpSgdRound(cfg, node.records(req.vocabulary), msg.content.array_records[R.ARRAYS], state,
-                           context.node_id)
+                           context.node_id, phase_reserved=node.ledger.spent(run_id=req.run_id, phase=TRAIN) > 0)
     weights, statement = release(node, req, mechanism)
     # Uniform weight (A.3): a true example count would be an un-noised statistic.
     metrics = MetricRecord({R.WEIGHT_KEY: 1.0, "steps": float(cfg.local_steps)})

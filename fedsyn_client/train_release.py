@@ -41,20 +41,21 @@ class DpSgdRound(Mechanism):
     name = DPSGD
 
     def __init__(self, cfg: RunConfig, records: TextData, arrays: ArrayRecord, state: dict[str, Any],
-                 node_id: int) -> None:
+                 node_id: int, phase_reserved: bool = False) -> None:
         self.cfg, self.records, self.arrays, self.node_id = cfg, records, arrays, node_id
         self.state = state  # this run's accountant state from the ledger ({} before round 1)
         self.total_steps = cfg.num_server_rounds * cfg.local_steps
-
-    @property
-    def first_round(self) -> bool:
-        """True when this run has not trained on this node yet."""
-        return not self.state.get("history")
+        # The ledger already holds this run's phase-1 reservation. Usually from round 1; also when
+        # the node was killed during a round: that reservation stays counted, and its steps stay
+        # taken, so the node can rejoin later rounds without paying the phase again. The bound
+        # holds either way, because the noise multiplier is calibrated for all R x tau steps and
+        # the ledger never lets the run take more.
+        self.phase_reserved = phase_reserved
 
     def cost(self, request: Request) -> tuple[float, float]:  # noqa: D102
         if not self.cfg.private:
             return math.inf, request.delta
-        return (request.phase_budget, request.delta) if self.first_round else (0.0, 0.0)
+        return (0.0, 0.0) if self.phase_reserved else (request.phase_budget, request.delta)
 
     def public(self, request: Request) -> dict[str, Any]:  # noqa: D102
         return {"steps": self.cfg.local_steps, "max_grad_norm": self.cfg.max_grad_norm,

@@ -360,3 +360,42 @@ def test_a_repeated_training_round_is_replayed_and_only_the_latest_round_is_kept
     assert not train(2).has_error()
     stored = sorted(p.name for p in (tmp_path / "ledger-replies" / "1").iterdir())
     assert stored == ["train-2.npz"]  # a resumed run re-asks at most the round that was cut off
+
+
+def test_a_strong_node_killed_mid_round_rejoins_later_rounds_without_paying_twice(data, tmp_path, monkeypatch):
+    from common.ledger import PrivacyLedger as Ledger
+    from fedsyn_client import training
+    from fedsyn_server.synthesis import ServerModel
+
+    rc = _rc(data, **{"num-server-rounds": 3})
+    arrays = ServerModel(RunConfig.from_flower(rc)).initial_arrays()
+
+    def train(rnd: int) -> Message:
+        set_task_identity()
+        content = RecordDict({R.CONFIG: ConfigRecord({"codes": VOCAB, "delta": 1e-5, "server-round": rnd}),
+                              R.ARRAYS: arrays})
+        return _node(data, tmp_path, rc, run_id=1, tier="strong")(
+            Message(content=content, message_type=R.MSG_TRAIN, dst_node_id=5))
+
+    # SIGKILL during round 1: the reservation is never confirmed nor cancelled
+    def killed(*args, **kwargs):
+        raise RuntimeError("SIGKILL")
+
+    with monkeypatch.context() as m:
+        m.setattr(Ledger, "cancel", lambda self, entry_id, reason: None)
+        m.setattr(training, "dp_train", killed)
+        assert train(1).has_error()
+    assert [(r["phase"], r["status"]) for r in _ledger_entries(tmp_path)] == [("train", "reserved")]
+    spent = _spent(tmp_path)
+    assert spent == pytest.approx(1.0)  # epsilon_train = 3 - 2 (profile): the lost round stays counted
+    # the node restarts and the server goes on with round 2: it rejoins at no further cost
+    assert not train(2).has_error()
+    assert _spent(tmp_path) == pytest.approx(spent)
+    assert not train(3).has_error()
+    # the lost round's steps stay taken: 3 rounds x tau steps is all the calibration covers
+    refused = train(4)
+    assert refused.error.code == ERR_BUDGET and "calibrated for" in refused.error.reason
+
+
+def _ledger_entries(state: Path) -> list[dict]:
+    return json.loads((state / "ledger.json").read_text())["releases"]

@@ -338,18 +338,24 @@ def test_a_repeated_vote_is_replayed_across_runs_with_its_key_and_a_changed_one_
     assert _spent(tmp_path) == pytest.approx(2 * spent)
 
 
-def test_a_repeated_training_round_is_replayed_and_only_the_latest_round_is_kept(data, tmp_path):
+def _trainer(data: str, state: Path, rc: dict):
+    """``train(rnd)``: a phase-1 request for round ``rnd`` from the initial weights to a strong node."""
     from fedsyn_server.synthesis import ServerModel
 
-    rc = _rc(data, **{"num-server-rounds": 2})
     arrays = ServerModel(RunConfig.from_flower(rc)).initial_arrays()
 
     def train(rnd: int) -> Message:
         set_task_identity()
         content = RecordDict({R.CONFIG: ConfigRecord({"codes": VOCAB, "delta": 1e-5, "server-round": rnd}),
                               R.ARRAYS: arrays})
-        return _node(data, tmp_path, rc, run_id=1, tier="strong")(
+        return _node(data, state, rc, run_id=1, tier="strong")(
             Message(content=content, message_type=R.MSG_TRAIN, dst_node_id=5))
+
+    return train
+
+
+def test_a_repeated_training_round_is_replayed_and_only_the_latest_round_is_kept(data, tmp_path):
+    train = _trainer(data, tmp_path, _rc(data, **{"num-server-rounds": 2}))
 
     first = train(1)
     assert not first.has_error(), first.error
@@ -365,17 +371,8 @@ def test_a_repeated_training_round_is_replayed_and_only_the_latest_round_is_kept
 def test_a_strong_node_killed_mid_round_rejoins_later_rounds_without_paying_twice(data, tmp_path, monkeypatch):
     from common.ledger import PrivacyLedger as Ledger
     from fedsyn_client import training
-    from fedsyn_server.synthesis import ServerModel
 
-    rc = _rc(data, **{"num-server-rounds": 3})
-    arrays = ServerModel(RunConfig.from_flower(rc)).initial_arrays()
-
-    def train(rnd: int) -> Message:
-        set_task_identity()
-        content = RecordDict({R.CONFIG: ConfigRecord({"codes": VOCAB, "delta": 1e-5, "server-round": rnd}),
-                              R.ARRAYS: arrays})
-        return _node(data, tmp_path, rc, run_id=1, tier="strong")(
-            Message(content=content, message_type=R.MSG_TRAIN, dst_node_id=5))
+    train = _trainer(data, tmp_path, _rc(data, **{"num-server-rounds": 3}))
 
     # SIGKILL during round 1: the reservation is never confirmed nor cancelled
     def killed(*args, **kwargs):

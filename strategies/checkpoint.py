@@ -2,8 +2,9 @@
 
 ``<run-dir>/checkpoint/`` holds ``state.json`` (the stages done, the last phase-1 round,
 each vote round's aggregated noisy votes, everything the run produced so far, the run key
-and the run config) and ``weights.npz`` (the global trainable weights). Both are written
-atomically, weights first, so a crash leaves the previous consistent pair or the new one.
+and the run config) and the global trainable weights it names (``weights-<id>.npz``). Each
+save writes new weights under a new name, then ``state.json`` atomically, then removes the
+old weights: a crash at any point leaves a ``state.json`` whose weights are the ones it names.
 
 A resumed run (run config ``resume="<run-dir>"``) loads it, sends the same run key, and
 asks no node again for a finished stage. A round that was cut off is asked again; each
@@ -14,6 +15,7 @@ node answers it with the reply it stored when it released it, byte for byte, at 
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,7 @@ from common import records as R
 from common.io import atomic_write_npz, atomic_write_text
 
 FOLDER = "checkpoint"
-STATE, WEIGHTS = "state.json", "weights.npz"
+STATE = "state.json"
 FORMAT = 1
 # FedSynResult fields keyed by node id (JSON makes the keys strings) and those that are arrays.
 _BY_NODE = ("tiers", "train_metrics", "eval_metrics", "node_profiles", "node_votes", "releases", "ledgers", "budgets")
@@ -55,12 +57,16 @@ class Checkpoint:
 def save_checkpoint(run_dir: Path, progress: Progress, result: Any, arrays: ArrayRecord | None) -> Path:
     """Write the checkpoint under ``run_dir/checkpoint`` atomically; returns its folder."""
     folder = Path(run_dir) / FOLDER
+    weights = f"weights-{uuid.uuid4().hex[:12]}.npz" if arrays is not None else None
     if arrays is not None:
-        atomic_write_npz(folder / WEIGHTS, dict(R.state_from_arrays(arrays)))
-    state = {"format": FORMAT, "progress": vars(progress), "has_weights": arrays is not None,
+        atomic_write_npz(folder / weights, dict(R.state_from_arrays(arrays)))
+    state = {"format": FORMAT, "progress": vars(progress), "weights": weights,
              "weight_order": list(arrays.keys()) if arrays is not None else [],
              "result": {f.name: getattr(result, f.name) for f in fields(result) if f.name != "arrays"}}
     atomic_write_text(folder / STATE, json.dumps(state, allow_nan=True, default=_plain))
+    for old in folder.glob("weights-*.npz"):
+        if old.name != weights:
+            old.unlink(missing_ok=True)
     return folder
 
 
@@ -81,8 +87,8 @@ def load_checkpoint(run_dir: str | Path, result_type: type) -> Checkpoint:
         if raw.get(name) is not None:
             raw[name] = np.asarray(raw[name], dtype=np.int64 if name == "selected" else np.float64)
     arrays = None
-    if state["has_weights"]:
-        with np.load(folder / WEIGHTS, allow_pickle=False) as stored:
+    if state["weights"]:
+        with np.load(folder / state["weights"], allow_pickle=False) as stored:
             arrays = R.arrays_from_state({k: np.array(stored[k]) for k in state["weight_order"]})
     return Checkpoint(Progress(**state["progress"]), result_type(**raw), arrays)
 

@@ -132,3 +132,29 @@ def test_resuming_with_another_config_is_refused_with_the_fix(dataset, tmp_path)
         _serve(other, FakeGrid({}), run_id=8)
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         _serve({**rc, "resume": str(tmp_path / "nowhere")}, FakeGrid({}), run_id=9)
+
+
+def test_the_checkpoint_round_trips_and_a_crash_while_saving_leaves_a_consistent_one(tmp_path):
+    import math
+
+    import numpy as np
+
+    from strategies.checkpoint import FOLDER, Progress, load_checkpoint, save_checkpoint
+    from strategies.fedsyn import FedSynResult
+
+    res = FedSynResult(tiers={101: "weak"}, budgets={101: math.inf}, profile=np.array([1.5, -0.5]),
+                       selected=np.array([2, 0]), node_votes={101: [0.5, 1.0]}, pool_texts=["a", "b"])
+    progress = Progress(resume_key="7", config={"epsilon": math.inf}, completed=["finetune"], train_round=2)
+    first = R.arrays_from_state({"w": np.arange(3, dtype=np.float32)})
+    save_checkpoint(tmp_path, progress, res, first)
+    # the next save dies after writing its weights, before its state.json
+    from common.io import atomic_write_npz
+
+    atomic_write_npz(tmp_path / FOLDER / "weights-half-written.npz", {"w": np.ones(3, dtype=np.float32)})
+    ck = load_checkpoint(tmp_path, FedSynResult)
+    assert ck.arrays["w"].numpy().tolist() == [0.0, 1.0, 2.0]  # the weights its state names
+    assert ck.progress == progress and ck.result.tiers == {101: "weak"} and ck.result.budgets == {101: math.inf}
+    assert ck.result.profile.tolist() == [1.5, -0.5] and ck.result.selected.dtype == np.int64
+    assert ck.result.node_votes == {101: [0.5, 1.0]} and ck.result.pool_texts == ["a", "b"]
+    save_checkpoint(tmp_path, progress, res, first)  # a complete save removes stray weights
+    assert len(list((tmp_path / FOLDER).glob("weights-*.npz"))) == 1

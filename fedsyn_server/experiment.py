@@ -50,6 +50,7 @@ from common.config import RunConfig
 from common.io import atomic_write_csv, atomic_write_text, read_jsonl
 from common.logs import get_logger
 from fedsyn_server.outputs import save_figure
+from strategies.checkpoint import FOLDER as CHECKPOINT, STATE as CHECKPOINT_STATE
 
 log = get_logger(__name__)
 EVALUATION_FILE = "evaluation.json"
@@ -109,6 +110,15 @@ def load_grid(path: str | Path) -> Grid:
                 exp.get("num-supernodes"), exp.get("metric", "utility/topic/accuracy"), cells)
 
 
+def cell_run_config(cell: Cell, runs: Path) -> dict[str, Any]:
+    """The run config of ``cell`` under ``runs``; a cell cut off before (timeout, crash) that left
+    a checkpoint is resumed from it, so no stage it finished is computed (or paid for) again."""
+    rc = {**dict(cell.run_config), "out-dir": str(runs), "run-name": cell.name}
+    if (runs / cell.name / CHECKPOINT / CHECKPOINT_STATE).is_file():
+        rc["resume"] = str(runs / cell.name)
+    return rc
+
+
 def run_grid(grid: Grid, timeout: float = 3600) -> list[dict[str, Any]]:
     """Run every cell not yet finished, then write results.csv, results.md and the plots."""
     from fedsyn_server.flwr_runner import run_app
@@ -119,7 +129,9 @@ def run_grid(grid: Grid, timeout: float = 3600) -> list[dict[str, Any]]:
     log.info("experiment: %d cells, %d already done, %d to run -> %s",
              len(grid.cells), len(grid.cells) - len(todo), len(todo), grid.out_dir)
     for cell in tqdm(todo, desc="experiment", unit="run"):
-        rc = {**dict(cell.run_config), "out-dir": str(runs), "run-name": cell.name}
+        rc = cell_run_config(cell, runs)
+        if "resume" in rc:
+            log.info("cell %s was cut off: resuming it from its checkpoint", cell.name)
         res = run_app(rc, federation_config=fed, timeout=timeout)
         if not res.ok:
             log.error("cell %s failed (exit %d, status %r); it will be retried next time:\n%s",

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from common.config import ConfigError
-from fedsyn_server.experiment import collect, flatten, load_grid, summarise, write_summary
+from fedsyn_server.experiment import cell_run_config, collect, flatten, load_grid, summarise, write_summary
 
 GRID = """
 [experiment]
@@ -83,3 +83,15 @@ def test_cli_summary_only(tmp_path, capsys):
     assert main(["experiment", str(path), "--summary-only"]) == 1  # nothing finished yet
     assert "0 of 16 cells finished" in capsys.readouterr().out
     assert main(["experiment", str(tmp_path / "missing.toml")]) == 2
+
+
+def test_a_cell_cut_off_with_a_checkpoint_is_resumed(tmp_path):
+    path = tmp_path / "g.toml"
+    path.write_text(GRID)
+    grid = load_grid(path)
+    runs, cell = grid.out_dir / "runs", grid.cells[0]
+    assert "resume" not in cell_run_config(cell, runs)
+    (runs / cell.name / "checkpoint").mkdir(parents=True)
+    (runs / cell.name / "checkpoint" / "state.json").write_text("{}")
+    rc = cell_run_config(cell, runs)
+    assert rc["resume"] == str(runs / cell.name) and rc["run-name"] == cell.name

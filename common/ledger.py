@@ -167,6 +167,14 @@ class PrivacyLedger:
             _check(data, release.epsilon, release.phase)
             run = [r for r in _counted(data["releases"]) if r["run_id"] == release.run_id
                    and r["phase"] == release.phase]
+            # One release per run, phase and round, ever: a repeat of a released request is answered
+            # from the stored reply before it gets here; anything else under the same name (a second
+            # server process, a round still in flight after `flwr stop`) is refused.
+            same = [r for r in run if int(r.get("round", 0)) == int(release.round)]
+            if same:
+                state = "is in progress or was cut off" if same[0]["status"] == RESERVED else "was released"
+                raise BudgetExceeded(f"{release.phase}: refused, round {release.round} of this run {state} on this "
+                                     "node; a release is made once per round")
             already = float(sum(float(r["epsilon"]) for r in run))
             if math.isfinite(run_phase_budget) and already + release.epsilon > run_phase_budget + _TOLERANCE:
                 raise BudgetExceeded(

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -381,3 +382,46 @@ def test_local_deployment_scripts_with_tls_and_node_auth(tmp_path):
     finally:
         stop_pids(with_descendants(started), timeout=15)
         stop_processes_of(root)
+
+
+def test_deployment_stopped_with_flwr_stop_then_resumed_releases_nothing_twice(deployment):
+    dep = deployment
+    out, public = dep.root / "out", dep.root / "public.csv"
+    rc = {**TINY, "num-server-rounds": 3, "dataset": str(public), "out-dir": str(out), "run-name": "cut"}
+    run_dir = out / "cut"
+    overrides = " ".join(f"{k}={toml_value(v)}" for k, v in rc.items())
+    # ---- the operator starts a run and stops it once its first phase-1 round is checkpointed
+    log = (dep.root / "first-run.log").open("w")
+    first = subprocess.Popen([str(BIN / "flwr"), "run", str(APP_DIR), CONNECTION, "--stream", "--run-config", overrides],
+                             env=dep.env(dep.cli_home), stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    try:
+        deadline, state = time.time() + RUN_TIMEOUT, run_dir / "checkpoint" / "state.json"
+        while not (state.exists() and json.loads(state.read_text())["progress"]["train_round"] >= 1):
+            assert first.poll() is None, (dep.root / "first-run.log").read_text()[-3000:] + dep.diagnostics()
+            assert time.time() < deadline, "no phase-1 checkpoint\n" + dep.diagnostics()
+            time.sleep(0.5)
+        runs = json.loads(dep.flwr("list", CONNECTION, "--format", "json").stdout)["runs"]
+        running = [r["run-id"] for r in runs if not str(r["status"]).startswith("finished")]
+        assert len(running) == 1, runs
+        stopped = dep.flwr("stop", str(running[0]), CONNECTION)
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        first.wait(timeout=120)
+    finally:
+        if first.poll() is None:
+            stop_pids(with_descendants([first.pid]))
+    assert not (run_dir / "synthetic.jsonl").exists()
+    # ---- resumed with the run's own resume.toml values: it finishes
+    code, output, status = dep.run({**rc, "resume": str(run_dir)})
+    diag = output[-4000:] + "\n" + dep.diagnostics()
+    assert status.get("status") == "finished:completed", f"{status}\n{diag}"
+    assert "resuming run" in output and read_jsonl(run_dir / "synthetic.jsonl"), diag
+    assert tomllib.loads((run_dir / "resume.toml").read_text())["resume"] == str(run_dir)
+    # every node's ledger: one release per phase and round, whatever was in flight at the stop
+    for name, node in dep.nodes.items():
+        counted = [(r["phase"], r["round"]) for r in _ledger(node["state"])["releases"] if r["status"] != "cancelled"]
+        assert len(counted) == len(set(counted)), f"{name} paid twice: {counted}\n{diag}"
+        assert {p for p, _ in counted} == ({"train", "profile"} if name == "strong" else {"profile", "vote"}), counted
+        assert _spent(_ledger(node["state"])) <= EPSILON + 1e-6
+    report = json.loads((run_dir / "privacy_report.json").read_text())
+    assert all(n["source"] == "node ledger" for n in report["nodes"]), report

@@ -1,5 +1,6 @@
 """The node's ledger and the run config's validation."""
 
+import dataclasses
 import math
 
 import pytest
@@ -61,14 +62,16 @@ def test_reservations_count_until_cancelled(tmp_path):
 def test_run_phase_and_step_budgets(tmp_path):
     led = PrivacyLedger.open(tmp_path, budget=10.0)
     _release(led, _rel(2.0), budget=2.0)
+    with pytest.raises(BudgetExceeded, match="round 0 of this run was released on this node"):
+        led.reserve(_rel(0.1), 2.0)  # once per run, phase and round
     with pytest.raises(BudgetExceeded, match="this run's profile budget"):
-        led.reserve(_rel(0.1), 2.0)
+        led.reserve(dataclasses.replace(_rel(0.1), round=1), 2.0)
     _release(led, _rel(2.0, run_id="2"), budget=2.0)  # another run has its own share
     step = Release(phase="train", mechanism="dp-sgd", epsilon=0.0, delta=0.0, run_id="1", public={"steps": 4})
-    _release(led, step, budget=6.0, steps=(4, 8))
-    _release(led, step, budget=6.0, steps=(4, 8))
+    _release(led, dataclasses.replace(step, round=1), budget=6.0, steps=(4, 8))
+    _release(led, dataclasses.replace(step, round=2), budget=6.0, steps=(4, 8))
     with pytest.raises(BudgetExceeded, match="calibrated for 8 steps"):
-        led.reserve(step, 6.0, steps=(4, 8))
+        led.reserve(dataclasses.replace(step, round=3), 6.0, steps=(4, 8))
     assert led.spent(run_id="1", phase="profile") == 2.0 and led.spent(phase="profile") == 4.0
 
 

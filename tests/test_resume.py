@@ -79,6 +79,13 @@ def test_a_run_killed_mid_round_and_between_phases_resumes_without_releasing_twi
     with pytest.raises(ServerKilled):
         _serve(rc, DyingGrid(_nodes(rc, state, 7), train_round, after=True), run_id=7)
     assert (run_dir / "checkpoint" / "state.json").exists() and (run_dir / "resume.toml").exists()
+    # `flwr run . --run-config <run-dir>/resume.toml` reads it as Flower does: the run's config plus resume
+    from flwr.common.config import parse_config_args
+
+    from common.config import RunConfig
+
+    given = RunConfig.from_flower(parse_config_args([str(run_dir / "resume.toml")]))
+    assert given == RunConfig.from_flower({**rc, "resume": str(run_dir)})
     assert not (run_dir / "synthetic.jsonl").exists()
     # 2. resumed (a new Flower run id), then killed between the two vote rounds of PE
     resume = {**rc, "resume": str(run_dir)}

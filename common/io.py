@@ -7,19 +7,20 @@ import io
 import json
 import os
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 
-def atomic_write_text(path: str | Path, text: str) -> Path:
-    """Write ``text`` to ``path`` via a temp file in the same folder and ``os.replace``."""
+def _atomic_write(path: str | Path, write: Callable[[IO[Any]], Any], binary: bool = False) -> Path:
+    """Call ``write(handle)`` on a temp file in ``path``'s folder, fsync it, then ``os.replace``
+    it onto ``path``; on any failure the temp file is removed and ``path`` is untouched."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
+        with os.fdopen(fd, "wb") if binary else os.fdopen(fd, "w", encoding="utf-8") as fh:
+            write(fh)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -27,25 +28,18 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    """Write ``text`` to ``path`` via a temp file in the same folder and ``os.replace``."""
+    return _atomic_write(path, lambda fh: fh.write(text))
 
 
 def atomic_write_npz(path: str | Path, arrays: dict[str, Any]) -> Path:
     """Write named arrays as an ``.npz`` file, atomically (temp file, then ``os.replace``)."""
     import numpy as np
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            np.savez(fh, **arrays)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return _atomic_write(path, lambda fh: np.savez(fh, **arrays), binary=True)
 
 
 def atomic_write_json(path: str | Path, obj: Any) -> Path:

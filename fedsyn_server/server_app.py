@@ -140,7 +140,7 @@ def _main(grid: Grid, context: Context) -> None:
         check_resumable(checkpoint, cfg, run_dir)
     log.info("fedsyn run %s: outputs go to %s%s", context.run_id, run_dir, " (resumed)" if checkpoint else "")
     strategy, bench, server_model = build_strategy(cfg)
-    strategy.resume_key = checkpoint.progress.resume_key if checkpoint else str(context.run_id)
+    strategy.resume_key = str(context.run_id)  # a resumed run takes its original key from the checkpoint
     strategy.checkpoint_dir = run_dir
     if checkpoint is None:
         write_resume_config(cfg, run_dir)

@@ -83,8 +83,7 @@ class ReplyStore:
                 raise ConfigError(
                     f"this node already released {phase} round {rnd} of run {key!r} for a different request; "
                     "a resumed run must repeat the same request (same resume-key, round, candidates and weights)")
-            names = [n for n in stored.files if n != "__meta__"]
-            payload = (np.array(stored[_VECTOR]) if names == [_VECTOR]
+            payload = (np.array(stored[_VECTOR]) if meta["order"] == [_VECTOR]
                        else {n: np.array(stored[n]) for n in meta["order"]})
         return payload, meta["statement"]
 

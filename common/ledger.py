@@ -30,12 +30,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.dp import DPSGD, GAUSSIAN, dpsgd_event, gaussian_event, pld_epsilon
+from common.dp import DPSGD, GAUSSIAN, dpsgd_event, gaussian_event, pld_epsilon, preflight
 from common.io import atomic_write_json, read_json
 
 FORMAT = 2
 # Float slack so that a budget spent exactly (e.g. 6 + 2 = 8) is not refused by rounding.
 _TOLERANCE = 1e-6
+HOLD_SECONDS = 6 * 3600.0  # a pre-flight hold lapses this long after its run's last request
 RESERVED, CONFIRMED, CANCELLED = "reserved", "confirmed", "cancelled"
 
 
@@ -92,6 +93,7 @@ class PrivacyLedger:
             data["budget"] = budget
             if data_fingerprint and (not data["data"] or data["data"][-1]["fingerprint"] != data_fingerprint):
                 data["data"].append({"fingerprint": data_fingerprint, "since": time.time()})
+            data.setdefault("ref", uuid.uuid4().hex)  # ledgers written before refs get one now
         return ledger
 
     def _load(self) -> dict[str, Any]:
@@ -101,7 +103,7 @@ class PrivacyLedger:
                 raise RuntimeError(f"{self.path} is not a fedsyn ledger of format {FORMAT}")
             return data
         data = {"format": FORMAT, "budget": None, "budget_changes": [], "resets": [], "data": [],
-                "releases": [], "accountants": {}, "created": time.time()}
+                "releases": [], "accountants": {}, "created": time.time(), "ref": uuid.uuid4().hex}
         data["releases"] += _legacy_releases(self.path.parent) if self.path.name == "ledger.json" else []
         return data
 
@@ -120,6 +122,15 @@ class PrivacyLedger:
 
     # ----------------------------------------------------------------- queries
     @property
+    def ref(self) -> str:
+        """A random name of this ledger, made when it was created; independent of the data.
+
+        Replies carry it so the server can tell that two node ids are one institution's ledger
+        (Flower gives a restarted SuperNode a new node id) and report its releases once.
+        """
+        return str(self._load().get("ref", ""))
+
+    @property
     def budget(self) -> float:
         """The node's total epsilon (may be inf)."""
         return float(self._load()["budget"])
@@ -137,9 +148,9 @@ class PrivacyLedger:
         """Sum of the deltas of every counted release (basic composition)."""
         return float(sum(float(r["delta"]) for r in _counted(self._load()["releases"])))
 
-    def remaining(self) -> float:
-        """Budget left (may be inf)."""
-        return _remaining(self._load())
+    def remaining(self, run_id: str | None = None) -> float:
+        """Budget left (may be inf) for ``run_id``: not spent, and not held for another run."""
+        return _remaining(self._load(), run_id)
 
     def run_statements(self, run_id: str) -> list[dict[str, Any]]:
         """What the server may know of this run's releases: each counted release's statement."""
@@ -155,6 +166,41 @@ class PrivacyLedger:
         _check(self._load(), epsilon, what)
 
     # ----------------------------------------------------------------- updates
+    def hold(self, run_id: str, needed: float) -> float:
+        """The pre-flight, atomically: if this node can pay the ``needed`` epsilon of run
+        ``run_id`` (what it already spent in that run counts), hold it for that run and return
+        0; else hold nothing and return the shortfall (``common.dp.preflight``).
+
+        A hold makes two runs started at once see each other: the second one's pre-flight
+        finds the budget held and is refused before anything is spent, instead of both
+        spending part and neither finishing. A hold ends when its run asks for its ledger at
+        the end (``release_hold``), or lapses ``HOLD_SECONDS`` after its run's last request
+        (a crashed run keeps it meanwhile, so it can be resumed). It never lets a run spend
+        more: every release is still checked against the budget.
+        """
+        with self._locked() as data:
+            now = time.time()
+            data["holds"] = {r: h for r, h in data.get("holds", {}).items() if float(h["until"]) >= now}
+            short = preflight(needed, _spent(data["releases"], run_id), _remaining(data, run_id))
+            if short <= 0 and math.isfinite(needed):
+                data["holds"][run_id] = {"epsilon": float(needed), "until": now + HOLD_SECONDS}
+            return short
+
+    def release_hold(self, run_id: str | None = None) -> list[str]:
+        """End ``run_id``'s hold (the run finished, or was refused), or every hold (None: the
+        operator's ``fedsyn ledger --release-holds``); what they did not spend is free again.
+        Returns the runs whose holds ended."""
+        with self._locked() as data:
+            holds = data.setdefault("holds", {})
+            ended = [r for r in list(holds) if run_id is None or r == run_id]
+            for r in ended:
+                holds.pop(r)
+            return ended
+
+    def held(self, run_id: str | None = None) -> float:
+        """Epsilon held for live runs other than ``run_id`` and not yet spent by them."""
+        return _held(self._load(), run_id)
+
     def reserve(self, release: Release, run_phase_budget: float, steps: tuple[int, int] | None = None) -> str:
         """Under the lock: check ``release`` against the total budget and this run's budget
         for its phase, then record it as reserved. Returns the entry id.
@@ -164,7 +210,9 @@ class PrivacyLedger:
         Raises ``BudgetExceeded`` (nothing recorded) when it does not fit.
         """
         with self._locked() as data:
-            _check(data, release.epsilon, release.phase)
+            _check(data, release.epsilon, release.phase, release.run_id)
+            if release.run_id in data.get("holds", {}):  # a run that is still asking keeps its hold
+                data["holds"][release.run_id]["until"] = time.time() + HOLD_SECONDS
             run = [r for r in _counted(data["releases"]) if r["run_id"] == release.run_id
                    and r["phase"] == release.phase]
             # One release per run, phase and round, ever: a repeat of a released request is answered
@@ -218,7 +266,8 @@ class PrivacyLedger:
         return {
             "ledger": str(self.path), "budget": data["budget"], "epsilon_spent": basic,
             "epsilon_pld": min(basic, node_pld_epsilon(counted, delta)) if counted else 0.0,
-            "delta_spent": delta, "epsilon_remaining": _remaining(data),
+            "delta_spent": delta, "epsilon_remaining": _remaining(data), "epsilon_held": _held(data),
+            "holds": data.get("holds", {}),
             "budget_changes": data["budget_changes"], "resets": data["resets"], "data": data["data"],
             "releases": data["releases"],
         }
@@ -235,9 +284,9 @@ def reset_ledger(state_dir: str | Path, reason: str, ledger_id: str = "") -> Pat
     with ledger._locked() as data:
         archive = ledger.path.with_name(f"{ledger.path.stem}.{time.strftime('%Y%m%d-%H%M%S')}.archived.json")
         atomic_write_json(archive, data)
-        budget, resets, spent = data["budget"], data["resets"], _spent(data["releases"])
+        budget, resets, spent, ref = data["budget"], data["resets"], _spent(data["releases"]), data.get("ref")
         data.clear()
-        data.update({"format": FORMAT, "budget": budget, "releases": [],
+        data.update({"format": FORMAT, "budget": budget, "releases": [], "ref": ref or uuid.uuid4().hex,
                      "accountants": {}, "budget_changes": [], "data": [], "created": time.time(),
                      "resets": resets + [{"time": time.time(), "reason": reason.strip(),
                                                   "previous_epsilon_spent": spent, "archive": str(archive),
@@ -272,21 +321,31 @@ def _spent(releases: list[dict[str, Any]], run_id: str | None = None, phase: str
                      if (run_id is None or r.get("run_id") == run_id) and (phase is None or r["phase"] == phase)))
 
 
-def _remaining(data: dict[str, Any]) -> float:
+def _held(data: dict[str, Any], except_run: str | None = None) -> float:
+    """Epsilon that live holds of runs other than ``except_run`` may still spend."""
+    now, releases = time.time(), data["releases"]
+    return float(sum(max(float(h["epsilon"]) - _spent(releases, run_id), 0.0)
+                     for run_id, h in data.get("holds", {}).items()
+                     if run_id != except_run and float(h["until"]) >= now))
+
+
+def _remaining(data: dict[str, Any], run_id: str | None = None) -> float:
     budget = float(data["budget"])
-    return budget - _spent(data["releases"]) if math.isfinite(budget) else math.inf
+    return budget - _spent(data["releases"]) - _held(data, run_id) if math.isfinite(budget) else math.inf
 
 
-def _check(data: dict[str, Any], epsilon: float, what: str) -> None:
+def _check(data: dict[str, Any], epsilon: float, what: str, run_id: str | None = None) -> None:
     budget = float(data["budget"])
     if math.isinf(epsilon) and math.isfinite(budget):
         raise BudgetExceeded(f"{what}: refused, a non-private release (epsilon = inf) exceeds this node's "
                              f"budget epsilon = {budget:g}")
-    left = _remaining(data)
+    left = _remaining(data, run_id)
     if epsilon > left + _TOLERANCE:
+        held = _held(data, run_id)
         raise BudgetExceeded(
             f"{what}: refused, needs epsilon = {epsilon:.4g} but this node has {max(left, 0.0):.4g} left of its "
-            f"budget {budget:g} (spent {_spent(data['releases']):.4g} in {len(_counted(data['releases']))} releases)")
+            f"budget {budget:g} (spent {_spent(data['releases']):.4g} in {len(_counted(data['releases']))} releases"
+            + (f", {held:.4g} held for other runs under way" if held else "") + ")")
 
 
 def _entry(data: dict[str, Any], entry_id: str) -> dict[str, Any]:

@@ -76,13 +76,17 @@ def release_record(release: dict[str, Any], spent: float, budget: float) -> Conf
     return ConfigRecord(payload)
 
 
-def tier_reply(tier: str, budget: float, needed: float, remaining: float, shortfall: float) -> RecordDict:
-    """Content of a ``query.tier`` reply: the node's tier, its (policy) budget, and its pre-flight
-    statement: epsilon this run still needs of it, epsilon left in its ledger, and the shortfall
-    (0 when the node can finish the run)."""
+def tier_reply(tier: str, budget: float, needed: float, remaining: float, shortfall: float,
+               ledger_ref: str = "", held: float = 0.0) -> RecordDict:
+    """Content of a ``query.tier`` reply: the node's tier, its (policy) budget, its pre-flight
+    statement (epsilon this run still needs of it, epsilon left in its ledger for this run, of
+    which ``held`` is held for other runs under way, and the shortfall, 0 when the node can
+    finish the run) and its ledger's random name (``PrivacyLedger.ref``). All of it is about the
+    ledger, none of it about the records."""
     return RecordDict({TIER: ConfigRecord({
         "tier": tier, "epsilon-budget": float(budget), "epsilon-needed": float(needed),
-        "epsilon-remaining": float(remaining), "epsilon-shortfall": float(shortfall)})})
+        "epsilon-remaining": float(remaining), "epsilon-shortfall": float(shortfall), "ledger-ref": ledger_ref,
+        "epsilon-held": float(held)})})
 
 
 def vector_reply(key: str, values: np.ndarray, release: ConfigRecord) -> RecordDict:

@@ -46,7 +46,7 @@ else
     command -v flower-superlink > /dev/null || die "flower-superlink is not on PATH; set FLWR_BIN to the venv's bin folder"
     bin_dir=$(dirname "$(command -v flower-superlink)")
 fi
-for b in flower-superlink flower-supernode flower-superexec flwr; do
+for b in flower-superlink flower-supernode flower-superexec flwr fedsyn; do
     [[ -x "$bin_dir/$b" ]] || die "$bin_dir/$b not found (set FLWR_BIN to the venv's bin folder)"
 done
 python=${PYTHON:-$bin_dir/python}
@@ -139,9 +139,12 @@ for file in "${files[@]}"; do
             || fail "flwr supernode register failed for $node" "$dir/register.log"
         node_args+=(--auth-supernode-private-key "$dir/node_key")
     fi
+    node_config="tier=\"$tier\" data-path=\"$file\" state-dir=\"$dir/state\" epsilon=$epsilon"
+    # Flower runs no app code at SuperNode start: check the data now, not at the first request.
+    "$bin_dir/fedsyn" node-check --node-config "$node_config" > "$dir/node-check.log" 2>&1 \
+        || fail "SuperNode $node cannot start: its data or node config is unusable" "$dir/node-check.log"
     FLWR_HOME="$dir/flwr-home" nohup "$bin_dir/flower-supernode" "${node_args[@]}" \
-        --node-config "tier=\"$tier\" data-path=\"$file\" state-dir=\"$dir/state\" epsilon=$epsilon" \
-        > "$dir/supernode.log" 2>&1 < /dev/null &
+        --node-config "$node_config" > "$dir/supernode.log" 2>&1 < /dev/null &
     echo "$! supernode $node" >> "$pidfile"
     echo "SuperNode  PID $!  $node ($tier, epsilon=$epsilon)  ledger $dir/state  log $dir/supernode.log"
     i=$((i + 1))

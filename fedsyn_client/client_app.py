@@ -18,7 +18,7 @@ from flwr.clientapp import ClientApp
 
 from common import records as R
 from common.config import ConfigError, RunConfig
-from common.dp import PHASES, PROFILE, STRONG, TRAIN, VOTE, phase_epsilon, preflight
+from common.dp import PHASES, PROFILE, STRONG, TRAIN, VOTE, phase_epsilon
 from common.ledger import BudgetExceeded
 from common.logs import get_logger
 from common.policy import PolicyRefused
@@ -69,8 +69,10 @@ def tier(msg: Message, context: Context, node: Node, cfg: RunConfig) -> RecordDi
 
     The pre-flight statement says whether the node's ledger can pay for every phase the
     server plans to ask of it (``phases``), so a run that some node cannot finish is refused
-    before anything is spent. It is about the ledger (what earlier runs spent), never about
-    the records: no yes/no on which codes occur. The ledger still authorises every release.
+    before anything is spent. It is about the ledger (what earlier runs spent or hold), never
+    about the records: no yes/no on which codes occur. A node that can finish the run holds the
+    epsilon for it (``PrivacyLedger.hold``) until the run's end-of-run ledger query; the ledger
+    still authorises every release.
     """
     conf = msg.content.config_records[R.CONFIG] if R.CONFIG in msg.content.config_records else {}
     node.policy.check_vocabulary(tuple(str(c) for c in conf.get("codes", [])))
@@ -81,14 +83,14 @@ def tier(msg: Message, context: Context, node: Node, cfg: RunConfig) -> RecordDi
     for phase, eps in needs.items():
         if eps > 0:
             node.policy.check_phase(phase, eps)
-    needed = float(sum(needs.values()))
-    remaining = node.ledger.remaining()
-    shortfall = preflight(needed, node.ledger.spent(run_id=run_key(msg, context)), remaining)
+    needed, key = float(sum(needs.values())), run_key(msg, context)
+    shortfall = node.ledger.hold(key, needed)  # held for this run, so a run started beside it is refused here
+    remaining, held = node.ledger.remaining(key), node.ledger.held(key)
     if shortfall > 0:
         log.warning("pre-flight: this run needs epsilon = %.4g of this node but its ledger has %.4g left (budget "
-                    "%g); this node cannot finish the run, and any release beyond the budget will be refused",
-                    needed, max(remaining, 0.0), node.policy.epsilon)
-    return R.tier_reply(node.tier, node.policy.epsilon, needed, remaining, shortfall)
+                    "%g, %.4g of it held for other runs under way); this node cannot finish the run, and any release "
+                    "beyond the budget will be refused", needed, max(remaining, 0.0), node.policy.epsilon, held)
+    return R.tier_reply(node.tier, node.policy.epsilon, needed, remaining, shortfall, node.ledger.ref, held)
 
 
 # --------------------------------------------------------------------------- stage 1
@@ -150,9 +152,12 @@ def ledger(msg: Message, context: Context, node: Node, cfg: RunConfig) -> Record
     """This run's releases as the node's ledger has them (statements only; free): the
     server's privacy report is built from the node's own book, including releases whose
     reply was lost."""
-    statements = node.ledger.run_statements(run_key(msg, context))
+    key = run_key(msg, context)
+    statements = node.ledger.run_statements(key)
+    node.ledger.release_hold(key)  # the run is over (or refused): what it did not spend is free again
     return RecordDict({R.LEDGER: ConfigRecord({
         "releases": json.dumps(statements, allow_nan=True),
         "epsilon-spent": float(node.ledger.spent()), "epsilon-budget": float(node.policy.epsilon),
         "epsilon-run": float(sum(s["epsilon"] for s in statements)) if statements else 0.0,
+        "ledger-ref": node.ledger.ref,
     })})

@@ -73,6 +73,24 @@ def get_node(run_id: str, node_config: dict[str, Any], cfg: RunConfig) -> Node:
     return _open(policy, cfg if policy.simulated else None)
 
 
+def check_node(node_config: dict[str, Any]) -> str:
+    """The start-up check of a deployed node (``fedsyn node-check``): its node config, data file
+    and ledger, loaded exactly as its first request will load them. Returns the ready line
+    (tier, record count, budget, ledger path: for the operator's own terminal only); raises
+    ``NodeSetupError`` naming the file and the reason. Spends nothing, sends nothing."""
+    if is_simulated(node_config):
+        raise NodeSetupError("node-check is for deployed nodes; this node config has partition-id (simulation)")
+    try:
+        policy = policy_from_node_config(dict(node_config))
+    except (PolicyError, ValueError) as err:
+        raise NodeSetupError(str(err)) from None
+    for note in policy.warnings:
+        log.warning("%s", note)
+    node = _open(policy, None)
+    return (f"node ready: tier={policy.tier} records={len(node.data)} budget epsilon={policy.epsilon:g} "
+            f"ledger={node.ledger.path} (spent {node.ledger.spent():.4g})")
+
+
 @lru_cache(maxsize=16)
 def _policy(run_id: str, node_config_items: tuple[tuple[str, str], ...], cfg: RunConfig) -> NodePolicy:
     node_config = dict(node_config_items)

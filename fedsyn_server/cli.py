@@ -199,7 +199,34 @@ def _add_ledger(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--reset", action="store_true",
                    help="archive the ledger and start an empty one (e.g. new data); needs --reason")
     p.add_argument("--reason", default="", help="why the ledger is reset (kept in the new ledger)")
+    p.add_argument("--release-holds", action="store_true",
+                   help="end every pre-flight hold (e.g. of a run that crashed and will not be resumed)")
     p.set_defaults(handler=_run_ledger)
+
+
+def _add_node_check(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "node-check", help="check a SuperNode's node config and data before starting it",
+        description="Run on the node with the --node-config you give flower-supernode: loads the policy, the "
+                    "data file and the ledger as the first request of a run will, and prints one line, or the "
+                    "reason (by file) and exit 1. Flower runs no app code when a SuperNode starts, so this is "
+                    "the start-up check (deploy/start_local_deployment.sh runs it). Spends nothing.",
+    )
+    p.add_argument("--node-config", required=True, help='e.g. \'tier="weak" data-path="site.csv" epsilon=8\'')
+    p.set_defaults(handler=_run_node_check)
+
+
+def _run_node_check(args: argparse.Namespace) -> int:
+    from flwr.common.config import parse_config_args
+
+    from fedsyn_client.node import NodeSetupError, check_node
+
+    try:
+        print(check_node(parse_config_args([args.node_config])))
+    except NodeSetupError as err:
+        print(f"fedsyn node-check: {err}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _run_ledger(args: argparse.Namespace) -> int:
@@ -214,6 +241,10 @@ def _run_ledger(args: argparse.Namespace) -> int:
     path = ledger_path(args.state_dir, args.ledger_id)
     if not path.exists():
         raise FileNotFoundError(f"no ledger at {path} (is {args.state_dir} the node's state-dir?)")
+    if args.release_holds:
+        ended = PrivacyLedger(path).release_hold()
+        print(f"ended {len(ended)} hold(s){': runs ' + ', '.join(ended) if ended else ''}")
+        return 0
     summary = PrivacyLedger(path).summary()
     print(json.dumps(summary, indent=2) if args.json else format_ledger(summary))
     return 0
@@ -226,7 +257,9 @@ def format_ledger(summary: dict) -> str:
         f"budget           epsilon = {summary['budget']:g}",
         f"spent            epsilon = {summary['epsilon_spent']:.4g} (basic composition), "
         f"{summary['epsilon_pld']:.4g} (PLD at delta = {summary['delta_spent']:.3g})",
-        f"remaining        epsilon = {summary['epsilon_remaining']:.4g}",
+        f"remaining        epsilon = {summary['epsilon_remaining']:.4g}"
+        + (f" ({summary['epsilon_held']:.4g} held for runs under way: {', '.join(summary['holds'])})"
+           if summary.get("holds") else ""),
         f"delta spent      {summary['delta_spent']:.3g}",
     ]
     for change in summary["budget_changes"]:
@@ -257,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_evaluate(subparsers)
     _add_experiment(subparsers)
     _add_ledger(subparsers)
+    _add_node_check(subparsers)
     _add_run(subparsers)
     return parser
 

@@ -80,18 +80,20 @@ def privacy_report(cfg: RunConfig, res: FedSynResult) -> dict[str, Any]:
     the server DP-SGD's sampling rate, which would reveal its record count.
     """
     nodes = []
-    for nid in sorted(set(res.tiers) | set(res.releases) | set(res.ledgers)):
+    ids = sorted(set(res.tiers) | set(res.releases) | set(res.ledgers))
+    for nid, same in _by_ledger(ids, res).items():
         book = res.ledgers.get(nid)
         statements = book["releases"] if book else [_release_view(r) for r in res.releases.get(nid, [])]
+        failures = [f for f in res.failures if f["node_id"] in same]
         if not book:
-            statements += unknown_releases(cfg, res.tiers.get(nid, ""), statements,
-                                           [f for f in res.failures if f["node_id"] == nid])
+            statements += unknown_releases(cfg, res.tiers.get(nid, ""), statements, failures)
         basic = float(sum(float(r["epsilon"]) for r in statements))
         total_delta = float(sum(float(r["delta"]) for r in statements))
         last = res.releases.get(nid, [{}])[-1]
         budget = (book or {}).get("epsilon-budget", res.budgets.get(nid, last.get("epsilon-budget", math.nan)))
         nodes.append({
-            "node_id": nid, "tier": res.tiers.get(nid, "unknown"),
+            "node_id": nid, "node_ids": same, "ledger_ref": res.ledger_refs.get(nid, ""),
+            "tier": res.tiers.get(nid, "unknown"),
             "source": "node ledger" if book else ("replies (the node did not confirm its ledger); requests without "
                                                   "a reply are counted as spent"),
             "epsilon_budget": float(budget),
@@ -100,7 +102,7 @@ def privacy_report(cfg: RunConfig, res: FedSynResult) -> dict[str, Any]:
             "delta": total_delta,
             "epsilon_basic_composition": basic, "epsilon_pld": min(stated_pld_epsilon(statements, total_delta), basic),
             "releases": statements,
-            "failures": [f for f in res.failures if f["node_id"] == nid],
+            "failures": failures,
         })
     return {
         "private": cfg.private,
@@ -115,6 +117,20 @@ def privacy_report(cfg: RunConfig, res: FedSynResult) -> dict[str, Any]:
                           "voters": cfg.voters},
         "nodes": nodes,
     }
+
+
+def _by_ledger(ids: list[int], res: FedSynResult) -> dict[int, list[int]]:
+    """Each report entry's node id -> every node id it covers. A SuperNode restarted after a
+    crash gets a new node id from Flower but keeps its ledger (same ``ledger_refs``); when the
+    new id answered the ledger query, its book holds the old id's releases too, so the old id
+    is folded into it rather than counted twice."""
+    refs = res.ledger_refs
+    booked = {refs[n]: n for n in ids if n in res.ledgers and refs.get(n)}
+    entries: dict[int, list[int]] = {}
+    for nid in ids:
+        owner = booked.get(refs.get(nid, ""), nid) if nid not in res.ledgers else nid
+        entries.setdefault(owner, []).append(nid)
+    return {owner: sorted(same) for owner, same in sorted(entries.items())}
 
 
 def unknown_releases(cfg: RunConfig, tier: str, stated: list[dict[str, Any]],

@@ -144,7 +144,11 @@ def _main(grid: Grid, context: Context) -> None:
     strategy.checkpoint_dir = run_dir
     if checkpoint is None:
         write_resume_config(cfg, run_dir)
-    result = strategy.run(grid, server_model.initial_arrays(), resume=checkpoint)
+    try:
+        result = strategy.run(grid, server_model.initial_arrays(), resume=checkpoint)
+    except Exception:
+        strategy.end_holds(grid)  # a run that broke off frees what its nodes hold for it (a resume holds again)
+        raise
     paths = write_outputs(run_dir, cfg, bench.vocabulary, result)
     if result.arrays is not None and (result.train_metrics or result.generator_refined):
         save_model(server_model.load(result.arrays), run_dir)

@@ -79,6 +79,7 @@ class FedSynResult:
     releases: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
     ledgers: dict[int, dict[str, Any]] = field(default_factory=dict)  # node -> its own book of this run
     budgets: dict[int, float] = field(default_factory=dict)
+    ledger_refs: dict[int, str] = field(default_factory=dict)  # node -> its ledger's random name (restarts)
     failures: list[dict[str, Any]] = field(default_factory=list)
     degradations: list[str] = field(default_factory=list)  # what the run did with less than it asked for
     skipped: list[str] = field(default_factory=list)  # planned phases that got no node at all: the run fails
@@ -144,6 +145,8 @@ class FedSynStrategy(Strategy):
         self.result = FedSynResult()
         self._strong: list[int] = []
         self._voters: list[int] = []
+        self._asked: set[int] = set()  # every node id the tier query went to
+        self._replaced: set[int] = set()  # node ids whose ledger came back under a new id (restarts)
         self._grid: Grid | None = None
 
     # ------------------------------------------------------------ Strategy API
@@ -196,7 +199,8 @@ class FedSynStrategy(Strategy):
             res.timings["finetune"] = time.time() - t
 
         if "profile" not in done:
-            self._profile(grid, nodes)                                  # stage 2
+            self._admit(grid, "before the profile")
+            self._profile(grid, self._active())                         # stage 2
             self._checkpoint("profile")
 
         t = time.time()                                                 # stage 3
@@ -223,9 +227,13 @@ class FedSynStrategy(Strategy):
         log.info("final synthetic set: %d of %d texts (%s, %d vote rounds)", len(res.selected), len(res.pool_texts),
                  self.refinement.name, len(res.vote_rounds))
 
-        self._ledgers(grid, sorted(set(nodes) | set(res.releases)))  # stage 5
+        self._ledgers(grid, sorted((set(res.tiers) | set(res.releases)) - self._replaced))  # stage 5
         res.timings["total"] = time.time() - t0
         return res
+
+    def _active(self) -> dict[int, str]:
+        """The nodes taking part now: stage 0's, those admitted since, less the replaced ids."""
+        return {n: t for n, t in self.result.tiers.items() if n not in self._replaced}
 
     def _profile(self, grid: Grid, nodes: dict[int, str]) -> None:
         """Stage 2: every node's noisy per-code counts; their sum allocates the pool (stage 3)."""
@@ -274,6 +282,7 @@ class FedSynStrategy(Strategy):
         if rnd <= len(self.progress.vote_totals):  # finished before the run was resumed: not asked again
             log.info("vote round %d: taken from the checkpoint", rnd)
             return np.asarray(self.progress.vote_totals[rnd - 1], dtype=np.float64)
+        self._admit(self._grid, f"before vote round {rnd}")
         if not self._voters:
             self._degrade(f"vote round {rnd}: no voters (voters={self.cfg.voters} and no weak node); votes are all zero",
                           skipped=True)
@@ -309,10 +318,59 @@ class FedSynStrategy(Strategy):
         """Stage 0: tiers, budgets and the pre-flight check. Raises ``RunRefused`` when a node
         that answered cannot finish the run (and ``on-node-shortfall`` is "refuse")."""
         node_ids = self._wait_for_nodes(grid)
+        self._asked = set(node_ids)
+        nodes, cannot = self._ask_tiers(grid, node_ids)
+        if cannot:
+            why = "; ".join(f"node {nid}: {reason}" for nid, reason in sorted(cannot.items()))
+            if self.cfg.on_node_shortfall == "refuse":
+                self._refuse(grid, nodes, f"{len(cannot)} node(s) cannot finish it ({why}). Fix: run with a smaller "
+                             "epsilon, or within the node's policy; an institution may reset its ledger "
+                             "(`fedsyn ledger STATE_DIR --reset`)")
+            for nid, reason in sorted(cannot.items()):
+                self._degrade(f"node {nid} left out (on-node-shortfall=continue-without): {reason}")
+        self._coverage("tiers", nodes, set(node_ids) - set(cannot))
+        if not nodes:
+            raise RuntimeError("no usable node answered the tier query (see failures above)")
+        uncovered = self._uncovered(nodes)
+        if uncovered and self.cfg.on_node_shortfall == "refuse":
+            failed = "; ".join(f"node {f['node_id']}: {f['reason']}" for f in self.result.failures if f["phase"] == "tiers")
+            self._refuse(grid, nodes, f"{' and '.join(uncovered)} among the nodes that can take part"
+                         + (f" (failed: {failed})" if failed else "") + ". Fix: repair the failed nodes or add a node "
+                         "of that tier; a run that goes on without the phase ends failed (with its outputs)")
+        log.info("nodes: %d strong, %d weak", sum(t == STRONG for t in nodes.values()),
+                 sum(t == WEAK for t in nodes.values()))
+        return nodes
+
+    def _uncovered(self, nodes: dict[int, str]) -> list[str]:
+        """The planned phases no usable node can do: phase 1 needs a strong node, votes a voter."""
+        plan, tiers = self._plan(), set(nodes.values())
+        return (["phase 1 has no strong node"] if TRAIN in plan and STRONG not in tiers else []) + (
+            ["the votes have no weak node (voters=\"weak\")"] if VOTE in plan and self.cfg.voters != "all"
+            and WEAK not in tiers else [])
+
+    def end_holds(self, grid: Grid, node_ids: Iterable[int] | None = None) -> None:
+        """Ask ``node_ids`` (default: the nodes taking part) for their ledger (free), which ends
+        the epsilon they hold for this run: for a run that is refused or broke off."""
+        ids = sorted(self._active() if node_ids is None else node_ids)
+        try:
+            self._ask(grid, ids, R.MSG_LEDGER, "ledger", RecordDict({R.CONFIG: self._request()}))
+        except Exception as err:  # noqa: BLE001 - best effort: holds lapse on their own
+            log.warning("could not end the nodes' holds for this run (%s); they lapse on their own", err)
+
+    def _refuse(self, grid: Grid, holding: dict[int, str], why: str) -> None:
+        """Raise ``RunRefused`` at stage 0, after ending the holds of the nodes that could
+        finish the run: a refused run keeps no epsilon held."""
+        self.end_holds(grid, holding)
+        raise RunRefused(f"run refused before anything was spent: {why}; or leave such nodes out with "
+                         "--run-config 'on-node-shortfall=\"continue-without\"'")
+
+    def _ask_tiers(self, grid: Grid, node_ids: list[int]) -> tuple[dict[int, str], dict[int, str]]:
+        """The tier query to ``node_ids``: returns (tier of each node that can finish the run,
+        why each node that answered cannot). Budgets and ledger refs are kept in the result."""
         replies = self._ask(grid, node_ids, R.MSG_TIER, "tiers", RecordDict({R.CONFIG: self._request(phases=self._plan())}))
         nodes: dict[int, str] = {}
         cannot = {f["node_id"]: f["reason"] for f in self.result.failures
-                  if f["phase"] == "tiers" and f.get("code") in R.ERR_REFUSED}
+                  if f["phase"] == "tiers" and f.get("code") in R.ERR_REFUSED and f["node_id"] in node_ids}
         for nid, msg in replies.items():
             try:
                 rec = msg.content.config_records[R.TIER]
@@ -321,27 +379,45 @@ class FedSynStrategy(Strategy):
                 self._fail(nid, "tiers", f"malformed reply ({type(err).__name__})")
                 continue
             self.result.budgets[nid] = budget
+            if rec.get("ledger-ref"):
+                self.result.ledger_refs[nid] = str(rec["ledger-ref"])
             if short > 0:
+                held = float(rec.get("epsilon-held", 0.0))
                 cannot[nid] = (f"its ledger lacks epsilon = {short:.4g}: this run needs {float(rec['epsilon-needed']):.4g} "
-                               f"of it and {max(float(rec['epsilon-remaining']), 0.0):.4g} of its budget {budget:g} is left")
+                               f"of it and {max(float(rec['epsilon-remaining']), 0.0):.4g} of its budget {budget:g} is left"
+                               + (f" ({held:.4g} is held for another run under way: it is freed when that run ends, "
+                                  "lapses 6 h after its last request, or `fedsyn ledger STATE_DIR --release-holds` "
+                                  "on the node frees it)" if held > 0 else ""))
                 continue
             nodes[nid] = tier
-        if cannot:
-            why = "; ".join(f"node {nid}: {reason}" for nid, reason in sorted(cannot.items()))
-            if self.cfg.on_node_shortfall == "refuse":
-                raise RunRefused(
-                    f"run refused before anything was spent: {len(cannot)} node(s) cannot finish it ({why}). Fix: run "
-                    "with a smaller epsilon, or within the node's policy; an institution may reset its ledger "
-                    "(`fedsyn ledger STATE_DIR --reset`); or leave such nodes out with "
-                    "--run-config 'on-node-shortfall=\"continue-without\"'")
-            for nid, reason in sorted(cannot.items()):
-                self._degrade(f"node {nid} left out (on-node-shortfall=continue-without): {reason}")
-        self._coverage("tiers", nodes, set(node_ids) - set(cannot))
-        if not nodes:
-            raise RuntimeError("no usable node answered the tier query (see failures above)")
-        log.info("nodes: %d strong, %d weak", sum(t == STRONG for t in nodes.values()),
-                 sum(t == WEAK for t in nodes.values()))
-        return nodes
+        return nodes, cannot
+
+    def _admit(self, grid: Grid, when: str) -> None:
+        """Nodes that connected after stage 0 take part from here on, once the tier query
+        (free) says they can finish the run: a new site, or a SuperNode restarted after a
+        crash, to which Flower gives a new node id. Its ledger ref tells the server (and the
+        report) that it is the same institution; its ledger already holds what it spent in
+        this run, so it pays nothing twice. One that cannot finish is left out, named."""
+        new = sorted(set(grid.get_node_ids()) - self._asked)
+        if not new:
+            return
+        self._asked |= set(new)
+        nodes, cannot = self._ask_tiers(grid, new)
+        for nid, reason in sorted(cannot.items()):
+            self._degrade(f"node {nid} connected {when} and was left out: {reason}")
+        refs = self.result.ledger_refs
+        for nid, tier in sorted(nodes.items()):
+            same = [o for o in sorted(self.result.tiers) if refs.get(nid) and refs.get(o) == refs[nid]]
+            log.info("node %d (%s) joined %s%s", nid, tier, when,
+                     f", on the ledger of node {same[-1]}: a restarted SuperNode, asked in its place" if same else "")
+            self._replaced |= set(same)  # the old id's process is gone; its ledger answers under the new id
+            self._strong = [n for n in self._strong if n not in same]
+            self._voters = [n for n in self._voters if n not in same]
+            self.result.tiers[nid] = tier
+            if tier == STRONG:
+                self._strong.append(nid)
+            if self.cfg.voters == "all" or tier == WEAK:
+                self._voters.append(nid)
 
     def _wait_for_nodes(self, grid: Grid) -> list[int]:
         """Wait for ``min-nodes`` nodes, or (0) for a non-empty node count that stays stable.
@@ -378,6 +454,7 @@ class FedSynStrategy(Strategy):
         if self.evaluate_fn and start == 1:
             self._evaluate(0, arrays)
         for rnd in range(start, rounds + 1):
+            self._admit(grid, f"before phase-1 round {rnd}")
             log.info("[phase 1] round %d/%d on %d strong nodes", rnd, rounds, len(self._strong))
             messages = list(self.configure_train(rnd, arrays, self._request(), grid))
             replies = list(grid.send_and_receive(messages, timeout=self.cfg.node_timeout))
@@ -417,6 +494,8 @@ class FedSynStrategy(Strategy):
         for nid, msg in replies.items():
             try:
                 rec = msg.content.config_records[R.LEDGER]
+                if rec.get("ledger-ref"):
+                    self.result.ledger_refs[nid] = str(rec["ledger-ref"])
                 self.result.ledgers[nid] = {"releases": json.loads(str(rec["releases"])),
                                             "epsilon-spent": float(rec["epsilon-spent"]),
                                             "epsilon-budget": float(rec["epsilon-budget"])}

@@ -40,23 +40,29 @@ def _tier(node, phases=None) -> dict:
     conf = {"codes": ["topic=x", "topic=y"], **({"phases": phases} if phases is not None else {})}
     reply = _send(node, R.MSG_TIER, RecordDict({R.CONFIG: ConfigRecord(conf)}))
     assert not reply.has_error(), reply.error
-    return dict(reply.content.config_records[R.TIER])
+    out = dict(reply.content.config_records[R.TIER])
+    assert len(out.pop("ledger-ref")) == 32  # the ledger's random name, the same in every run
+    return out
 
 
 def test_tier_reply_states_tier_budget_and_the_ledger_preflight_only(csv_path, tmp_path):
     node = _node(csv_path, tmp_path)
     assert _tier(node) == {"tier": "weak", "epsilon-budget": 8.0, "epsilon-needed": 8.0,
-                           "epsilon-remaining": 8.0, "epsilon-shortfall": 0.0}
+                           "epsilon-remaining": 8.0, "epsilon-shortfall": 0.0, "epsilon-held": 0.0}
     assert _tier(node, ["profile"])["epsilon-needed"] == 2.0  # a run that sends no votes needs less
     assert _tier(node, ["train", "profile"])["epsilon-needed"] == 2.0  # a weak node does not train
     # this run's profile is paid for: the run can still be finished
     assert not _send(node, R.MSG_PROFILE, _profile_request(["topic=x", "topic=y"])).has_error()
     assert _tier(node) == {"tier": "weak", "epsilon-budget": 8.0, "epsilon-needed": 8.0,
-                           "epsilon-remaining": 6.0, "epsilon-shortfall": 0.0}
-    # the next run on the same ledger needs 8 and finds 6
+                           "epsilon-remaining": 6.0, "epsilon-shortfall": 0.0, "epsilon-held": 0.0}
+    # a run started beside it needs 8 and finds the 6 held for this one: refused before it spends
     rc = RunConfig(model="tiny-gpt2", dataset=csv_path, test_fraction=0.0).to_flower()
     later = client_node(app, 5, {"tier": "weak", "data-path": csv_path, "state-dir": str(tmp_path), "epsilon": 8.0},
                         rc, run_id=8)
+    beside = _tier(later)
+    assert beside["epsilon-shortfall"] == pytest.approx(8.0) and beside["epsilon-held"] == pytest.approx(6.0)
+    # once the first run has ended (its ledger query), the next one finds 6
+    assert not _send(node, R.MSG_LEDGER, _profile_request(["topic=x", "topic=y"])).has_error()
     assert _tier(later)["epsilon-shortfall"] == pytest.approx(2.0)
 
 
@@ -150,3 +156,20 @@ def test_a_weak_node_never_imports_the_training_stack():
             "print(sorted(m for m in ('opacus', 'peft', 'fedsyn_client.training', 'common.weights') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_node_check_names_the_file_and_reason_before_a_supernode_starts(tmp_path, capsys):
+    from fedsyn_server.cli import main
+
+    good, empty = tmp_path / "good.csv", tmp_path / "empty.csv"
+    pd.DataFrame([{"text": f"record {i}", "topic": "x"} for i in range(4)]).to_csv(good, index=False)
+    empty.write_text("text,topic\n")
+    conf = 'tier="weak" data-path="{}" state-dir="{}" epsilon=8'
+    assert main(["node-check", "--node-config", conf.format(good, tmp_path / "s")]) == 0
+    assert "node ready: tier=weak records=4 budget epsilon=8" in capsys.readouterr().out
+    assert main(["node-check", "--node-config", conf.format(empty, tmp_path / "s2")]) == 1
+    err = capsys.readouterr().err
+    assert f"data unavailable: data-path '{empty}' cannot be used" in err and "\n" not in err.strip()
+    assert not (tmp_path / "s2").exists()  # nothing opened for a node that cannot start
+    assert main(["node-check", "--node-config", conf.format(tmp_path / "none.csv", tmp_path / "s3")]) == 1
+    assert "does not exist" in capsys.readouterr().err

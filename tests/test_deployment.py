@@ -18,13 +18,16 @@ with ``flwr list --run-id``.
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
 import tomllib
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -92,6 +95,14 @@ def _spent(ledger: dict) -> float:
     return sum(float(r["epsilon"]) for r in ledger["releases"])
 
 
+def _progress(run_dir: Path) -> dict:
+    """The run's checkpointed progress (stages done, phase-1 round), or {} before the first one."""
+    try:
+        return json.loads((run_dir / "checkpoint" / "state.json").read_text())["progress"]
+    except (OSError, ValueError, KeyError):
+        return {}
+
+
 # --------------------------------------------------------------------------- deployment
 @dataclass
 class Deployment:
@@ -100,7 +111,7 @@ class Deployment:
     root: Path
     port: int
     cli_home: Path
-    nodes: dict[str, dict[str, Path]]  # name -> {"data", "state", "log"}
+    nodes: dict[str, dict]  # name -> {"data", "state", "tier"}
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     public_texts: list[str] = field(default_factory=list)
     node_texts: list[str] = field(default_factory=list)
@@ -138,18 +149,56 @@ class Deployment:
             output = (out.decode(errors="replace") if isinstance(out, bytes) else out)
             code = -1
             output += f"\nTIMEOUT after {RUN_TIMEOUT}s"
-        match = _STARTED.search(output)
-        status: dict = {}
-        if match:
-            listed = self.flwr("list", CONNECTION, "--run-id", match.group(1), "--format", "json")
-            try:
-                status = json.loads(listed.stdout)["runs"][0]
-            except (ValueError, KeyError, IndexError):
-                status = {"raw": listed.stdout + listed.stderr}
-        return code, output, status
+        return code, output, self.status(output)
 
     def diagnostics(self) -> str:
-        return "\n".join(f"--- {n}.log (tail)\n{self.log(n)[-3000:]}" for n in ["superlink", *self.nodes])
+        return "\n".join(f"--- {n}.log (tail)\n{self.log(n)[-3000:]}" for n in self.procs)
+
+    def start_node(self, name: str, process: str = "") -> None:
+        """Start (or restart, as ``process``) the SuperNode of institution ``name``: its own data,
+        state-dir (ledger) and budget, on a fresh Runtime API port."""
+        node = self.nodes[name]
+        node_config = (f'tier="{node["tier"]}" data-path="{node["data"]}" state-dir="{node["state"]}" '
+                       f"epsilon={EPSILON}")
+        _start(self, process or name, [
+            str(BIN / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{self.port}",
+            "--port", str(free_port()), "--node-config", node_config,
+        ], self.root / f"home-{process or name}")
+
+    def wait_for(self, condition, run: subprocess.Popen, log_name: str, what: str) -> None:
+        """Poll ``condition`` until it holds; fail (with the logs) if ``run`` ends first or time runs out."""
+        deadline = time.time() + RUN_TIMEOUT
+        while not condition():
+            assert run.poll() is None, f"the run ended before {what}\n" + self.log(log_name)[-3000:] + self.diagnostics()
+            assert time.time() < deadline, f"no {what} in {RUN_TIMEOUT}s\n" + self.diagnostics()
+            time.sleep(0.5)
+
+    def kill(self, process: str) -> None:
+        """SIGKILL a SuperNode and every process under it (its ClientApps): a crash, no clean-up."""
+        for pid in with_descendants([self.procs[process].pid]):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.procs[process].wait(timeout=10)
+
+    def start_run(self, run_config: dict[str, object], log_name: str) -> subprocess.Popen:
+        """``flwr run --stream`` in the background, its output in ``<log_name>.log``."""
+        overrides = " ".join(f"{k}={toml_value(v)}" for k, v in run_config.items())
+        with (self.root / f"{log_name}.log").open("w") as log:
+            return subprocess.Popen([str(BIN / "flwr"), "run", str(APP_DIR), CONNECTION, "--stream", "--run-config",
+                                     overrides], env=self.env(self.cli_home), stdout=log, stderr=subprocess.STDOUT)
+
+    def status(self, output: str) -> dict:
+        """The `flwr list` record of the run whose id ``output`` (of `flwr run`) names, or {}."""
+        match = _STARTED.search(output)
+        if not match:
+            return {}
+        listed = self.flwr("list", CONNECTION, "--run-id", match.group(1), "--format", "json")
+        try:
+            return json.loads(listed.stdout)["runs"][0]
+        except (ValueError, KeyError, IndexError):
+            return {"raw": listed.stdout + listed.stderr}
 
 
 def _start(dep: Deployment, name: str, args: list[str], home: Path) -> None:
@@ -160,16 +209,18 @@ def _start(dep: Deployment, name: str, args: list[str], home: Path) -> None:
     log.close()
 
 
-@pytest.fixture
-def deployment(tmp_path):
+@contextmanager
+def _deploy(tmp_path: Path, tiers: dict[str, str]):
+    """A SuperLink and one SuperNode per ``tiers`` entry (name -> tier), each with its own CSV
+    and state-dir; yields the running ``Deployment`` and stops every process it started by PID."""
     # A uniquely named root: every process we start names it on its command line.
     root = Path(tempfile.mkdtemp(prefix="fedsyn-deploy-", dir=tmp_path))
     nodes = {}
     node_texts = []
-    for offset, name in ((100, "strong"), (200, "weak")):
+    for offset, (name, tier) in zip(range(100, 1000, 100), tiers.items()):
         data = root / f"{name}.csv"
         node_texts += _write_csv(data, offset)
-        nodes[name] = {"data": data, "state": root / f"state-{name}"}
+        nodes[name] = {"data": data, "state": root / f"state-{name}", "tier": tier}
     public = root / "public.csv"  # the server's public dataset: vocabulary + held-out loss
     dep = Deployment(root=root, port=free_port(), cli_home=root / "home-cli", nodes=nodes,
                      public_texts=_write_csv(public, 900, n=30), node_texts=node_texts)
@@ -189,13 +240,8 @@ def deployment(tmp_path):
             assert dep.procs["superlink"].poll() is None, "SuperLink exited\n" + dep.diagnostics()
             assert time.time() < deadline, "SuperLink did not open its port\n" + dep.diagnostics()
             time.sleep(0.3)
-        for name, node in nodes.items():
-            node_config = (f'tier="{name}" data-path="{node["data"]}" state-dir="{node["state"]}" '
-                           f"epsilon={EPSILON}")
-            _start(dep, name, [
-                str(BIN / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{dep.port}",
-                "--port", str(free_port()), "--node-config", node_config,
-            ], root / f"home-{name}")
+        for name in nodes:
+            dep.start_node(name)
         deadline = time.time() + 90
         while dep.online_nodes() < len(nodes):
             for name, proc in dep.procs.items():
@@ -207,13 +253,19 @@ def deployment(tmp_path):
     finally:
         # SuperNodes first, then the SuperLink; each with its whole tree (SuperExec,
         # flwr-serverapp, flwr-clientapp), collected before any signal is sent.
-        for name in [*nodes, "superlink"]:
+        for name in [*(n for n in dep.procs if n != "superlink"), "superlink"]:
             if name in dep.procs:
                 stop_pids(with_descendants([dep.procs[name].pid]), timeout=15)
                 dep.procs[name].wait(timeout=5)
         stop_processes_of(root)  # anything else that names our folders (e.g. a stuck `flwr run`)
         survivors = [p for p, cmd in processes().items() if alive(p) and str(root) in cmd]
         assert not survivors, f"processes still alive after teardown: {survivors}"
+
+
+@pytest.fixture
+def deployment(tmp_path):
+    with _deploy(tmp_path, {"strong": "strong", "weak": "weak"}) as dep:
+        yield dep
 
 
 # --------------------------------------------------------------------------- the test
@@ -389,18 +441,10 @@ def test_deployment_stopped_with_flwr_stop_then_resumed_releases_nothing_twice(d
     out, public = dep.root / "out", dep.root / "public.csv"
     rc = {**TINY, "num-server-rounds": 3, "dataset": str(public), "out-dir": str(out), "run-name": "cut"}
     run_dir = out / "cut"
-    overrides = " ".join(f"{k}={toml_value(v)}" for k, v in rc.items())
     # ---- the operator starts a run and stops it once its first phase-1 round is checkpointed
-    log = (dep.root / "first-run.log").open("w")
-    first = subprocess.Popen([str(BIN / "flwr"), "run", str(APP_DIR), CONNECTION, "--stream", "--run-config", overrides],
-                             env=dep.env(dep.cli_home), stdout=log, stderr=subprocess.STDOUT)
-    log.close()
+    first = dep.start_run(rc, "first-run")
     try:
-        deadline, state = time.time() + RUN_TIMEOUT, run_dir / "checkpoint" / "state.json"
-        while not (state.exists() and json.loads(state.read_text())["progress"]["train_round"] >= 1):
-            assert first.poll() is None, (dep.root / "first-run.log").read_text()[-3000:] + dep.diagnostics()
-            assert time.time() < deadline, "no phase-1 checkpoint\n" + dep.diagnostics()
-            time.sleep(0.5)
+        dep.wait_for(lambda: _progress(run_dir).get("train_round", 0) >= 1, first, "first-run", "a phase-1 checkpoint")
         runs = json.loads(dep.flwr("list", CONNECTION, "--format", "json").stdout)["runs"]
         running = [r["run-id"] for r in runs if not str(r["status"]).startswith("finished")]
         assert len(running) == 1, runs
@@ -425,3 +469,126 @@ def test_deployment_stopped_with_flwr_stop_then_resumed_releases_nothing_twice(d
         assert _spent(_ledger(node["state"])) <= EPSILON + 1e-6
     report = json.loads((run_dir / "privacy_report.json").read_text())
     assert all(n["source"] == "node ledger" for n in report["nodes"]), report
+
+
+def _books(dep: Deployment) -> dict[str, list[dict]]:
+    """Each institution's counted ledger entries."""
+    return {name: [r for r in _ledger(node["state"])["releases"] if r["status"] != "cancelled"]
+            for name, node in dep.nodes.items()}
+
+
+def _once_per_round(books: dict[str, list[dict]]) -> None:
+    for name, book in books.items():
+        counted = [(r["run_id"], r["phase"], r["round"]) for r in book]
+        assert len(counted) == len(set(counted)), f"{name} paid twice: {counted}"
+        assert sum(float(r["epsilon"]) for r in book) <= EPSILON + 1e-6, (name, book)
+
+
+def test_deployment_strong_node_killed_mid_round_rejoins_and_weak_node_killed_after_profile(tmp_path):
+    """SIGKILL a strong SuperNode during phase-1 round 2 and restart it (Flower gives it a new node
+    id): the round aggregates the other strong node, the restarted one trains in round 3 and pays
+    nothing twice. SIGKILL the weak node once its profile is in: the vote closes with the votes it
+    has, and the weak node's spent epsilon is in the report."""
+    with _deploy(tmp_path, {"strong": "strong", "strong2": "strong", "weak": "weak"}) as dep:
+        out = dep.root / "out"
+        rc = {**TINY, "num-server-rounds": 3, "min-nodes": 3, "voters": "all", "node-timeout": 150.0,
+              "dataset": str(dep.root / "public.csv"), "out-dir": str(out), "run-name": "faults"}
+        run_dir = out / "faults"
+        run = dep.start_run(rc, "faults-run")
+        try:
+            dep.wait_for(lambda: _progress(run_dir).get("train_round", 0) >= 1, run, "faults-run", "phase-1 round 1")
+            dep.kill("strong2")  # round 2 is under way
+            dep.start_node("strong2", "strong2-restarted")
+            dep.wait_for(lambda: "profile" in _progress(run_dir).get("completed", []), run, "faults-run", "the profile")
+            dep.kill("weak")
+            run.wait(timeout=RUN_TIMEOUT)
+        finally:
+            if run.poll() is None:
+                stop_pids(with_descendants([run.pid]))
+        output = dep.log("faults-run")
+        diag = output[-4000:] + "\n" + dep.diagnostics()
+        status = dep.status(output)
+        assert status.get("status") == "finished:completed", f"{status}\n{diag}"
+        metrics = json.loads((run_dir / "metrics.json").read_text())
+        degraded = "\n".join(metrics["degradations"])
+        assert re.search(r"phase 1 round 2: 1 of 2 nodes answered", degraded), degraded
+        assert re.search(r"vote round 1: 2 of 3 nodes answered", degraded), degraded
+        assert "a restarted SuperNode, asked in its place" in output, diag
+        assert set(metrics["train"]) == {"1", "2", "3"}, metrics["train"]  # every round aggregated someone
+        books = _books(dep)
+        _once_per_round(books)
+        # the restarted strong node trained in round 3 on its one ledger, without a second charge
+        train2 = sorted((r["round"], float(r["epsilon"]) > 0) for r in books["strong2"] if r["phase"] == "train")
+        assert train2[0] == (1, True) and (3, False) in train2 and all(not paid for _, paid in train2[1:]), train2
+        report = {n["ledger_ref"]: n for n in json.loads((run_dir / "privacy_report.json").read_text())["nodes"]}
+        refs = {name: _ledger(node["state"])["ref"] for name, node in dep.nodes.items()}
+        assert len(report) == 3 and set(report) == set(refs.values()), report
+        strong2 = report[refs["strong2"]]
+        assert len(strong2["node_ids"]) == 2 and strong2["source"] == "node ledger", strong2
+        assert strong2["epsilon_spent"] == pytest.approx(sum(float(r["epsilon"]) for r in books["strong2"]))
+        weak = report[refs["weak"]]  # it never answered the ledger query: its replies, and the rest counted as spent
+        spent_weak = sum(float(r["epsilon"]) for r in books["weak"])
+        assert weak["source"].startswith("replies") and spent_weak > 0, weak
+        assert weak["epsilon_spent"] >= spent_weak - 1e-9, (weak, books["weak"])
+        assert [r["phase"] for r in weak["releases"]][:1] == ["profile"], weak["releases"]
+
+
+def test_deployment_two_runs_started_at_once_never_both_spend(deployment):
+    """Two operators start a run on the same nodes at the same moment. Each node holds its
+    budget for the first run whose pre-flight reached it, so the other run is refused before
+    it spends anything: no run is left half-paid, and no epsilon is stranded."""
+    dep = deployment
+    runs = {}
+    for name in ("one", "two"):
+        rc = {**TINY, "dataset": str(dep.root / "public.csv"), "out-dir": str(dep.root / "out"), "run-name": name}
+        runs[name] = dep.start_run(rc, f"run-{name}")
+    try:
+        for run in runs.values():
+            run.wait(timeout=2 * RUN_TIMEOUT)
+    finally:
+        stop_pids(with_descendants([r.pid for r in runs.values() if r.poll() is None]))
+    outputs = {name: dep.log(f"run-{name}") for name in runs}
+    diag = "\n".join(o[-3000:] for o in outputs.values()) + dep.diagnostics()
+    statuses = {name: dep.status(o).get("status") for name, o in outputs.items()}
+    completed = [n for n, s in statuses.items() if s == "finished:completed"]
+    assert len(completed) <= 1, f"{statuses}\n{diag}"
+    for name in set(runs) - set(completed):
+        assert statuses[name] == "finished:failed", f"{statuses}\n{diag}"
+        assert "run refused before anything was spent" in outputs[name], diag
+    books = _books(dep)
+    _once_per_round(books)
+    spent_by = {r["run_id"] for book in books.values() for r in book}
+    assert len(spent_by) <= 1, f"two runs spent on the nodes: {books}"
+    if completed:  # the run that finished paid every phase; the refused one nothing
+        assert {r["phase"] for r in books["strong"]} == {"train", "profile"}
+        assert {r["phase"] for r in books["weak"]} == {"profile", "vote"}
+    for name, node in dep.nodes.items():  # every hold ended with its run
+        assert not _ledger(node["state"]).get("holds"), (name, _ledger(node["state"]))
+
+
+def test_deployment_bad_data_on_the_server_and_on_a_node_fails_in_one_line_before_any_spending(deployment):
+    dep = deployment
+    out = dep.root / "out"
+    # ---- the server's dataset is a latin-1 CSV: one line naming the file, status failed, nothing asked of the nodes
+    latin = dep.root / "latin.csv"
+    latin.write_bytes("text,topic\nCaf\xe9 au lait,a\n".encode("latin-1"))
+    code, output, status = dep.run({**TINY, "dataset": str(latin), "out-dir": str(out), "run-name": "latin"})
+    diag = output[-4000:] + "\n" + dep.diagnostics()
+    assert status.get("status") == "finished:failed", f"{status}\n{diag}"
+    line = next((ln for ln in output.splitlines() if "failed: DatasetFileError" in ln), "")
+    assert str(latin) in line and "UTF-8" in line, diag
+    # ---- the weak node's data file is empty: its own log says so by file; the run is refused up front
+    dep.nodes["weak"]["data"].write_text("text,topic,source\n")
+    code, output, status = dep.run({**TINY, "dataset": str(dep.root / "public.csv"), "out-dir": str(out),
+                                     "run-name": "empty-node"})
+    diag = output[-4000:] + "\n" + dep.diagnostics()
+    assert status.get("status") == "finished:failed", f"{status}\n{diag}"
+    assert "run refused before anything was spent: the votes have no weak node" in output, diag
+    assert f"data unavailable: data-path '{dep.nodes['weak']['data']}' cannot be used" in output, diag
+    assert f"data unavailable: data-path '{dep.nodes['weak']['data']}' cannot be used" in dep.log("weak"), diag
+    assert not any(text in output for text in dep.node_texts), "a node's record reached the server's log"
+    for name, node in dep.nodes.items():  # nothing spent, nothing held
+        ledger_file = list(node["state"].glob("ledger*.json"))
+        if ledger_file:
+            book = _ledger(node["state"])
+            assert not book["releases"] and not book.get("holds"), (name, book)

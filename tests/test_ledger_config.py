@@ -32,6 +32,36 @@ def test_ledger_persists_and_refuses_past_budget(tmp_path):
     assert len(PrivacyLedger.open(tmp_path, budget=8.0).releases) == 2  # nothing recorded
 
 
+def test_a_preflight_hold_refuses_a_second_run_until_the_first_ends_or_lapses(tmp_path, monkeypatch):
+    import common.ledger as ledger_module
+
+    led = PrivacyLedger.open(tmp_path, budget=8.0)
+    assert led.hold("A", 8.0) == 0.0  # run A can finish: 8 held for it
+    assert led.hold("B", 8.0) == pytest.approx(8.0)  # run B, started beside it, lacks all 8: refused, holds nothing
+    assert led.remaining("B") == 0.0 and led.remaining("A") == 8.0
+    with pytest.raises(BudgetExceeded, match="8 held for other runs"):
+        led.reserve(_rel(2.0, run_id="B"), math.inf)  # a server that ignores the refusal still cannot spend it
+    _release(led, _rel(2.0, run_id="A"))
+    assert led.hold("A", 8.0) == 0.0  # A asked again (a resume): its own spending counts as paid
+    assert led.summary()["epsilon_held"] == pytest.approx(6.0)
+    led.release_hold("A")  # A's end-of-run ledger query: the 6 it did not spend are free again
+    assert led.hold("B", 6.0) == 0.0 and led.remaining("C") == 0.0
+    monkeypatch.setattr(ledger_module, "HOLD_SECONDS", -1.0)  # B's hold lapses (its server died)...
+    assert led.hold("B", 6.0) == 0.0  # (re-held, already lapsed)
+    assert led.remaining("C") == 6.0 and led.hold("C", 6.0) == 0.0  # ...and C may take it
+    assert PrivacyLedger.open(tmp_path, budget=math.inf).hold("D", math.inf) == 0.0  # unlimited: never short
+
+
+def test_the_ledger_ref_is_random_kept_across_opens_and_resets(tmp_path):
+    from common.ledger import reset_ledger
+
+    ref = PrivacyLedger.open(tmp_path / "a", budget=8.0).ref
+    assert len(ref) == 32 and PrivacyLedger.open(tmp_path / "a", budget=4.0).ref == ref
+    assert PrivacyLedger.open(tmp_path / "b", budget=8.0).ref != ref
+    reset_ledger(tmp_path / "a", "new data")
+    assert PrivacyLedger.open(tmp_path / "a", budget=8.0).ref == ref  # the same institution
+
+
 def test_a_new_budget_is_recorded(tmp_path):
     _release(PrivacyLedger.open(tmp_path, budget=2.0), _rel(2.0))
     led = PrivacyLedger.open(tmp_path, budget=4.0)
@@ -169,6 +199,11 @@ def test_fedsyn_ledger_command_shows_and_resets(tmp_path, capsys):
     assert main(["ledger", str(tmp_path), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["epsilon_spent"] == 2.0 and summary["releases"][0]["run_id"] == "42"
+    assert led.hold("43", 5.0) == 0.0  # a run under way (or one that crashed) holds 5
+    assert main(["ledger", str(tmp_path)]) == 0
+    assert "remaining        epsilon = 1 (5 held for runs under way: 43)" in capsys.readouterr().out
+    assert main(["ledger", str(tmp_path), "--release-holds"]) == 0
+    assert "ended 1 hold(s): runs 43" in capsys.readouterr().out and led.remaining() == 6.0
     assert main(["ledger", str(tmp_path), "--reset"]) == 2  # a reset needs a reason
     assert main(["ledger", str(tmp_path), "--reset", "--reason", "new export"]) == 0
     assert PrivacyLedger.open(tmp_path, budget=8.0).spent() == 0.0

@@ -268,3 +268,43 @@ def test_a_planned_phase_that_no_node_answered_fails_the_run_after_writing_its_o
     assert metrics["degraded"] and metrics["skipped"] == [
         "phase 1 skipped: no strong node answered any round; generating with the pretrained model"]
     assert (tmp_path / "r" / "synthetic.jsonl").exists()  # what the run made is kept
+
+
+def test_a_strong_node_killed_mid_round_rejoins_with_a_new_node_id_and_pays_nothing_twice(dataset, tmp_path):
+    """SIGKILL after it released round 1 (reply lost); Flower gives the restarted SuperNode a new
+    node id. It is admitted before round 2 (tier query), trains on, and the report counts its
+    one ledger once, under both ids."""
+    from common.ledger import PrivacyLedger
+    from fedsyn_server.outputs import privacy_report
+
+    rc = run_config(dataset, **{"num-server-rounds": 3})
+    nodes = nodes_for(rc, 3, tmp_path)  # 100 strong; 101, 102 weak
+    strong, dead = nodes[100], []
+
+    def killed_in_round_1(m):
+        if dead:
+            return None
+        if m.metadata.message_type == R.MSG_TRAIN:
+            strong(m)  # the release is made and booked, then the process dies before replying
+            dead.append(m)
+            restarted = {"partition-id": 0, "num-partitions": 3, "state-dir": str(tmp_path / "node0")}
+            nodes[200] = client_node(client_app, 200, restarted, rc)
+            return None
+        return strong(m)
+
+    nodes[100] = killed_in_round_1
+    res, grid, _ = run(rc, nodes)
+    assert res.tiers[200] == "strong" and res.ledger_refs[200] == res.ledger_refs[100]
+    trained = [m.metadata.dst_node_id for m in grid.sent if m.metadata.message_type == R.MSG_TRAIN]
+    assert trained == [100, 200, 200], trained  # once its ledger answers under 200, the dead id is not asked
+    assert sorted(res.train_metrics) == [2, 3]  # round 1 had no reply; rounds 2 and 3 aggregated the new id
+    book = PrivacyLedger.open(tmp_path / "node0", 8.0).run_statements("7")
+    assert [(r["phase"], r["round"], r["epsilon"] > 0) for r in book] == [
+        ("train", 1, True), ("train", 2, False), ("train", 3, False), ("profile", 0, True)]
+    report = privacy_report(RunConfig.from_flower(rc), res)["nodes"]
+    entry = next(n for n in report if 200 in n["node_ids"])
+    assert entry["node_ids"] == [100, 200] and entry["source"] == "node ledger"
+    assert entry["epsilon_spent"] == pytest.approx(sum(r["epsilon"] for r in book))
+    assert not [n for n in report if n["node_id"] == 100]  # not counted a second time from its replies
+    assert [(f["node_id"], f["phase"]) for f in entry["failures"]] == [(100, "train")]
+    assert any("phase 1 round 1: 0 of 1 nodes answered" in d for d in res.degradations)

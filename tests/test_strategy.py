@@ -308,3 +308,25 @@ def test_a_strong_node_killed_mid_round_rejoins_with_a_new_node_id_and_pays_noth
     assert not [n for n in report if n["node_id"] == 100]  # not counted a second time from its replies
     assert [(f["node_id"], f["phase"]) for f in entry["failures"]] == [(100, "train")]
     assert any("phase 1 round 1: 0 of 1 nodes answered" in d for d in res.degradations)
+
+
+def test_a_run_whose_votes_no_node_can_cast_is_refused_before_anything_is_spent(dataset, tmp_path):
+    """Both weak nodes' data is unusable: the run would train and profile, then find no voter and
+    fail. Stage 0 refuses it instead, and the strong node's hold for it is ended."""
+    from common.ledger import PrivacyLedger
+
+    rc = run_config(dataset, **{"num-server-rounds": 1})
+    def broken_weak_nodes(rc: dict, state) -> dict:
+        nodes = nodes_for(rc, 3, state)  # 100 strong; 101, 102 weak
+        for nid in (101, 102):
+            nodes[nid] = lambda m: Message(Error(R.ERR_CONFIG, "data unavailable: data-path 'x.csv' cannot be used"),
+                                           reply_to=m)
+        return nodes
+
+    with pytest.raises(RunRefused, match=r"the votes have no weak node .*node 101: error 1002: data unavailable"):
+        run(rc, broken_weak_nodes(rc, tmp_path))
+    ledger = PrivacyLedger.open(tmp_path / "node0", 8.0)
+    assert ledger.spent() == 0.0 and ledger.held() == 0.0 and ledger.remaining() == 8.0
+    rc_all = {**rc, "voters": "all"}  # the strong node may vote instead: the run goes on, degraded
+    res, grid, _ = run(rc_all, broken_weak_nodes(rc_all, tmp_path / "all"))
+    assert res.vote_rounds[0]["voters"] == [100] and not res.skipped and res.degradations

@@ -14,6 +14,12 @@
                  round is ``_vote``, one federated round on the voters
 5. ledgers    -- every node states this run's releases from its own ledger (free), for the report
 
+Nodes that connect later (a new site, or a restarted SuperNode: Flower gives it a new node id)
+are asked the tier query before every phase-1 round, the profile and every vote round
+(``_admit``) and take part from there; a restarted one is recognised by its ledger's random
+``ledger-ref`` and asked in place of its old id. The pre-flight *holds* each node's epsilon for
+this run until stage 5 (or a refusal) ends it, so a run started beside it is refused at stage 0.
+
 After every stage and phase-1 round and vote round the run is checkpointed (``strategies.
 checkpoint``); a resumed run skips the stages it finished and takes finished vote rounds
 from the checkpoint. Stage 0 and 5 are always run again: they are free, and the nodes

@@ -12,12 +12,14 @@ from fedsyn_server.flwr_runner import run_app
 
 # What each reply may carry: record key -> (kind, allowed value keys)
 ALLOWED = {
+    # ledger-ref: a random name of the ledger; epsilon-held: what other runs hold (ledger facts, not records)
     "query.tier": {"tier": ("config", {"tier", "epsilon-budget", "epsilon-needed", "epsilon-remaining",
-                                       "epsilon-shortfall"})},
+                                       "epsilon-shortfall", "ledger-ref", "epsilon-held"})},
     "train": {"arrays": ("array", None), "metrics": ("metric", {"weight", "steps"}), "release": ("config", None)},
     "query.profile": {"profile": ("metric", {"profile"}), "release": ("config", None)},
     "query.vote": {"votes": ("metric", {"votes"}), "release": ("config", None)},
-    "query.ledger": {"ledger": ("config", {"releases", "epsilon-spent", "epsilon-budget", "epsilon-run"})},
+    "query.ledger": {"ledger": ("config", {"releases", "epsilon-spent", "epsilon-budget", "epsilon-run",
+                                           "ledger-ref"})},
 }
 # A release statement: nothing from which the record count follows (no sampling rate, noise
 # multiplier, accountant epsilon or count), no time stamp.

@@ -81,24 +81,27 @@ def check_node(node_config: dict[str, Any]) -> str:
     if is_simulated(node_config):
         raise NodeSetupError("node-check is for deployed nodes; this node config has partition-id (simulation)")
     try:
-        policy = policy_from_node_config(dict(node_config))
+        policy = _deployed_policy(dict(node_config))
     except (PolicyError, ValueError) as err:
         raise NodeSetupError(str(err)) from None
-    for note in policy.warnings:
-        log.warning("%s", note)
     node = _open(policy, None)
     return (f"node ready: tier={policy.tier} records={len(node.data)} budget epsilon={policy.epsilon:g} "
             f"ledger={node.ledger.path} (spent {node.ledger.spent():.4g})")
+
+
+def _deployed_policy(node_config: dict[str, Any]) -> NodePolicy:
+    """A deployed node's policy from its node config, its warnings logged on the node."""
+    policy = policy_from_node_config(node_config)
+    for note in policy.warnings:
+        log.warning("%s", note)
+    return policy
 
 
 @lru_cache(maxsize=16)
 def _policy(run_id: str, node_config_items: tuple[tuple[str, str], ...], cfg: RunConfig) -> NodePolicy:
     node_config = dict(node_config_items)
     if not is_simulated(node_config):
-        policy = policy_from_node_config(node_config)
-        for note in policy.warnings:
-            log.warning("%s", note)
-        return policy
+        return _deployed_policy(node_config)
     from common.federation import benchmark, simulation_tiers
 
     num, pid = int(node_config["num-partitions"]), int(node_config["partition-id"])

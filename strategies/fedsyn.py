@@ -357,9 +357,8 @@ class FedSynStrategy(Strategy):
     def end_holds(self, grid: Grid, node_ids: Iterable[int] | None = None) -> None:
         """Ask ``node_ids`` (default: the nodes taking part) for their ledger (free), which ends
         the epsilon they hold for this run: for a run that is refused or broke off."""
-        ids = sorted(self._active() if node_ids is None else node_ids)
         try:
-            self._ask(grid, ids, R.MSG_LEDGER, "ledger", RecordDict({R.CONFIG: self._request()}))
+            self._ledgers(grid, sorted(self._active() if node_ids is None else node_ids))
         except Exception as err:  # noqa: BLE001 - best effort: holds lapse on their own
             log.warning("could not end the nodes' holds for this run (%s); they lapse on their own", err)
 

@@ -27,7 +27,7 @@ from common.codes import parse_code
 from common.config import RunConfig
 from common.dp import GAUSSIAN, gaussian_event, phase_epsilon, pld_epsilon
 from common.io import atomic_write_json, atomic_write_jsonl
-from strategies.fedsyn import FedSynResult
+from strategies.result import FedSynResult
 
 
 def write_outputs(run_dir: Path, cfg: RunConfig, vocabulary: list[str], res: FedSynResult) -> dict[str, Path]:

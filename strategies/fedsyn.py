@@ -27,7 +27,9 @@ from the checkpoint. Stage 0 and 5 are always run again: they are free, and the 
 
 Nodes that fail are logged, recorded in ``result.failures`` under the node that failed, and
 left out; the run goes on with the rest and says so: every phase that ran on fewer nodes than
-it asked, or not at all, is a named *degradation* (log, ``result.degradations``, metrics.json). The server only ever asks for noised statistics: every
+it asked, or not at all, is a named *degradation* (log, ``result.degradations``, metrics.json).
+Sending, matching replies and that bookkeeping live in ``strategies.messaging.Courier``; this
+module holds the phase logic only. The server only ever asks for noised statistics: every
 request type here has a noise mechanism on the node.
 """
 
@@ -36,7 +38,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,12 +49,15 @@ from flwr.serverapp.strategy import Strategy
 from common.logs import get_logger
 from common import records as R
 from common.config import RunConfig
-from common.dp import PHASES, PROFILE, STRONG, TRAIN, VOTE, WEAK, phase_epsilon
+from common.dp import PHASES, PROFILE, STRONG, TRAIN, VOTE, WEAK
 from strategies.allocation import aggregate_profiles, allocate
 from strategies.checkpoint import Checkpoint, Progress, save_checkpoint
+from strategies.messaging import Courier, SubGrid
 from strategies.refinement import Generator, Refinement, RefinementContext
+from strategies.result import FedSynResult
 
 log = get_logger("fedsyn")
+
 
 class RunRefused(RuntimeError):
     """The run cannot be finished by some node (stage 0); nothing was spent."""
@@ -61,65 +65,6 @@ class RunRefused(RuntimeError):
 
 # (round, arrays) -> metrics of the global model on held-out data, or None.
 EvaluateFn = Callable[[int, ArrayRecord], dict[str, float] | None]
-
-
-@dataclass
-class FedSynResult:
-    """Everything a run produced, for the outputs writer."""
-
-    tiers: dict[int, str] = field(default_factory=dict)
-    arrays: ArrayRecord | None = None
-    train_metrics: dict[int, dict[str, float]] = field(default_factory=dict)
-    eval_metrics: dict[int, dict[str, float]] = field(default_factory=dict)
-    node_profiles: dict[int, list[float]] = field(default_factory=dict)
-    profile: np.ndarray | None = None
-    allocation: dict[str, int] = field(default_factory=dict)
-    pool_texts: list[str] = field(default_factory=list)
-    pool_codes: list[str] = field(default_factory=list)
-    node_votes: dict[int, list[float]] = field(default_factory=dict)  # the last vote round's, by node
-    votes: np.ndarray | None = None  # aggregated noisy votes of the final population (last round)
-    selected: np.ndarray | None = None
-    vote_rounds: list[dict[str, Any]] = field(default_factory=list)  # one entry per vote round
-    refinement: dict[str, Any] = field(default_factory=dict)  # the method's own per-round notes
-    generator_refined: bool = False  # the refinement trained the generator (its weights are ``arrays``)
-    releases: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
-    ledgers: dict[int, dict[str, Any]] = field(default_factory=dict)  # node -> its own book of this run
-    budgets: dict[int, float] = field(default_factory=dict)
-    ledger_refs: dict[int, str] = field(default_factory=dict)  # node -> its ledger's random name (restarts)
-    failures: list[dict[str, Any]] = field(default_factory=list)
-    degradations: list[str] = field(default_factory=list)  # what the run did with less than it asked for
-    skipped: list[str] = field(default_factory=list)  # planned phases that got no node at all: the run fails
-    timings: dict[str, float] = field(default_factory=dict)
-
-
-class _SubGrid(Grid):
-    """A view of the Grid that shows only some nodes, so a Flower strategy's sampling
-    in ``configure_train`` picks strong nodes only."""
-
-    def __init__(self, grid: Grid, node_ids: Iterable[int]) -> None:
-        self._grid, self._ids = grid, list(node_ids)
-
-    def get_node_ids(self) -> Iterable[int]:  # noqa: D102
-        return list(self._ids)
-
-    def set_run(self, run):  # noqa: D102
-        return self._grid.set_run(run)
-
-    @property
-    def run(self):  # noqa: D102
-        return self._grid.run
-
-    def create_message(self, *args, **kwargs):  # noqa: D102
-        return self._grid.create_message(*args, **kwargs)
-
-    def push_messages(self, messages):  # noqa: D102
-        return self._grid.push_messages(messages)
-
-    def pull_messages(self, message_ids):  # noqa: D102
-        return self._grid.pull_messages(message_ids)
-
-    def send_and_receive(self, messages, *, timeout=None):  # noqa: D102
-        return self._grid.send_and_receive(messages, timeout=timeout)
 
 
 class FedSynStrategy(Strategy):
@@ -149,6 +94,7 @@ class FedSynStrategy(Strategy):
         self.progress = Progress(resume_key="", config=cfg.to_flower())
         self._vote_round = 0
         self.result = FedSynResult()
+        self.courier = Courier(cfg, delta, self.result)
         self._strong: list[int] = []
         self._voters: list[int] = []
         self._asked: set[int] = set()  # every node id the tier query went to
@@ -158,7 +104,7 @@ class FedSynStrategy(Strategy):
     # ------------------------------------------------------------ Strategy API
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
         """Phase-1 messages for strong nodes, built by the aggregator."""
-        return self.aggregator.configure_train(server_round, arrays, config, _SubGrid(grid, self._strong))
+        return self.aggregator.configure_train(server_round, arrays, config, SubGrid(grid, self._strong))
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Aggregate phase-1 replies with the aggregator."""
@@ -244,10 +190,10 @@ class FedSynStrategy(Strategy):
     def _profile(self, grid: Grid, nodes: dict[int, str]) -> None:
         """Stage 2: every node's noisy per-code counts; their sum allocates the pool (stage 3)."""
         res, t = self.result, time.time()
-        profile_replies = self._ask(grid, sorted(nodes), R.MSG_PROFILE, PROFILE, RecordDict(
+        profile_replies = self.courier.ask(grid, sorted(nodes), R.MSG_PROFILE, PROFILE, RecordDict(
             {R.CONFIG: self._request()}))
-        res.node_profiles = self._vectors(profile_replies, R.PROFILE, len(self.vocabulary), PROFILE)
-        self._coverage("profile", res.node_profiles, nodes)
+        res.node_profiles = self.courier.vectors(profile_replies, R.PROFILE, len(self.vocabulary), PROFILE)
+        self.courier.coverage("profile", res.node_profiles, nodes)
         if not res.node_profiles:
             raise RuntimeError("no node returned a profile; nothing to allocate (see failures above)")
         res.profile = aggregate_profiles(list(res.node_profiles.values()))
@@ -266,6 +212,7 @@ class FedSynStrategy(Strategy):
     def _restore(self, ck: Checkpoint) -> None:
         """Continue from ``ck``: its results, progress and run key; tiers are asked again."""
         self.result, self.progress, self.resume_key = ck.result, ck.progress, ck.progress.resume_key
+        self.courier = Courier(self.cfg, self.delta, self.result)
         self.result.arrays, self.result.tiers, self.result.budgets = ck.arrays, {}, {}
         log.info("resuming run %s: done %s, phase-1 round %d, %d vote rounds", self.resume_key,
                  ck.progress.completed or "nothing", ck.progress.train_round, len(ck.progress.vote_totals))
@@ -290,15 +237,15 @@ class FedSynStrategy(Strategy):
             return np.asarray(self.progress.vote_totals[rnd - 1], dtype=np.float64)
         self._admit(self._grid, f"before vote round {rnd}")
         if not self._voters:
-            self._degrade(f"vote round {rnd}: no voters (voters={self.cfg.voters} and no weak node); votes are all zero",
+            self.courier.degrade(f"vote round {rnd}: no voters (voters={self.cfg.voters} and no weak node); votes are all zero",
                           skipped=True)
-        replies = self._ask(self._grid, self._voters, R.MSG_VOTE, VOTE, RecordDict({
+        replies = self.courier.ask(self._grid, self._voters, R.MSG_VOTE, VOTE, RecordDict({
             R.CANDIDATES: ConfigRecord({"texts": list(texts), "codes": list(codes)}),
             R.CONFIG: self._request(**params, **{"histogram": histogram, "epsilon-share": float(epsilon_share),
                                                  "server-round": rnd}),
         }))
-        res.node_votes = self._vectors(replies, R.VOTES, len(texts), VOTE)
-        self._coverage(f"vote round {rnd}", res.node_votes, self._voters)
+        res.node_votes = self.courier.vectors(replies, R.VOTES, len(texts), VOTE)
+        self.courier.coverage(f"vote round {rnd}", res.node_votes, self._voters)
         if self._voters and not res.node_votes:
             self.result.skipped.append(f"vote round {rnd}: no voter answered")
         total = (np.sum([np.asarray(v) for v in res.node_votes.values()], axis=0)
@@ -333,8 +280,8 @@ class FedSynStrategy(Strategy):
                              "epsilon, or within the node's policy; an institution may reset its ledger "
                              "(`fedsyn ledger STATE_DIR --reset`)")
             for nid, reason in sorted(cannot.items()):
-                self._degrade(f"node {nid} left out (on-node-shortfall=continue-without): {reason}")
-        self._coverage("tiers", nodes, set(node_ids) - set(cannot))
+                self.courier.degrade(f"node {nid} left out (on-node-shortfall=continue-without): {reason}")
+        self.courier.coverage("tiers", nodes, set(node_ids) - set(cannot))
         if not nodes:
             raise RuntimeError("no usable node answered the tier query (see failures above)")
         uncovered = self._uncovered(nodes)
@@ -372,7 +319,7 @@ class FedSynStrategy(Strategy):
     def _ask_tiers(self, grid: Grid, node_ids: list[int]) -> tuple[dict[int, str], dict[int, str]]:
         """The tier query to ``node_ids``: returns (tier of each node that can finish the run,
         why each node that answered cannot). Budgets and ledger refs are kept in the result."""
-        replies = self._ask(grid, node_ids, R.MSG_TIER, "tiers", RecordDict({R.CONFIG: self._request(phases=self._plan())}))
+        replies = self.courier.ask(grid, node_ids, R.MSG_TIER, "tiers", RecordDict({R.CONFIG: self._request(phases=self._plan())}))
         nodes: dict[int, str] = {}
         cannot = {f["node_id"]: f["reason"] for f in self.result.failures
                   if f["phase"] == "tiers" and f.get("code") in R.ERR_REFUSED and f["node_id"] in node_ids}
@@ -381,7 +328,7 @@ class FedSynStrategy(Strategy):
                 rec = msg.content.config_records[R.TIER]
                 tier, budget, short = str(rec["tier"]), float(rec["epsilon-budget"]), float(rec["epsilon-shortfall"])
             except (KeyError, TypeError, ValueError) as err:
-                self._fail(nid, "tiers", f"malformed reply ({type(err).__name__})")
+                self.courier.fail(nid, "tiers", f"malformed reply ({type(err).__name__})")
                 continue
             self.result.budgets[nid] = budget
             if rec.get("ledger-ref"):
@@ -409,7 +356,7 @@ class FedSynStrategy(Strategy):
         self._asked |= set(new)
         nodes, cannot = self._ask_tiers(grid, new)
         for nid, reason in sorted(cannot.items()):
-            self._degrade(f"node {nid} connected {when} and was left out: {reason}")
+            self.courier.degrade(f"node {nid} connected {when} and was left out: {reason}")
         refs = self.result.ledger_refs
         for nid, tier in sorted(nodes.items()):
             same = [o for o in sorted(self.result.tiers) if refs.get(nid) and refs.get(o) == refs[nid]]
@@ -449,7 +396,7 @@ class FedSynStrategy(Strategy):
                 else "no strong node" if not self._strong else "num-server-rounds = 0" if rounds == 0 else "")
         if arrays is None or skip:
             if not self._strong and TRAIN in self._plan():  # the run asked for training and gets none
-                self._degrade("phase 1 skipped: no strong node in the run; generating with the pretrained model",
+                self.courier.degrade("phase 1 skipped: no strong node in the run; generating with the pretrained model",
                               skipped=True)
             else:
                 log.warning("phase 1 skipped (%s): generating with the pretrained model", skip or "no weights")
@@ -463,8 +410,8 @@ class FedSynStrategy(Strategy):
             log.info("[phase 1] round %d/%d on %d strong nodes", rnd, rounds, len(self._strong))
             messages = list(self.configure_train(rnd, arrays, self._request(), grid))
             replies = list(grid.send_and_receive(messages, timeout=self.cfg.node_timeout))
-            good = self._collect(replies, messages, TRAIN, rnd)
-            self._coverage(f"phase 1 round {rnd}", good, (m.metadata.dst_node_id for m in messages))
+            good = self.courier.collect(replies, messages, TRAIN, rnd)
+            self.courier.coverage(f"phase 1 round {rnd}", good, (m.metadata.dst_node_id for m in messages))
             if not good:
                 continue
             trained = True
@@ -478,7 +425,7 @@ class FedSynStrategy(Strategy):
             self.result.arrays, self.progress.train_round = arrays, rnd
             self._checkpoint()
         if not trained:
-            self._degrade("phase 1 skipped: no strong node answered any round; generating with the pretrained model",
+            self.courier.degrade("phase 1 skipped: no strong node answered any round; generating with the pretrained model",
                           skipped=True)
         return arrays
 
@@ -495,7 +442,7 @@ class FedSynStrategy(Strategy):
         The report then shows what each node actually charged, including a release whose
         reply was lost; a node that does not answer keeps the releases seen in its replies.
         """
-        replies = self._ask(grid, node_ids, R.MSG_LEDGER, "ledger", RecordDict({R.CONFIG: self._request()}))
+        replies = self.courier.ask(grid, node_ids, R.MSG_LEDGER, "ledger", RecordDict({R.CONFIG: self._request()}))
         for nid, msg in replies.items():
             try:
                 rec = msg.content.config_records[R.LEDGER]
@@ -505,88 +452,4 @@ class FedSynStrategy(Strategy):
                                             "epsilon-spent": float(rec["epsilon-spent"]),
                                             "epsilon-budget": float(rec["epsilon-budget"])}
             except (KeyError, TypeError, ValueError) as err:
-                self._fail(nid, "ledger", f"malformed reply ({type(err).__name__})")
-
-    # ------------------------------------------------------------ messaging
-    def _ask(self, grid: Grid, node_ids: list[int], message_type: str, phase: str, content: RecordDict) -> dict[int, Message]:
-        """Send the same content to ``node_ids``; return the good replies by node id."""
-        if not node_ids:
-            return {}
-        messages = [Message(content=content, message_type=message_type, dst_node_id=n) for n in node_ids]
-        replies = list(grid.send_and_receive(messages, timeout=self.cfg.node_timeout))
-        conf = content.config_records.get(R.CONFIG, {})
-        return self._collect(replies, messages, phase, int(conf.get("server-round", 0)),
-                             float(conf.get("epsilon-share", 1.0)))
-
-    def _collect(self, replies: list[Message], sent: list[Message], phase: str, rnd: int = 0,
-                 share: float = 1.0) -> dict[int, Message]:
-        """Split replies to ``sent`` into good ones (returned, by node) and failures (logged and
-        recorded under the node each message went to).
-
-        A reply is matched to its request by ``reply_to_message_id``: Flower's own error
-        replies (e.g. "node unavailable") come from the SuperLink, not from the node.
-        """
-        to_node = {m.metadata.message_id: m.metadata.dst_node_id for m in sent}
-        good: dict[int, Message] = {}
-        answered: set[int] = set()
-        for msg in replies:
-            nid = to_node.get(msg.metadata.reply_to_message_id, msg.metadata.src_node_id)
-            answered.add(nid)
-            if msg.has_error():
-                self._fail(nid, phase, f"error {msg.error.code}: {msg.error.reason}", rnd, share, msg.error.code)
-                continue
-            good[nid] = msg
-            statement = dict(msg.content.config_records.get(R.RELEASE, {}))
-            if statement and statement not in self.result.releases.setdefault(nid, []):  # a replay is not a new release
-                self.result.releases[nid].append(statement)
-        for nid in sorted(set(to_node.values()) - answered):
-            self._fail(nid, phase, "no reply before node-timeout", rnd, share)
-        return good
-
-    def _coverage(self, what: str, good: dict[int, Any], asked: Iterable[int]) -> None:
-        """Name a degradation when ``what`` ran on fewer nodes than it asked."""
-        asked = set(asked)
-        if len(good) < len(asked):
-            missing = ", ".join(str(n) for n in sorted(asked - set(good)))
-            self._degrade(f"{what}: {len(good)} of {len(asked)} nodes answered (missing: {missing})"
-                          + ("; weights unchanged" if not good and what.startswith("phase 1") else ""))
-
-    def _vectors(self, replies: dict[int, Message], key: str, length: int, phase: str) -> dict[int, list[float]]:
-        """The noisy vectors of good replies; a malformed one (wrong length, not finite,
-        missing) is a node failure, not a crash of the run."""
-        out: dict[int, list[float]] = {}
-        for nid, msg in replies.items():
-            stated = R.RELEASE in msg.content.config_records  # the release is on record already
-            try:
-                vec = R.read_vector(msg.content, key)
-            except (KeyError, TypeError, ValueError) as err:
-                self._fail(nid, phase, f"malformed reply ({type(err).__name__})", stated=stated)
-                continue
-            if vec.shape != (length,) or not np.isfinite(vec).all():
-                self._fail(nid, phase, f"malformed reply: {vec.shape[0] if vec.ndim else 0} values, expected {length}",
-                           stated=stated)
-                continue
-            out[nid] = vec.tolist()
-        return out
-
-    def _fail(self, node_id: int, phase: str, reason: str, rnd: int = 0, share: float = 1.0,
-              code: int | None = None, stated: bool = False) -> None:
-        """Record a failure of ``node_id``. For a release request the node may still have spent
-        (it released, then the reply was lost): unless the error says nothing was spent, the
-        request's epsilon and delta are recorded, and the report counts them as spent until
-        the node's own ledger says otherwise."""
-        log.warning("node %d failed in %s: %s", node_id, phase, reason)
-        entry: dict[str, Any] = {"node_id": node_id, "phase": phase, "round": rnd, "reason": reason, "code": code}
-        if phase in PHASES and code not in R.ERR_NOTHING_SPENT and not stated:
-            tier = self.result.tiers.get(node_id, STRONG if phase == TRAIN else WEAK)
-            entry.update(spent="unknown", epsilon_requested=share * phase_epsilon(
-                self.cfg.epsilon, self.cfg.epsilon_profile, tier, self.cfg.voters, phase), delta_requested=share * self.delta)
-        self.result.failures.append(entry)
-
-    def _degrade(self, what: str, skipped: bool = False) -> None:
-        """Name what the run does with less than it asked for; ``skipped``: a planned phase got
-        no node at all, and the run will end failed (after writing its outputs)."""
-        log.warning("DEGRADED: %s", what)
-        self.result.degradations.append(what)
-        if skipped:
-            self.result.skipped.append(what)
+                self.courier.fail(nid, "ledger", f"malformed reply ({type(err).__name__})")

@@ -13,7 +13,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from flwr.app import Context, Message, RecordDict
+from flwr.app import Context, RecordDict
 
 from common import records as R
 from fedsyn_client.client_app import app as client_app
@@ -149,7 +149,7 @@ def test_the_checkpoint_round_trips_and_a_crash_while_saving_leaves_a_consistent
     import numpy as np
 
     from strategies.checkpoint import FOLDER, Progress, load_checkpoint, save_checkpoint
-    from strategies.fedsyn import FedSynResult
+    from strategies.result import FedSynResult
 
     res = FedSynResult(tiers={101: "weak"}, budgets={101: math.inf}, profile=np.array([1.5, -0.5]),
                        selected=np.array([2, 0]), node_votes={101: [0.5, 1.0]}, pool_texts=["a", "b"])

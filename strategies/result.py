@@ -1,0 +1,39 @@
+"""``FedSynResult``: everything a run produced, filled in by the strategy and its courier,
+written out by ``fedsyn_server.outputs`` and saved whole in checkpoints."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from flwr.app import ArrayRecord
+
+
+@dataclass
+class FedSynResult:
+    """Everything a run produced, for the outputs writer."""
+
+    tiers: dict[int, str] = field(default_factory=dict)
+    arrays: ArrayRecord | None = None
+    train_metrics: dict[int, dict[str, float]] = field(default_factory=dict)
+    eval_metrics: dict[int, dict[str, float]] = field(default_factory=dict)
+    node_profiles: dict[int, list[float]] = field(default_factory=dict)
+    profile: np.ndarray | None = None
+    allocation: dict[str, int] = field(default_factory=dict)
+    pool_texts: list[str] = field(default_factory=list)
+    pool_codes: list[str] = field(default_factory=list)
+    node_votes: dict[int, list[float]] = field(default_factory=dict)  # the last vote round's, by node
+    votes: np.ndarray | None = None  # aggregated noisy votes of the final population (last round)
+    selected: np.ndarray | None = None
+    vote_rounds: list[dict[str, Any]] = field(default_factory=list)  # one entry per vote round
+    refinement: dict[str, Any] = field(default_factory=dict)  # the method's own per-round notes
+    generator_refined: bool = False  # the refinement trained the generator (its weights are ``arrays``)
+    releases: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    ledgers: dict[int, dict[str, Any]] = field(default_factory=dict)  # node -> its own book of this run
+    budgets: dict[int, float] = field(default_factory=dict)
+    ledger_refs: dict[int, str] = field(default_factory=dict)  # node -> its ledger's random name (restarts)
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    degradations: list[str] = field(default_factory=list)  # what the run did with less than it asked for
+    skipped: list[str] = field(default_factory=list)  # planned phases that got no node at all: the run fails
+    timings: dict[str, float] = field(default_factory=dict)

@@ -1,4 +1,4 @@
-"""Tests for fedsyn_server/evaluation.py and the ``fedsyn evaluate`` command line.
+"""Tests for fedsyn_server/evaluation/ and the ``fedsyn evaluate`` command line.
 
 Every metric is checked against a case with a known answer: identical sets, disjoint
 sets, a label-shuffled synthetic set, a known allocation skew. Metric functions are

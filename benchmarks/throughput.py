@@ -27,7 +27,8 @@ from common.devices import client_resources, default_device
 
 def bbc_records(n: int) -> tuple[list[str], list[str]]:
     """The first ``n`` BBC News articles and their codes (the embedded default dataset)."""
-    from common.data import load_table, to_text_data
+    from common.data import to_text_data
+    from common.tables import load_table
 
     data = to_text_data(load_table("bbc-news"), "text", ["topic"])
     return data.texts[:n], data.codes[:n]

@@ -153,7 +153,7 @@ class RunConfig:
             self.resolve_delta(num_records=2)
         except ValueError:
             raise ConfigError(_message("delta", self.delta, "a float in (0, 1) or 'paper' (1/(2N log N))")) from None
-        from common.data import parse_partitioning  # deferred: data pulls in pandas/datasets
+        from common.partitioning import parse_partitioning  # deferred: it pulls in pandas
 
         try:
             parse_partitioning(self.partitioning)

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from common.config import RunConfig
-from common.data import TextData, code_vocabulary, load_table, partition, to_text_data, train_test_split
+from common.data import TextData, code_vocabulary, to_text_data
+from common.partitioning import partition, train_test_split
+from common.tables import load_table
 from common.dp import STRONG, WEAK
 
 

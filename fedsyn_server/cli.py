@@ -22,7 +22,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from common.data import DatasetLoadError
+from common.tables import DatasetLoadError
 from fedsyn_server.evaluation import CLASSIFIERS, DEFAULT_EMBEDDER
 
 

@@ -10,7 +10,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from common.logs import get_logger
 from common.config import ConfigError, RunConfig
-from common.data import DatasetFileError, DatasetLoadError
+from common.tables import DatasetFileError, DatasetLoadError
 from common.federation import Benchmark, benchmark
 from common.io import atomic_write_json, atomic_write_jsonl, atomic_write_text
 from fedsyn_server.experiment import EVALUATION_FILE

@@ -11,6 +11,8 @@ import pandas as pd
 import pytest
 
 from common import data as D
+from common import partitioning as P
+from common import tables as T
 from common.data import TextData
 
 BBC_TOPICS = ["business", "entertainment", "politics", "sport", "tech"]
@@ -19,7 +21,7 @@ BBC_VOCAB = [f"topic={t}" for t in BBC_TOPICS]
 
 @pytest.fixture(scope="module")
 def bbc() -> TextData:
-    return D.to_text_data(D.load_table("bbc-news"), "text", ["topic"])
+    return D.to_text_data(T.load_table("bbc-news"), "text", ["topic"])
 
 
 def _toy(n_per_code: dict[str, int]) -> TextData:
@@ -44,7 +46,7 @@ def _two_column_frame() -> pd.DataFrame:
 
 
 def test_bbc_news_table():
-    df = D.load_table("bbc-news")
+    df = T.load_table("bbc-news")
     assert len(df) == 2225
     assert list(df.columns) == ["text", "title", "topic"]
     assert sorted(df["topic"].unique()) == BBC_TOPICS
@@ -59,10 +61,10 @@ def test_bbc_news_table():
 
 
 def test_bbc_news_cache_returns_copies():
-    df = D.load_table("bbc-news")
+    df = T.load_table("bbc-news")
     df.loc[0, "text"] = "mutated"
     df["title"] = "mutated too"
-    again = D.load_table()
+    again = T.load_table()
     assert again.loc[0, "text"] != "mutated" and again.loc[0, "title"] != "mutated too"
 
 
@@ -78,7 +80,7 @@ def test_local_file_round_trip_two_control_columns(tmp_path, suffix):
         df.to_json(path, orient="records")  # a JSON array, not JSON Lines
     else:
         df.to_parquet(path)
-    loaded = D.load_table(str(path))
+    loaded = T.load_table(str(path))
     pd.testing.assert_frame_equal(loaded, df)
     data = D.load_node_data(str(path), "body", ["a", "b"])
     assert data.texts == df["body"].tolist()
@@ -97,7 +99,7 @@ def test_jsonl_with_unicode_line_separators_round_trips(tmp_path):
     raw = path.read_text(encoding="utf-8")
     assert len(raw.splitlines()) == 2 and "\\u2028" in raw  # escaped, so every reader sees 2 lines
     assert read_jsonl(path) == rows
-    assert D.load_table(str(path))["text"].tolist() == [r["text"] for r in rows]
+    assert T.load_table(str(path))["text"].tolist() == [r["text"] for r in rows]
     old = tmp_path / "old.jsonl"  # written before the escaping: raw separators inside a record
     old.write_text(json.dumps(rows[0], ensure_ascii=False) + "\n", encoding="utf-8")
     assert "\u2028" in old.read_text(encoding="utf-8") and read_jsonl(old) == rows[:1]
@@ -139,13 +141,13 @@ def test_csv_keeps_na_like_labels(tmp_path):
 
 def test_missing_path_and_bad_type(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.csv"):
-        D.load_table(str(tmp_path / "nope.csv"))
+        T.load_table(str(tmp_path / "nope.csv"))
     with pytest.raises(FileNotFoundError, match="nowhere"):
-        D.load_table("./some/nowhere/file")
+        T.load_table("./some/nowhere/file")
     bad = tmp_path / "data.txt"
     bad.write_text("x")
     with pytest.raises(ValueError, match="unsupported"):
-        D.load_table(str(bad))
+        T.load_table(str(bad))
 
 
 def test_unreadable_files_name_the_file_the_problem_and_the_fix(tmp_path):
@@ -158,8 +160,8 @@ def test_unreadable_files_name_the_file_the_problem_and_the_fix(tmp_path):
              "broken.jsonl": r"broken.jsonl' line 3 is not valid JSON \(Expecting value at column 31\)",
              "list.jsonl": "list.jsonl' line 2 is not a JSON object"}
     for name, message in cases.items():
-        with pytest.raises(D.DatasetFileError, match=message) as err:
-            D.load_table(str(tmp_path / name))
+        with pytest.raises(T.DatasetFileError, match=message) as err:
+            T.load_table(str(tmp_path / name))
         assert "secret" not in str(err.value)  # the file and line, never a record
 
 
@@ -175,13 +177,13 @@ def test_hf_id_calls_load_dataset_and_wraps_offline_errors(monkeypatch):
         return datasets.Dataset.from_dict({"text": ["a"], "label": [1]})
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load)
-    assert len(D.load_table("owner/name")) == 1
-    D.load_table("imdb:test")
-    D.load_table("glue:sst2:validation")
+    assert len(T.load_table("owner/name")) == 1
+    T.load_table("imdb:test")
+    T.load_table("glue:sst2:validation")
     assert calls == [("owner/name", None, "train"), ("imdb", None, "test"),
                      ("glue", "sst2", "validation")]
-    with pytest.raises(D.DatasetLoadError, match=r"'offline/thing' could not be loaded.*bbc-news"):
-        D.load_table("offline/thing")
+    with pytest.raises(T.DatasetLoadError, match=r"'offline/thing' could not be loaded.*bbc-news"):
+        T.load_table("offline/thing")
 
 
 # ------------------------------------------------------------------ codes, counts
@@ -217,15 +219,15 @@ def test_declared_vocabulary():
 
 
 def test_train_test_split(bbc):
-    train, test = D.train_test_split(bbc, 0.2, seed=3)
+    train, test = P.train_test_split(bbc, 0.2, seed=3)
     assert len(test) == 445 and len(train) + len(test) == len(bbc)
     # BBC has duplicate articles, so compare multisets: together the sides are the data.
     assert Counter(zip(train.texts, train.codes)) + Counter(zip(test.texts, test.codes)) == (
         Counter(zip(bbc.texts, bbc.codes))
     )
-    again = D.train_test_split(bbc, 0.2, seed=3)
+    again = P.train_test_split(bbc, 0.2, seed=3)
     assert again == (train, test)
-    assert D.train_test_split(bbc, 0.2, seed=4)[1] != test
+    assert P.train_test_split(bbc, 0.2, seed=4)[1] != test
     shares = test.code_counts(BBC_VOCAB)
     expected = bbc.code_counts(BBC_VOCAB) * 0.2
     assert np.all(np.abs(shares - expected) <= 1)
@@ -233,7 +235,7 @@ def test_train_test_split(bbc):
 
 def test_train_test_split_disjoint_indices():
     data = _toy({"c=a": 30, "c=b": 10})
-    train, test = D.train_test_split(data, 0.25, seed=0)
+    train, test = P.train_test_split(data, 0.25, seed=0)
     assert set(train.texts).isdisjoint(test.texts)
     assert set(train.texts) | set(test.texts) == set(data.texts)
     assert len(test) == 10
@@ -242,11 +244,11 @@ def test_train_test_split_disjoint_indices():
 
 def test_train_test_split_falls_back_when_a_code_is_rare():
     data = _toy({"c=a": 20, "c=b": 1})
-    train, test = D.train_test_split(data, 0.2, seed=0)
+    train, test = P.train_test_split(data, 0.2, seed=0)
     assert len(train) + len(test) == 21 and len(test) == 5
-    assert D.train_test_split(data, 0.0, seed=0) == (data, TextData([], []))
+    assert P.train_test_split(data, 0.0, seed=0) == (data, TextData([], []))
     with pytest.raises(ValueError, match="test_fraction"):
-        D.train_test_split(data, 1.0, seed=0)
+        P.train_test_split(data, 1.0, seed=0)
 
 
 # ---------------------------------------------------------------------- partitions
@@ -260,29 +262,29 @@ def _assert_exact_cover(parts: list[TextData], data: TextData) -> None:
 
 def test_partition_iid_balanced_and_mixed():
     data = _toy({"c=a": 50, "c=b": 50, "c=c": 3})
-    parts = D.partition(data, 4, "iid", ["strong", "weak", "weak", "weak"], seed=1)
+    parts = P.partition(data, 4, "iid", ["strong", "weak", "weak", "weak"], seed=1)
     _assert_exact_cover(parts, data)
     sizes = [len(p) for p in parts]
     assert max(sizes) - min(sizes) <= 1
     # Shuffled before sharding: sorted input must not give one code per node.
     assert all(len(set(p.codes)) >= 2 for p in parts)
-    assert parts == D.partition(data, 4, "iid", ["strong", "weak", "weak", "weak"], seed=1)
-    assert parts != D.partition(data, 4, "iid", ["strong", "weak", "weak", "weak"], seed=2)
+    assert parts == P.partition(data, 4, "iid", ["strong", "weak", "weak", "weak"], seed=1)
+    assert parts != P.partition(data, 4, "iid", ["strong", "weak", "weak", "weak"], seed=2)
 
 
 def test_partition_dirichlet_skewed(bbc):
     tiers = ["strong", "strong", "weak", "weak", "weak"]
-    parts = D.partition(bbc, 5, "dirichlet:0.1", tiers, seed=0)
+    parts = P.partition(bbc, 5, "dirichlet:0.1", tiers, seed=0)
     assert sum(len(p) for p in parts) == len(bbc) and all(len(p) > 0 for p in parts)
     assert Counter(c for p in parts for c in p.codes) == Counter(bbc.codes)
     top_shares = [p.code_counts(BBC_VOCAB).max() / len(p) for p in parts]
     assert max(top_shares) > 0.5
-    assert parts == D.partition(bbc, 5, "dirichlet:0.1", tiers, seed=0)
+    assert parts == P.partition(bbc, 5, "dirichlet:0.1", tiers, seed=0)
 
 
 def test_partition_strong_codes(bbc):
     tiers = ["strong", "weak", "strong", "weak", "weak"]
-    parts = D.partition(bbc, 5, "strong-codes:sport,topic=tech", tiers, seed=0)
+    parts = P.partition(bbc, 5, "strong-codes:sport,topic=tech", tiers, seed=0)
     assert sum(len(p) for p in parts) == len(bbc)
     assert Counter(c for p in parts for c in p.codes) == Counter(bbc.codes)
     for part, tier in zip(parts, tiers):
@@ -309,42 +311,42 @@ def test_partition_strong_codes(bbc):
 )
 def test_bad_scheme_strings(scheme, message):
     with pytest.raises(ValueError, match=message):
-        D.parse_partitioning(scheme)
+        P.parse_partitioning(scheme)
 
 
 def test_parse_partitioning_values():
-    assert D.parse_partitioning("iid") == ("iid", None)
-    assert D.parse_partitioning(" Dirichlet:0.5 ") == ("dirichlet", 0.5)
-    assert D.parse_partitioning("strong-codes:a, b,a") == ("strong-codes", ["a", "b"])
+    assert P.parse_partitioning("iid") == ("iid", None)
+    assert P.parse_partitioning(" Dirichlet:0.5 ") == ("dirichlet", 0.5)
+    assert P.parse_partitioning("strong-codes:a, b,a") == ("strong-codes", ["a", "b"])
 
 
 def test_strong_codes_errors():
     data = _toy({"topic=a": 6, "topic=b": 6})
     with pytest.raises(ValueError, match=r"'zzz'.*vocabulary.*topic=a"):
-        D.partition(data, 2, "strong-codes:zzz", ["strong", "weak"], seed=0)
+        P.partition(data, 2, "strong-codes:zzz", ["strong", "weak"], seed=0)
     with pytest.raises(ValueError, match="both strong and weak"):
-        D.partition(data, 2, "strong-codes:a", ["weak", "weak"], seed=0)
+        P.partition(data, 2, "strong-codes:a", ["weak", "weak"], seed=0)
     # A code in the declared vocabulary but with no records: the strong node would be empty.
     with pytest.raises(ValueError, match="empty"):
-        D.partition(data, 2, "strong-codes:c", ["strong", "weak"], seed=0,
+        P.partition(data, 2, "strong-codes:c", ["strong", "weak"], seed=0,
                     vocabulary=["topic=a", "topic=b", "topic=c"])
     two_cols = TextData(["x", "y"], ["a=1|b=2", "a=2|b=2"])
     with pytest.raises(ValueError, match="not in the vocabulary"):
-        D.partition(two_cols, 2, "strong-codes:1", ["strong", "weak"], seed=0)
+        P.partition(two_cols, 2, "strong-codes:1", ["strong", "weak"], seed=0)
 
 
 def test_empty_partition_raises():
     data = _toy({"c=a": 2, "c=b": 1})
     with pytest.raises(ValueError, match="empty"):
-        D.partition(data, 5, "iid", ["weak"] * 5, seed=0)
+        P.partition(data, 5, "iid", ["weak"] * 5, seed=0)
     with pytest.raises(ValueError, match="empty"):
-        D.partition(data, 5, "dirichlet:1.0", ["weak"] * 5, seed=0)
+        P.partition(data, 5, "dirichlet:1.0", ["weak"] * 5, seed=0)
     # Enough records, but alpha so small that some node always draws nothing.
     ten = _toy({"c=a": 5, "c=b": 5})
     with pytest.raises(ValueError, match="at least one record"):
-        D.partition(ten, 8, "dirichlet:0.01", ["weak"] * 8, seed=0)
+        P.partition(ten, 8, "dirichlet:0.01", ["weak"] * 8, seed=0)
     with pytest.raises(ValueError, match="tiers"):
-        D.partition(data, 2, "iid", ["weak"], seed=0)
+        P.partition(data, 2, "iid", ["weak"], seed=0)
 
 
 # --------------------------------------------------------------------- fingerprint
@@ -374,6 +376,6 @@ def test_file_like_names_are_not_hub_ids(tmp_path, monkeypatch):
 
     monkeypatch.setattr(datasets, "load_dataset", no_hub)
     with pytest.raises(FileNotFoundError, match="notes.txt"):
-        D.load_table("notes.txt")
+        T.load_table("notes.txt")
     with pytest.raises(FileNotFoundError, match="train.jsonl"):
-        D.load_table("train.jsonl")
+        T.load_table("train.jsonl")

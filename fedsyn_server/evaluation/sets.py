@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from common.codes import parse_code
-from common.data import CODE_FIELD, TextData, load_table, to_text_data
+from common.data import CODE_FIELD, TextData, to_text_data
+from common.tables import load_table
 from common.io import atomic_write_json
 from fedsyn_server.evaluation.alignment import (MAUVE_MISSING, allocation_error, frechet_distance,
                                                  knn_precision_recall, mauve_available, mauve_score)

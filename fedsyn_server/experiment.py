@@ -126,16 +126,17 @@ def run_grid(grid: Grid, timeout: float = 3600) -> list[dict[str, Any]]:
     runs = grid.out_dir / "runs"
     fed = f"num-supernodes={grid.num_supernodes}" if grid.num_supernodes else None
     todo = [c for c in grid.cells if not (runs / c.name / EVALUATION_FILE).exists()]
-    log.info("experiment: %d cells, %d already done, %d to run -> %s",
-             len(grid.cells), len(grid.cells) - len(todo), len(todo), grid.out_dir)
+    logs = grid.out_dir / "logs"
+    log.info("experiment: %d cells, %d already done, %d to run -> %s (each cell's log: %s/<cell>.log)",
+             len(grid.cells), len(grid.cells) - len(todo), len(todo), grid.out_dir, logs)
     for cell in tqdm(todo, desc="experiment", unit="run"):
         rc = cell_run_config(cell, runs)
         if "resume" in rc:
             log.info("cell %s was cut off: resuming it from its checkpoint", cell.name)
-        res = run_app(rc, federation_config=fed, timeout=timeout)
+        res = run_app(rc, federation_config=fed, timeout=timeout, log_path=logs / f"{cell.name}.log")
         if not res.ok:
-            log.error("cell %s failed (exit %d, status %r); it will be retried next time:\n%s",
-                      cell.name, res.returncode, res.status, res.output[-3000:])
+            log.error("cell %s failed (exit %d, status %r); it will be retried next time (whole log: %s):\n%s",
+                      cell.name, res.returncode, res.status, logs / f"{cell.name}.log", res.output[-3000:])
         else:
             log.info("cell %s done in %.0fs", cell.name, res.seconds)
     rows = collect(grid)

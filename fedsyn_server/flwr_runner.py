@@ -69,8 +69,14 @@ def flwr_env(flwr_home: Path) -> dict[str, str]:
 
 
 def run_app(run_config: dict[str, object], federation_config: str | None = None, timeout: float = 1800,
-            app_dir: Path = APP_DIR) -> FlwrRun:
-    """``flwr run <app_dir> --stream`` with ``run_config`` overrides; always cleans up."""
+            app_dir: Path = APP_DIR, log_path: Path | None = None) -> FlwrRun:
+    """``flwr run <app_dir> --stream`` with ``run_config`` overrides; always cleans up.
+
+    The command's output (stdout and stderr, in order) goes to ``log_path`` as it runs,
+    appended after a header line, so a long run can be followed with ``tail -f`` and a
+    failed one read afterwards; without ``log_path``, to a file in the run's FLWR_HOME.
+    ``FlwrRun.output`` is this call's part of it.
+    """
     flwr_home = Path(tempfile.mkdtemp(prefix="fedsyn-flwr-home-"))
     overrides = " ".join(f"{k}={toml_value(v)}" for k, v in run_config.items())
     cmd = [str(Path(sys.executable).with_name("flwr")), "run", str(app_dir), "--stream"]
@@ -78,13 +84,25 @@ def run_app(run_config: dict[str, object], federation_config: str | None = None,
         cmd += ["--run-config", overrides]
     if federation_config:
         cmd += ["--federation-config", federation_config]
-    t0, env, status = time.time(), flwr_env(flwr_home), ""
+    sink = log_path or flwr_home / "flwr-run.log"
+    sink.parent.mkdir(parents=True, exist_ok=True)
+    t0, env, status, timed_out = time.time(), flwr_env(flwr_home), "", False
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-        output, code = proc.stdout + proc.stderr, proc.returncode
-        status = run_status(output, env)
-    except subprocess.TimeoutExpired as err:
-        output, code = f"{err.stdout or ''}{err.stderr or ''}\nTIMEOUT after {timeout}s", -1
+        with open(sink, "ab") as out:
+            out.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
+            out.flush()
+            start = out.tell()
+            try:
+                code = subprocess.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout).returncode
+            except subprocess.TimeoutExpired:
+                code, timed_out = -1, True
+        with open(sink, "rb") as written:
+            written.seek(start)
+            output = written.read().decode("utf-8", errors="replace")
+        if timed_out:
+            output += f"\nTIMEOUT after {timeout}s"
+        else:
+            status = run_status(output, env)
     finally:
         stop_processes_of(flwr_home)
     match = _RUN_DIR.findall(output)

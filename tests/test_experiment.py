@@ -95,3 +95,16 @@ def test_a_cell_cut_off_with_a_checkpoint_is_resumed(tmp_path):
     (runs / cell.name / "checkpoint" / "state.json").write_text("{}")
     rc = cell_run_config(cell, runs)
     assert rc["resume"] == str(runs / cell.name) and rc["run-name"] == cell.name
+
+
+def test_run_app_appends_the_commands_output_to_the_cells_log(tmp_path):
+    """A cell's `flwr run` output lands in its log file (appended per attempt), not only in memory."""
+    from fedsyn_server.flwr_runner import run_app
+
+    log_path = tmp_path / "logs" / "cell.log"
+    first = run_app({}, app_dir=tmp_path / "no-app", log_path=log_path, timeout=120)
+    second = run_app({}, app_dir=tmp_path / "no-app", log_path=log_path, timeout=120)
+    assert first.returncode != 0 and not first.ok
+    assert "Failed to load Flower App" in first.output  # flwr's own error, read back from the file
+    text = log_path.read_text()
+    assert text.count("=== ") == 2 and first.output in text and text.endswith(second.output)

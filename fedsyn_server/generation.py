@@ -42,7 +42,10 @@ def generate_texts(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     # Explicit settings override the checkpoint's own generation_config (SmolLM2-Instruct ships one);
     # top_k=0 turns off transformers' default top-k=50 so sampling is plain temperature/top-p.
-    settings = {"max_new_tokens": max_new_tokens, "pad_token_id": pad_id, "eos_token_id": tokenizer.eos_token_id}
+    # use_cache explicitly: a trainer may have switched the model config's off (trl's DPO does), and
+    # sampling without the KV cache recomputes the whole prefix for every new token.
+    settings = {"max_new_tokens": max_new_tokens, "pad_token_id": pad_id, "eos_token_id": tokenizer.eos_token_id,
+                "use_cache": True}
     if temperature > 0:
         settings |= {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
     else:

@@ -78,11 +78,17 @@ def dpo_finetune(generator: Generator, prompts: list[str], chosen: list[str], re
     from common.devices import model_device
 
     data = Dataset.from_dict({"prompt": prompts, "chosen": chosen, "rejected": rejected})
+    on_cpu = model_device(generator.model).type == "cpu" or not torch.cuda.is_available()
     with tempfile.TemporaryDirectory(prefix="fedsyn-dpo-") as out:
+        # trl's DPOConfig turns on bf16 and gradient checkpointing by default. On a CPU without
+        # bf16 units (ours: AMD EPYC) bf16 is emulated, and checkpointing runs every forward twice:
+        # one step of 8 pairs took minutes (benchmarks/README.md). The generator is small, so fp32
+        # and no checkpointing on a CPU; bf16 on a GPU that has it.
         args = DPOConfig(output_dir=out, per_device_train_batch_size=min(DPO_BATCH, len(prompts)),
                          num_train_epochs=DPO_EPOCHS, learning_rate=learning_rate, beta=DPO_BETA,
                          max_length=None, save_strategy="no", report_to=[], seed=seed, logging_steps=1,
-                         use_cpu=model_device(generator.model).type == "cpu" or not torch.cuda.is_available())
+                         use_cpu=on_cpu, bf16=not on_cpu and torch.cuda.is_bf16_supported(),
+                         gradient_checkpointing=False)
         trainer = DPOTrainer(model=generator.model, args=args, train_dataset=data, processing_class=generator.tokenizer)
         try:
             result = trainer.train()

@@ -135,6 +135,31 @@ def test_knn_vote_gives_the_papers_selection_exactly(dataset, tmp_path):
     assert (conf["histogram"], conf["epsilon-share"], conf["num-votes"]) == ("knn-vote", 1.0, cfg.num_votes)
 
 
+def test_dpo_trains_the_adapter_in_fp32_without_checkpointing_on_a_cpu_and_generation_keeps_its_cache():
+    """trl's DPOConfig defaults (bf16, gradient checkpointing) made a CPU DPO step take minutes;
+    the generator must come back trained, fp32, not checkpointing, and sampling with its KV cache."""
+    import torch
+
+    from common.weights import trainable_state
+    from fedsyn_server.synthesis import ServerModel
+    from strategies.popri import dpo_finetune
+
+    gen = ServerModel(RunConfig(model="tiny-gpt2", max_new_tokens=4))
+    before = {k: np.array(v, copy=True) for k, v in trainable_state(gen.model).items()}
+    prompt = gen.prompt("topic=sport")
+    loss = dpo_finetune(gen, [prompt] * 4, ["a goal in the last minute"] * 4, ["shares fell on monday"] * 4, 1e-3, 0)
+    model = gen.model
+    assert math.isfinite(loss) and not model.training
+    assert any(not np.array_equal(before[k], v) for k, v in trainable_state(model).items())  # the adapter moved
+    assert not model.is_gradient_checkpointing and next(model.parameters()).dtype == torch.float32
+    assert "ref" not in getattr(model, "peft_config", {})  # trl's reference copy is gone
+    calls = []
+    original = model.generate
+    model.generate = lambda **kw: calls.append(kw) or original(**kw)
+    gen.generate({"topic=sport": 2}, seed=0)
+    assert calls and all(kw["use_cache"] for kw in calls)
+
+
 @pytest.mark.parametrize("method", ["pe", "popri"])
 def test_multi_round_refinements_split_epsilon_vote_across_their_rounds(dataset, tmp_path, method):
     rc = run_config(dataset, refinement=method, **{"num-server-rounds": 1, "refinement-rounds": 3,

@@ -133,10 +133,11 @@ def run_grid(grid: Grid, timeout: float = 3600) -> list[dict[str, Any]]:
         rc = cell_run_config(cell, runs)
         if "resume" in rc:
             log.info("cell %s was cut off: resuming it from its checkpoint", cell.name)
-        res = run_app(rc, federation_config=fed, timeout=timeout, log_path=logs / f"{cell.name}.log")
+        cell_log = logs / f"{cell.name}.log"
+        res = run_app(rc, federation_config=fed, timeout=timeout, log_path=cell_log)
         if not res.ok:
             log.error("cell %s failed (exit %d, status %r); it will be retried next time (whole log: %s):\n%s",
-                      cell.name, res.returncode, res.status, logs / f"{cell.name}.log", res.output[-3000:])
+                      cell.name, res.returncode, res.status, cell_log, res.output[-3000:])
         else:
             log.info("cell %s done in %.0fs", cell.name, res.seconds)
     rows = collect(grid)

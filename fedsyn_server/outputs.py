@@ -4,6 +4,7 @@
 |---|---|
 | ``synthetic.jsonl`` | the final set: ``text``, ``control_code`` and one field per control column |
 | ``pool.jsonl`` | the refinement's final population (for knn-vote: the generated pool) with its aggregated noisy votes and whether it was kept |
+| ``refinement_rounds.jsonl`` | for methods with several rounds (``pe``, ``popri``): every text each round saw, with its aggregated noisy score and the method's columns (PE: ``survived``, ``children``; POPri: ``role`` chosen / rejected) |
 | ``profile.json`` | vocabulary, each node's noisy profile, the global profile, the allocation |
 | ``privacy_report.json`` | per node: budget, spent, every release, basic and PLD totals |
 | ``metrics.json`` | held-out loss per round, phase timings, failures, degradations, sizes |
@@ -59,6 +60,11 @@ def write_outputs(run_dir: Path, cfg: RunConfig, vocabulary: list[str], res: Fed
         }),
         "config": atomic_write_json(run_dir / "config.json", cfg.to_flower()),
     }
+    if res.refinement_history:
+        paths["refinement_rounds"] = atomic_write_jsonl(run_dir / "refinement_rounds.jsonl", [
+            {"round": r["round"], **_row(r["text"], r["control_code"]),
+             **{k: v for k, v in r.items() if k not in ("round", "text", "control_code")}}
+            for r in res.refinement_history])
     paths.update(write_plots(run_dir / "plots", vocabulary, res, final_counts))
     return paths
 

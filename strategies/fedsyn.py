@@ -172,6 +172,7 @@ class FedSynStrategy(Strategy):
                 rng=np.random.default_rng(self.cfg.seed)))
             res.pool_texts, res.pool_codes, res.votes = refined.texts, refined.codes, refined.votes
             res.selected, res.refinement = np.asarray(refined.selected, dtype=np.int64), refined.notes
+            res.refinement_history = refined.history
             if refined.trained_generator:
                 res.arrays, res.generator_refined = self.generator.weights(), True
             self._checkpoint("refine")

@@ -36,7 +36,7 @@ import tempfile
 import numpy as np
 
 from common.logs import get_logger
-from strategies.refinement import Generator, Refined, RefinementContext, Refinement, final_size
+from strategies.refinement import Generator, Refined, RefinementContext, Refinement, final_size, round_rows
 
 log = get_logger("fedsyn")
 HISTOGRAM = "similarity"
@@ -112,11 +112,16 @@ class POPri(Refinement):
         rounds = cfg.refinement_rounds
         texts, codes = list(ctx.texts), list(ctx.codes)
         notes: list[dict[str, float]] = []
+        history: list[dict] = []
         for t in range(1, rounds + 1):
             if t > 1:
                 texts, codes = gen.generate(ctx.allocation, seed=cfg.seed + t)
             scores = ctx.vote(texts, codes, histogram=HISTOGRAM, epsilon_share=1.0 / rounds)
             pairs = preference_pairs(codes, scores, cfg.popri_samples_per_prompt, cfg.popri_rejected_rank)
+            role: list[str | None] = [None] * len(texts)
+            for i, j in pairs:
+                role[i], role[j] = "chosen", "rejected"
+            history += round_rows(t, texts, codes, scores, role=role)
             note = {"round": t, "pool": len(texts), "pairs": len(pairs)}
             if pairs:
                 note["dpo_loss"] = dpo_finetune(gen, [gen.prompt(codes[i]) for i, _ in pairs],
@@ -130,4 +135,4 @@ class POPri(Refinement):
                      f", DPO loss {note['dpo_loss']:.4f}" if "dpo_loss" in note else "")
         final_texts, final_codes = gen.generate(ctx.allocation_for(final_size(cfg)), seed=cfg.seed + rounds + 1)
         return Refined(final_texts, final_codes, np.arange(len(final_codes)), None, notes={"rounds": notes},
-                       trained_generator=any("dpo_loss" in n for n in notes))
+                       trained_generator=any("dpo_loss" in n for n in notes), history=history)

@@ -24,7 +24,7 @@ import math
 import numpy as np
 
 from common.logs import get_logger
-from strategies.refinement import Refined, RefinementContext, Refinement
+from strategies.refinement import Refined, RefinementContext, Refinement, round_rows
 from strategies.resampling import resample_by_code
 
 log = get_logger("fedsyn")
@@ -62,17 +62,22 @@ class PrivateEvolution(Refinement):
         rounds = ctx.cfg.refinement_rounds
         texts, codes = list(ctx.texts), list(ctx.codes)
         notes: list[dict[str, float]] = []
+        history: list[dict] = []
         votes = np.zeros(len(texts))
         for t in range(1, rounds + 1):
             votes = ctx.vote(texts, codes, histogram=HISTOGRAM, epsilon_share=1.0 / rounds)
             notes.append({"round": t, "population": len(texts), "mean_votes": float(np.mean(votes)) if len(votes) else 0.0})
             log.info("[pe] round %d/%d: %d texts voted, mean noisy votes %.2f", t, rounds, len(texts), notes[-1]["mean_votes"])
             if t == rounds:
+                history += round_rows(t, texts, codes, votes)
                 break
             survivors, parents = next_generation(codes, votes)
+            kept = set(survivors)
+            history += round_rows(t, texts, codes, votes, survived=[i in kept for i in range(len(texts))],
+                                  children=np.bincount(parents, minlength=len(texts)).tolist())
             children = ctx.generator.variation([texts[i] for i in parents], [codes[i] for i in parents],
                                                seed=ctx.cfg.seed + t)
             texts = [texts[i] for i in survivors] + children
             codes = [codes[i] for i in survivors] + [codes[i] for i in parents]
         selected = resample_by_code(codes, votes, ctx.cfg.sampling_rate, ctx.cfg.seed)
-        return Refined(texts, codes, selected, votes, notes={"rounds": notes})
+        return Refined(texts, codes, selected, votes, notes={"rounds": notes}, history=history)

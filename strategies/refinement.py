@@ -94,6 +94,9 @@ class Refined:
     votes: np.ndarray | None = None  # aggregated noisy votes of ``texts`` (the last round), if any
     notes: dict[str, Any] = field(default_factory=dict)  # per-round diagnostics for metrics.json
     trained_generator: bool = False  # the method trained the generator: the run saves its weights
+    # every text a round saw, one row each (``round_rows``), for ``refinement_rounds.jsonl``: what a
+    # method did with its votes, which the final population alone no longer shows
+    history: list[dict[str, Any]] = field(default_factory=list)
 
 
 class Refinement(ABC):
@@ -112,6 +115,19 @@ class Refinement(ABC):
     @abstractmethod
     def refine(self, ctx: RefinementContext) -> Refined:
         """Run the method's rounds on ``ctx`` and return the final set."""
+
+
+def round_rows(round_: int, texts: list[str], codes: list[str], scores: np.ndarray,
+               **columns: list[Any]) -> list[dict[str, Any]]:
+    """One row per text of a round: ``round``, ``text``, ``control_code``, ``score`` (the round's
+    aggregated noisy statistic of the text) and, per keyword, the method's own column (one value
+    per text). Nothing in it is private: the texts are the server's, the scores already noised."""
+    s = np.asarray(scores, dtype=np.float64)
+    for name, values in {"score": s, **columns}.items():
+        if len(values) != len(texts):
+            raise ValueError(f"{len(values)} values of {name!r} for {len(texts)} texts")
+    return [{"round": int(round_), "text": t, "control_code": c, "score": float(s[i]),
+             **{k: v[i] for k, v in columns.items()}} for i, (t, c) in enumerate(zip(texts, codes))]
 
 
 def final_size(cfg: RunConfig) -> int:

@@ -28,6 +28,7 @@ class FedSynResult:
     selected: np.ndarray | None = None
     vote_rounds: list[dict[str, Any]] = field(default_factory=list)  # one entry per vote round
     refinement: dict[str, Any] = field(default_factory=dict)  # the method's own per-round notes
+    refinement_history: list[dict[str, Any]] = field(default_factory=list)  # ``Refined.history``
     generator_refined: bool = False  # the refinement trained the generator (its weights are ``arrays``)
     releases: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
     ledgers: dict[int, dict[str, Any]] = field(default_factory=dict)  # node -> its own book of this run

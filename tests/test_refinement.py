@@ -12,8 +12,10 @@ import pytest
 
 from common import records as R
 from common.config import REFINEMENTS as CONFIG_NAMES, ConfigError, RunConfig
+from common.io import read_jsonl
 from fedsyn_client.histograms import VOTE_HISTOGRAMS
 from fedsyn_client.voting import knn_votes, similarity_scores
+from fedsyn_server.outputs import write_outputs
 from strategies.popri import preference_pairs
 from strategies.private_evolution import next_generation
 from strategies.refinement import REFINEMENTS, Refinement, build_refinement, final_size
@@ -177,13 +179,39 @@ def test_multi_round_refinements_split_epsilon_vote_across_their_rounds(dataset,
         assert res.ledgers[weak]["epsilon-spent"] == pytest.approx(cfg.epsilon)
     # every method ends with the same final size as knn-vote would
     per_code = Counter(res.pool_codes[i] for i in res.selected)
+    # refinement_rounds.jsonl: every text each round saw, its noisy score and the method's own columns
+    write_outputs(tmp_path / "out", cfg, sorted(res.allocation), res)
+    rows = read_jsonl(tmp_path / "out" / "refinement_rounds.jsonl")
+    by_round = {t: [r for r in rows if r["round"] == t] for t in (1, 2, 3)}
+    assert all(len(by_round[t]) == sum(res.allocation.values()) for t in (1, 2, 3)) and len(rows) == 3 * len(by_round[1])
+    assert all(r["topic"] == r["control_code"].removeprefix("topic=") for r in rows)
+    last = by_round[3]
     if method == "pe":
         assert len(res.pool_texts) == sum(res.allocation.values())
         assert all(per_code[c] == max(1, math.floor(cfg.sampling_rate * n)) for c, n in res.allocation.items() if n)
         assert len(res.refinement["rounds"]) == 3 and not res.generator_refined
+        # the last round is the final population with its votes; earlier rounds say who survived
+        assert [r["text"] for r in last] == res.pool_texts and [r["score"] for r in last] == pytest.approx(res.votes)
+        for t in (1, 2):  # per code, the survivors out-voted the rest and open the next population
+            survived = [r for r in by_round[t] if r["survived"]]
+            assert {r["text"] for r in survived} == {r["text"] for r in by_round[t + 1][:len(survived)]}
+            assert sum(r["children"] for r in by_round[t]) == len(by_round[t]) - len(survived)
+            for code in {r["control_code"] for r in by_round[t]}:
+                kept = [r["score"] for r in survived if r["control_code"] == code]
+                dropped = [r["score"] for r in by_round[t] if r["control_code"] == code and not r["survived"]]
+                assert kept and min(kept) >= max(dropped, default=-math.inf)
     else:
         assert len(res.selected) == len(res.pool_texts) == pytest.approx(final_size(cfg), abs=len(res.allocation))
         assert all(r["pairs"] > 0 and math.isfinite(r["dpo_loss"]) for r in res.refinement["rounds"])
+        j = cfg.popri_samples_per_prompt
+        for t, note in zip((1, 2, 3), res.refinement["rounds"]):
+            assert Counter(r["role"] for r in by_round[t]) == {"chosen": note["pairs"], "rejected": note["pairs"],
+                                                              None: len(by_round[t]) - 2 * note["pairs"]}
+            for code in {r["control_code"] for r in by_round[t]}:  # each group of J: its top text is chosen
+                mine = [r for r in by_round[t] if r["control_code"] == code]
+                for group in (mine[k:k + j] for k in range(0, len(mine), j)):
+                    top = max(group, key=lambda r: r["score"])
+                    assert top["role"] == ("chosen" if len(group) >= cfg.popri_rejected_rank else None)
         assert res.generator_refined  # the saved model is the DPO-finetuned one, and only its adapter
         from fedsyn_server.synthesis import ServerModel
 

@@ -12,8 +12,16 @@ code, averaged over codes (0.5 = votes blind to topic, 1 = every on-topic text o
 every off-topic one of its code; within a code because A.4 draws per code). Where the run kept
 only part of its pool, it also compares the kept set's downstream accuracy with that of
 A.4 draws with equal weights from the same pool: a paired comparison of the selection
-alone, free of the variance between DP training runs. Writes one CSV row
-per run and prints a markdown table of means ± std over seeds per method × partitioning.
+alone, free of the variance between DP training runs. Where the run wrote
+``refinement_rounds.jsonl`` (``pe``, ``popri``), its round 1 is the stage-3 pool, i.e. what
+the DP-finetuned generator wrote before any refinement: equal-weight A.4 draws from it are
+what ``refinement = "none"`` would have kept *from the same model*, so
+``accuracy_kept - accuracy_none_same_model`` is the refinement's effect, paired. It also
+reports the on-topic share of round 1, the AUC of round 1's noisy scores, and for POPri the
+on-topic share of the chosen and the rejected texts of its preference pairs (is the DP
+signal right?) against that of the final set the DPO-tuned generator wrote (did DPO move
+the generator?). Writes one CSV row per run and prints a markdown table of means ± std over
+seeds per method × partitioning.
 Nothing here is private: held-out texts never went to a node, and votes are already noised.
 """
 
@@ -36,9 +44,11 @@ from fedsyn_server.experiment import summarise
 from fedsyn_server.outputs import save_figure
 from strategies.resampling import resample_by_code
 
+ROUND_FIELDS = ["fidelity_round1", "scores_auc_round1", "fidelity_chosen", "fidelity_rejected",
+                "accuracy_none_same_model"]
 FIELDS = ["method", "partitioning", "seed", "n_pool", "n_kept", "fidelity_pool", "fidelity_kept",
           "fidelity_dropped", "votes_auc", "votes_on_topic", "votes_off_topic", "accuracy_kept",
-          "accuracy_uniform_same_pool"]
+          "accuracy_uniform_same_pool", *ROUND_FIELDS]
 UNIFORM_DRAWS = 10
 
 
@@ -51,9 +61,8 @@ def _mean(values: np.ndarray) -> float:
 
 
 def diagnose_run(run_dir: Path, embedder: Any) -> dict[str, Any]:
-    """Fidelity of pool / kept / dropped texts and the votes' AUC for one run folder."""
-    from sklearn.metrics import roc_auc_score
-
+    """Fidelity of pool / kept / dropped texts, the votes' AUC and, from ``refinement_rounds.jsonl``,
+    the paired effect of the refinement, for one run folder (one dict of ``FIELDS[3:]``)."""
     config = json.loads((run_dir / "config.json").read_text())
     column = str(config["control-columns"]).split(",")[0].strip()
     pool, real = read_jsonl(run_dir / "pool.jsonl"), read_jsonl(run_dir / "heldout.jsonl")
@@ -73,21 +82,52 @@ def diagnose_run(run_dir: Path, embedder: Any) -> dict[str, Any]:
     if not kept.all():
         # Paired with the kept set: A.4 with equal weights on the *same* pool (same model,
         # same texts), so the difference is the votes alone, not another DP training run.
-        rate = float(config["sampling-rate"])
-        out["accuracy_uniform_same_pool"] = float(np.mean([
-            downstream_utility(pool_emb[idx], [pool_labels[i] for i in idx], real_emb, real_labels)["accuracy"]
-            for idx in (resample_by_code(pool_labels, None, rate, seed=1000 + d) for d in range(UNIFORM_DRAWS))
-        ]))
+        out["accuracy_uniform_same_pool"] = _equal_weight_accuracy(pool_emb, pool_labels, real_emb, real_labels,
+                                                                   float(config["sampling-rate"]))
     if all(r.get("votes") is not None for r in pool):
         votes = np.array([float(r["votes"]) for r in pool])
-        # A.4 draws within each code, so the votes only need to rank texts of the same code:
-        # AUC per code (where a code has both on- and off-topic texts), averaged.
-        codes = np.array(pool_labels)
-        aucs = [roc_auc_score(on_topic[codes == c], votes[codes == c]) for c in sorted(set(pool_labels))
-                if 0 < on_topic[codes == c].sum() < (codes == c).sum()]
-        out["votes_auc"] = float(np.mean(aucs)) if aucs else math.nan
+        out["votes_auc"] = _auc_within_codes(on_topic, votes, pool_labels)
         out["votes_on_topic"], out["votes_off_topic"] = _mean(votes[on_topic]), _mean(votes[~on_topic])
+    out.update(dict.fromkeys(ROUND_FIELDS, math.nan))
+    if (run_dir / "refinement_rounds.jsonl").exists():
+        rows = [r for r in read_jsonl(run_dir / "refinement_rounds.jsonl") if r["round"] == 1]
+        labels = _labels(rows, column)
+        emb = embed(embedder, [r["text"] for r in rows])
+        first = label_agreement(emb, labels, real_emb, real_labels)
+        role = np.array([r.get("role") or "" for r in rows])
+        out.update(fidelity_round1=_mean(first),
+                   scores_auc_round1=_auc_within_codes(first, np.array([r["score"] for r in rows]), labels),
+                   accuracy_none_same_model=_equal_weight_accuracy(emb, labels, real_emb, real_labels,
+                                                                   float(config["sampling-rate"])))
+        if (role != "").any():  # POPri's pairs, all rounds
+            all_rows = read_jsonl(run_dir / "refinement_rounds.jsonl")
+            paired = [r for r in all_rows if r.get("role")]
+            agree = label_agreement(embed(embedder, [r["text"] for r in paired]), _labels(paired, column),
+                                    real_emb, real_labels)
+            roles = np.array([r["role"] for r in paired])
+            out["fidelity_chosen"], out["fidelity_rejected"] = (_mean(agree[roles == "chosen"]),
+                                                                _mean(agree[roles == "rejected"]))
     return out
+
+
+def _equal_weight_accuracy(emb: np.ndarray, labels: list[str], real_emb: np.ndarray, real_labels: list[str],
+                           rate: float) -> float:
+    """Mean downstream accuracy of ``UNIFORM_DRAWS`` A.4 draws with equal weights at ``rate``."""
+    return float(np.mean([
+        downstream_utility(emb[idx], [labels[i] for i in idx], real_emb, real_labels)["accuracy"]
+        for idx in (resample_by_code(labels, None, rate, seed=1000 + d) for d in range(UNIFORM_DRAWS))
+    ]))
+
+
+def _auc_within_codes(on_topic: np.ndarray, scores: np.ndarray, labels: list[str]) -> float:
+    """ROC AUC of ``scores`` for on-topic within each code (where a code has both), averaged:
+    A.4 and POPri's pairs compare texts of the same code only, so scores need only rank those."""
+    from sklearn.metrics import roc_auc_score
+
+    codes = np.array(labels)
+    aucs = [roc_auc_score(on_topic[codes == c], scores[codes == c]) for c in sorted(set(labels))
+            if 0 < on_topic[codes == c].sum() < (codes == c).sum()]
+    return float(np.mean(aucs)) if aucs else math.nan
 
 
 def _cell(name: str) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 
 import pytest
 
@@ -43,6 +44,31 @@ def test_diagnose_run_known_answer(run_dir):
     assert d["votes_auc"] >= 0.95 and d["votes_on_topic"] > d["votes_off_topic"]
     # The kept texts all carry their true topic; equal-weight draws from the pool half do not.
     assert d["accuracy_kept"] >= 0.9 and d["accuracy_uniform_same_pool"] < d["accuracy_kept"] - 0.2
+    assert all(math.isnan(d[f]) for f in D.ROUND_FIELDS)  # knn-vote writes no refinement_rounds.jsonl
+
+
+def test_popri_rounds_give_the_paired_effect_and_the_pairs_fidelity(run_dir):
+    """A POPri-like run: round 1 (the pre-DPO pool) is half off-topic, its noisy scores rank the
+    on-topic texts first, every pair chose an on-topic text over an off-topic one, and the
+    regenerated final set is all on topic."""
+    from common.io import read_jsonl
+    from common.models import load_embedder
+
+    pool = read_jsonl(run_dir / "pool.jsonl")
+    rounds = [{"round": 1, "text": r["text"], "control_code": r["control_code"], "score": r["votes"],
+               "role": None} for r in pool]
+    on, off = [i for i, r in enumerate(pool) if r["selected"]], [i for i, r in enumerate(pool) if not r["selected"]]
+    for i, j in zip(on, off):
+        rounds[i]["role"], rounds[j]["role"] = "chosen", "rejected"
+    atomic_write_jsonl(run_dir / "refinement_rounds.jsonl", rounds + [{**r, "round": 2} for r in rounds])
+    atomic_write_jsonl(run_dir / "pool.jsonl", [{**pool[i], "votes": None, "selected": True} for i in on])
+
+    d = D.diagnose_run(run_dir, load_embedder())
+    assert d["fidelity_pool"] >= 0.95 and d["fidelity_round1"] == pytest.approx(0.5, abs=0.05)
+    assert d["scores_auc_round1"] >= 0.95
+    assert d["fidelity_chosen"] >= 0.95 and d["fidelity_rejected"] <= 0.05
+    # what no refinement would have kept from the same model is worse than the final set
+    assert d["accuracy_none_same_model"] < d["accuracy_kept"] - 0.2
 
 
 def test_main_writes_csv_and_table(run_dir, tmp_path, capsys):

@@ -88,6 +88,10 @@ def test_flwr_run_refinement_plugins_book_every_vote_round(tmp_path, refinement)
         assert sum(r["epsilon"] for r in votes) == pytest.approx(6.0)
         assert node["epsilon_spent"] == pytest.approx(8.0)
     assert len(read_jsonl(run_dir / "synthetic.jsonl")) == metrics["final_size"] > 0
+    history = run_dir / "refinement_rounds.jsonl"  # built-ins log every round's texts; the plug-in chose not to
+    assert history.exists() == (":" not in refinement)
+    if history.exists():
+        assert sorted({r["round"] for r in read_jsonl(history)}) == [1, 2]
     if refinement == "popri":  # the DPO-finetuned adapter is the run's model
         assert (run_dir / "model" / "adapter_config.json").exists()
 

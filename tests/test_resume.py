@@ -101,6 +101,9 @@ def test_a_run_killed_mid_round_and_between_phases_resumes_without_releasing_twi
     _serve(resume, grid, run_id=9)
     assert _kinds(grid)[R.MSG_TRAIN] == 0 and _kinds(grid)[R.MSG_PROFILE] == 0 and _kinds(grid)[R.MSG_VOTE] == 2
     assert len((run_dir / "synthetic.jsonl").read_text().splitlines()) > 0
+    # PE's round 1 was replayed from the checkpoint, not re-asked: its texts are still in the run's history
+    history = [json.loads(line) for line in (run_dir / "refinement_rounds.jsonl").read_text().splitlines()]
+    assert Counter(r["round"] for r in history) == {1: len(history) // 2, 2: len(history) // 2}
     # every node's ledger holds one release per phase and round: nothing was paid twice
     assert sorted((r["phase"], r["round"]) for r in _ledger(state, 0)) == [
         ("profile", 0), ("train", 1), ("train", 2), ("train", 3)]

@@ -139,21 +139,24 @@ def _cell(name: str) -> dict[str, Any]:
 
 
 def plot_fidelity(rows: list[dict[str, Any]], path: Path) -> Path:
-    """Bars of the on-topic share of the pool and of the kept texts (mean ± std over seeds),
-    one panel per partitioning, one pair of bars per method; saved as PNG at ``path``."""
+    """Bars of the on-topic share of round 1 (the unrefined pool of the same DP model, where the
+    run logged its rounds), of the final population and of the kept texts (mean ± std over
+    seeds), one panel per partitioning, one group of bars per method; saved as PNG at ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    table = summarise(rows, ["partitioning", "method"], ["fidelity_pool", "fidelity_kept"])
+    bars = (("fidelity_round1", "round 1 (same model, unrefined)"), ("fidelity_pool", "final population"),
+            ("fidelity_kept", "kept (final set)"))
+    table = summarise(rows, ["partitioning", "method"], [key for key, _ in bars])
     parts = sorted({e["partitioning"] for e in table})
     fig, axes = plt.subplots(1, len(parts), figsize=(6 * len(parts), 3.8), squeeze=False, sharey=True)
     for ax, part in zip(axes[0], parts):
         entries = sorted((e for e in table if e["partitioning"] == part), key=lambda e: e["method"])
         x = np.arange(len(entries))
-        for offset, key, label in ((-0.2, "fidelity_pool", "whole pool"), (0.2, "fidelity_kept", "kept (final set)")):
-            ax.bar(x + offset, [e[key][0] for e in entries], width=0.4, yerr=[e[key][1] for e in entries],
+        for offset, (key, label) in zip((-0.27, 0.0, 0.27), bars):
+            ax.bar(x + offset, [e[key][0] for e in entries], width=0.27, yerr=[e[key][1] for e in entries],
                    capsize=3, label=label)
         ax.set_xticks(x, [e["method"] for e in entries], rotation=30, ha="right", fontsize=8)
         ax.set_title(part or "runs")

@@ -79,29 +79,27 @@ def diagnose_run(run_dir: Path, embedder: Any) -> dict[str, Any]:
                                             real_emb, real_labels)["accuracy"],
         "accuracy_uniform_same_pool": math.nan,
     }
+    rate = float(config["sampling-rate"])
     if not kept.all():
         # Paired with the kept set: A.4 with equal weights on the *same* pool (same model,
         # same texts), so the difference is the votes alone, not another DP training run.
-        out["accuracy_uniform_same_pool"] = _equal_weight_accuracy(pool_emb, pool_labels, real_emb, real_labels,
-                                                                   float(config["sampling-rate"]))
+        out["accuracy_uniform_same_pool"] = _equal_weight_accuracy(pool_emb, pool_labels, real_emb, real_labels, rate)
     if all(r.get("votes") is not None for r in pool):
         votes = np.array([float(r["votes"]) for r in pool])
         out["votes_auc"] = _auc_within_codes(on_topic, votes, pool_labels)
         out["votes_on_topic"], out["votes_off_topic"] = _mean(votes[on_topic]), _mean(votes[~on_topic])
     out.update(dict.fromkeys(ROUND_FIELDS, math.nan))
     if (run_dir / "refinement_rounds.jsonl").exists():
-        rows = [r for r in read_jsonl(run_dir / "refinement_rounds.jsonl") if r["round"] == 1]
+        history = read_jsonl(run_dir / "refinement_rounds.jsonl")
+        rows = [r for r in history if r["round"] == 1]
         labels = _labels(rows, column)
         emb = embed(embedder, [r["text"] for r in rows])
         first = label_agreement(emb, labels, real_emb, real_labels)
-        role = np.array([r.get("role") or "" for r in rows])
         out.update(fidelity_round1=_mean(first),
                    scores_auc_round1=_auc_within_codes(first, np.array([r["score"] for r in rows]), labels),
-                   accuracy_none_same_model=_equal_weight_accuracy(emb, labels, real_emb, real_labels,
-                                                                   float(config["sampling-rate"])))
-        if (role != "").any():  # POPri's pairs, all rounds
-            all_rows = read_jsonl(run_dir / "refinement_rounds.jsonl")
-            paired = [r for r in all_rows if r.get("role")]
+                   accuracy_none_same_model=_equal_weight_accuracy(emb, labels, real_emb, real_labels, rate))
+        paired = [r for r in history if r.get("role")]  # POPri's preference pairs, all rounds
+        if paired:
             agree = label_agreement(embed(embedder, [r["text"] for r in paired]), _labels(paired, column),
                                     real_emb, real_labels)
             roles = np.array([r["role"] for r in paired])

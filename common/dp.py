@@ -174,6 +174,33 @@ def pld_epsilon(events: Sequence[Any], delta: float) -> float:
     return float(accountant.get_epsilon(delta))
 
 
+def composed_epsilon(releases: Sequence[dict[str, Any]]) -> float:
+    """Epsilon of ``releases`` together, at the sum of their deltas: the one composition of
+    the node's ledger and the run's privacy report.
+
+    Each release is a dict with ``mechanism``, ``epsilon`` and ``delta``, and the details a PLD
+    needs where they are known: ``sigma`` and ``sensitivity`` (Gaussian), or
+    ``noise_multiplier``, ``sample_rate`` and ``steps`` (DP-SGD: only the node's own ledger
+    has them, since the sampling rate reveals |D|). Those are composed by a PLD accountant at
+    the sum of their deltas; the rest are added by basic composition (with their own deltas).
+    Never more than basic composition.
+    """
+    if any(not math.isfinite(float(r["epsilon"])) for r in releases):
+        return math.inf
+    events, pld_delta, rest = [], 0.0, 0.0
+    for r in releases:
+        if r["mechanism"] == GAUSSIAN and r.get("sigma"):
+            events.append(gaussian_event(r["sigma"], r["sensitivity"]))
+        elif r["mechanism"] == DPSGD and r.get("noise_multiplier"):
+            events.append(dpsgd_event(r["noise_multiplier"], r["sample_rate"], r["steps"]))
+        else:
+            rest += float(r["epsilon"])
+            continue
+        pld_delta += float(r["delta"])
+    basic = float(sum(float(r["epsilon"]) for r in releases))
+    return min(basic, (pld_epsilon(events, pld_delta) if events else 0.0) + rest)
+
+
 def dpsgd_epsilon(history: Sequence[Sequence[float]], delta: float) -> float:
     """Epsilon of a DP-SGD accountant history ``[(noise_multiplier, sample_rate, steps), ...]``.
 

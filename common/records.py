@@ -49,9 +49,12 @@ ERR_BUDGET = 1001  # refused: would exceed the node's privacy budget
 ERR_CONFIG = 1002  # the node's or the run's configuration is unusable
 ERR_INTERNAL = 1003  # anything else; details stay in the node's log
 ERR_POLICY = 1004  # refused: the request asks for more than the node's policy allows
+ERR_WEIGHTS = 1005  # refused: the request's weights are not finite, absurd, or not the model's
 # A node that answers with one of these spent nothing on that request: each is raised before
-# the ledger reserves (an internal error may come after a release, so it is not in this set).
-ERR_NOTHING_SPENT = (ERR_BUDGET, ERR_CONFIG, ERR_POLICY)
+# the ledger reserves. ERR_INTERNAL may come after a reservation, which then stays spent.
+# Each error's reason is one of a few fixed texts (``fedsyn_client.refusals``): no exception
+# name, number or path; the detail stays in the node's log.
+ERR_NOTHING_SPENT = (ERR_BUDGET, ERR_CONFIG, ERR_POLICY, ERR_WEIGHTS)
 ERR_REFUSED = (ERR_BUDGET, ERR_POLICY)  # the node refuses the run's terms: it cannot finish the run
 
 # Phase-1 replies are averaged with this weight. It is 1.0 for every node (paper A.3:

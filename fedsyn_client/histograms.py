@@ -16,7 +16,7 @@ import numpy as np
 
 from common.config import ConfigError, RunConfig
 from common.data import TextData, dataset_fingerprint
-from fedsyn_client.voting import knn_votes, similarity_scores
+from fedsyn_client.voting import finite_rows, knn_votes, similarity_scores
 
 Compute = Callable[[], np.ndarray]
 
@@ -51,7 +51,9 @@ def _on_embeddings(records: TextData, texts: list[str], codes: list[str], cfg: R
     def compute() -> np.ndarray:
         from common.models import embed, load_embedder
 
-        return fn(local_embeddings(records, cfg.embedder), records.codes, embed(load_embedder(cfg.embedder), texts), codes)
+        # non-finite embeddings become zero rows before any statistic is computed from them
+        return fn(finite_rows(local_embeddings(records, cfg.embedder)), records.codes,
+                  finite_rows(embed(load_embedder(cfg.embedder), texts)), codes)
 
     return compute
 

@@ -1,12 +1,14 @@
 """A node's standing facts: its policy, its records and its ledger.
 
 Deployment: ``flower-supernode --node-config 'tier="strong" data-path="/data/x.csv"
-state-dir="/var/lib/fedsyn" epsilon=8'`` (see ``common.policy`` for every key).
+state-dir="/var/lib/fedsyn" epsilon=8'`` (see ``fedsyn_client.policy`` for every key).
 Simulation: the policy is built from the run config (no institution exists), tier and
 records follow from ``partition-id`` / ``num-partitions``; the ledger lives in a temp dir
 per run and node unless node config sets ``state-dir``. After that the code path is the same.
 
-The order is the point: the policy is checked against the run *before* any record is read.
+The order is the point: ``node_policy`` reads the policy (no data), the request is
+authorised against it (``fedsyn_client.release.authorise``), and only then does ``open_node``
+read the records and the ledger.
 """
 
 from __future__ import annotations
@@ -19,16 +21,14 @@ from typing import Any
 
 from common.config import RunConfig
 from common.data import TextData, dataset_fingerprint, load_node_data
-from common.ledger import PrivacyLedger
 from common.logs import get_logger
-from common.policy import NodePolicy, PolicyError, is_simulated, policy_from_node_config, simulation_policy
+from fedsyn_client import refusals
+from fedsyn_client.ledger import PrivacyLedger
+from fedsyn_client.policy import NodePolicy, PolicyError, is_simulated, policy_from_node_config, simulation_policy
+from fedsyn_client.refusals import NodeSetupError
 from fedsyn_client.replies import ReplyStore
 
 log = get_logger(__name__)
-
-
-class NodeSetupError(RuntimeError):
-    """The node's configuration or data is unusable (message says what and how to fix)."""
 
 
 @dataclass
@@ -59,17 +59,18 @@ class Node:
         return self._views[vocabulary]
 
 
-def get_node(run_id: str, node_config: dict[str, Any], cfg: RunConfig) -> Node:
-    """This node for a run: its policy checked against the run config, then its data and ledger.
-
-    Raises ``PolicyRefused`` (the run asks for more than the policy allows) before any record
-    is read, ``NodeSetupError`` when the node's own configuration or data is unusable.
-    """
+def node_policy(run_id: str, node_config: dict[str, Any], cfg: RunConfig) -> NodePolicy:
+    """This node's policy (nothing is read from the records). Raises ``NodeSetupError`` when
+    the node's own configuration is unusable."""
     try:
-        policy = _policy(run_id, tuple(sorted((str(k), str(v)) for k, v in node_config.items())), cfg)
+        return _policy(run_id, tuple(sorted((str(k), str(v)) for k, v in node_config.items())), cfg)
     except (PolicyError, ValueError) as err:
         raise NodeSetupError(str(err)) from None
-    policy.check_run(cfg.text_column, cfg.control_columns, cfg.epsilon)
+
+
+def open_node(policy: NodePolicy, cfg: RunConfig) -> Node:
+    """This node's records and ledger under ``policy`` (call once the request is authorised).
+    Raises ``NodeSetupError`` when the data or the ledger is unusable."""
     return _open(policy, cfg if policy.simulated else None)
 
 
@@ -111,6 +112,7 @@ def _policy(run_id: str, node_config_items: tuple[tuple[str, str], ...], cfg: Ru
         tier=simulation_tiers(num, cfg.strong_fraction)[pid], epsilon=cfg.epsilon,
         delta=cfg.resolve_delta(len(bench.train)), text_column=cfg.text_column,
         control_columns=cfg.control_columns, vocabulary=bench.vocabulary, state_dir=state, partition=(pid, num),
+        model=cfg.model, embedder=cfg.embedder, finetune=cfg.finetune,
     )
 
 
@@ -124,11 +126,11 @@ def _open(policy: NodePolicy, sim_cfg: RunConfig | None) -> Node:
         try:
             data = load_node_data(policy.data_path, policy.text_column, list(policy.control_columns))
         except (OSError, ValueError, KeyError) as err:
-            # The reason names the file and the column, never a record.
+            # The detail (file, line, field counts) is for the node's log; the server gets DATA.
             raise NodeSetupError(f"data unavailable: data-path {policy.data_path!r} cannot be used: "
-                                 f"{type(err).__name__}: {str(err)[:300]}") from None
+                                 f"{type(err).__name__}: {str(err)[:300]}", refusals.DATA) from None
     if len(data) == 0:
-        raise NodeSetupError(f"data unavailable: data-path {policy.data_path!r} has no records")
+        raise NodeSetupError(f"data unavailable: data-path {policy.data_path!r} has no records", refusals.DATA)
     if policy.delta >= 1.0 / len(data):  # the node's own log only: the count never leaves
         log.warning("delta = %g >= 1/%d records on this node: the guarantee is weak; set a smaller node-config delta",
                     policy.delta, len(data))

@@ -1,18 +1,24 @@
 """The one release path on a node: authorise -> reserve -> compute + noise -> confirm -> reply.
 
-Every message that releases something derived from the records (training, profile, vote,
-and any histogram a refinement adds) goes through ``release``, so a new mechanism gets
-the same protection by construction:
+Every message goes through ``authorise`` before it touches data (the ClientApp's handler
+wrapper calls it for every message type, so a new one cannot skip it), and every message
+that releases something derived from the records (training, profile, vote, and any histogram
+a refinement adds) goes through ``release``, so a new mechanism gets the same protection by
+construction:
 
-1. **authorise** against the node's policy (``read_request``: data view, vocabulary, delta,
-   per-phase caps) -- before any record is read; a request this node already answered
-   (same run key, phase, round and content) gets its stored reply, at no cost
-   (``fedsyn_client.replies``);
-2. **reserve** epsilon in the ledger under its file lock (total budget, this run's budget
-   for the phase; DP-SGD also its step budget);
+1. **authorise** against the node's policy (``NodePolicy.authorise``: data view, vocabulary,
+   delta, per-phase caps, the models it runs) -- before any record is read; then the
+   mechanism's own data-independent checks of the request (``Mechanism.check``: e.g. incoming
+   weights finite, bounded and the model's); a request this node already answered (same run
+   key, phase, round and content) gets its stored reply, at no cost (``fedsyn_client.replies``);
+2. **reserve** epsilon in the ledger under its file lock (total budget, this run's budget for
+   the phase, the policy's cap for the phase across runs; DP-SGD also its step budget and the
+   terms its noise was calibrated for);
 3. **compute and noise** in the mechanism (``Mechanism.release``);
-4. **confirm** in the ledger with the private details (or cancel on a clean failure), and
-   store the noised reply for a repeated request;
+4. **confirm** in the ledger with the private details, and store the noised reply for a
+   repeated request. A failure after the reservation is marked *failed* and stays charged:
+   were it free, a server could ask for a release that fails on a condition of the records
+   and learn the condition at no cost. Its reply is one fixed text, whatever failed;
 5. **reply** with the release's *statement*: phase, mechanism, epsilon, delta and only
    data-independent parameters (sigma and sensitivity of a Gaussian, DP-SGD's steps) --
    never a sampling rate, noise multiplier or count from which |D| follows.
@@ -30,21 +36,23 @@ from flwr.app import ConfigRecord, Context, Message
 
 from common import records as R
 from common.config import ConfigError, RunConfig
-from common.dp import GAUSSIAN, analytic_gaussian_sigma, gaussian_release, phase_epsilon
-from common.ledger import Release
+from common.dp import GAUSSIAN, PHASES, analytic_gaussian_sigma, gaussian_release, phase_epsilon
 from common.logs import get_logger
+from fedsyn_client.ledger import Release
 from fedsyn_client.node import Node
+from fedsyn_client.policy import Ask, NodePolicy
 from fedsyn_client.replies import check_run_key, request_digest
 
 log = get_logger(__name__)
+TIER, LEDGER = "tier", "ledger"  # the message kinds that release nothing
 
 
 @dataclass(frozen=True)
 class Request:
-    """A release the server asked for, as this node read and authorised it."""
+    """A request as this node read and authorised it."""
 
     run_id: str
-    phase: str
+    phase: str  # a release's phase, or TIER / LEDGER
     epsilon: float  # what this release costs (basic composition)
     delta: float
     phase_budget: float  # this run's epsilon for the phase (node-side split, capped by the policy)
@@ -52,6 +60,8 @@ class Request:
     round: int = 0
     params: dict[str, Any] = field(default_factory=dict)  # the message's other config values
     digest: str = ""  # of the whole request, to answer a repeat with the stored reply
+    needs: dict[str, float] = field(default_factory=dict)  # TIER: this run's epsilon per planned phase
+    cap: tuple[float, float] | None = None  # the policy's cap for the phase and its window (days)
 
 
 def run_key(msg: Message, context: Context) -> str:
@@ -61,34 +71,46 @@ def run_key(msg: Message, context: Context) -> str:
     return check_run_key(str(conf.get("resume-key") or context.run_id))
 
 
-def read_request(msg: Message, context: Context, node: Node, cfg: RunConfig, phase: str) -> Request:
-    """Read and authorise a request against the node's policy (nothing is read from the records).
+def authorise(msg: Message, context: Context, policy: NodePolicy, cfg: RunConfig, kind: str) -> Request:
+    """Read a request of ``kind`` (a phase, ``TIER`` or ``LEDGER``) and authorise it against the
+    node's policy; nothing is read from the records.
 
-    The run's epsilon for ``phase`` is the appendix-B split of the run's per-node epsilon
-    (already checked to be within the node's budget), capped by the policy's per-phase cap.
-    An ``epsilon-share`` in (0, 1] asks for that part of it *and* of delta (a refinement with
+    The run's epsilon for a phase is the appendix-B split of the run's per-node epsilon
+    (checked to be within the node's budget), capped by the policy's per-phase cap. An
+    ``epsilon-share`` in (0, 1] asks for that part of it *and* of delta (a refinement with
     several vote rounds): the rounds of a phase never compose to more than (epsilon, delta).
+    The tier query is authorised for every phase it plans for this node's tier.
     Raises ``PolicyRefused`` or ``ConfigError``.
     """
+    key = run_key(msg, context)
+    if kind == LEDGER:  # the node's own book of this run: free, and touches no record
+        return Request(run_id=key, phase=LEDGER, epsilon=0.0, delta=0.0, phase_budget=0.0, vocabulary=())
     conf = dict(msg.content.config_records[R.CONFIG]) if R.CONFIG in msg.content.config_records else {}
     vocabulary = tuple(str(c) for c in conf.get("codes", []))
-    node.policy.check_vocabulary(vocabulary)
-    delta = conf.get("delta")
-    node.policy.check_delta(delta)
-    budget = phase_epsilon(cfg.epsilon, cfg.epsilon_profile, node.tier, cfg.voters, phase)
-    node.policy.check_phase(phase, budget)
-    if budget == 0:
-        raise ConfigError(f"{phase} was sent to a {node.tier} node, which has no {phase} budget in this run "
-                          f"(voters={cfg.voters})")
-    share = float(conf.get("epsilon-share", 1.0))
-    if not 0 < share <= 1:
-        raise ConfigError(f"epsilon-share = {share}; must be in (0, 1]")
+    needs = {p: phase_epsilon(cfg.epsilon, cfg.epsilon_profile, policy.tier, cfg.voters, p) for p in PHASES}
+    if kind == TIER:
+        planned = {p: needs[p] for p in (str(x) for x in conf.get("phases", PHASES)) if p in needs and needs[p] > 0}
+    else:
+        if "delta" not in conf:
+            raise ConfigError(f"the {kind} request carries no delta")
+        planned = {kind: needs[kind]}
+    policy.authorise(Ask(text_column=cfg.text_column, control_columns=cfg.control_columns, epsilon=cfg.epsilon,
+                         vocabulary=vocabulary, phases=tuple(planned.items()), delta=conf.get("delta"),
+                         model=cfg.model, embedder=cfg.embedder, finetune=cfg.finetune))
+    if kind == TIER:
+        return Request(run_id=key, phase=TIER, epsilon=float(sum(planned.values())), delta=0.0, phase_budget=0.0,
+                       vocabulary=vocabulary, params=conf, needs=planned)
+    share = conf.get("epsilon-share", 1.0)
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+        raise ConfigError(f"epsilon-share = {share!r}; must be in (0, 1]")
+    budget, cap = planned[kind], policy.cap(kind)
     # delta is split like epsilon: however many rounds a server asks for, the phase's rounds
     # together cost at most (epsilon, delta) of the phase; a delta per round would grow with them
-    return Request(run_id=run_key(msg, context), phase=phase, epsilon=budget * share, delta=float(delta) * share,
+    return Request(run_id=key, phase=kind, epsilon=budget * share, delta=float(conf["delta"]) * share,
                    phase_budget=budget, vocabulary=vocabulary, round=int(conf.get("server-round", 0)),
                    params={k: v for k, v in conf.items() if k not in ("codes", "delta", "resume-key")},
-                   digest=request_digest(msg.content))
+                   digest=request_digest(msg.content),
+                   cap=(cap, policy.cap_window_days) if cap is not None else None)
 
 
 @dataclass
@@ -116,6 +138,15 @@ class Mechanism(ABC):
     def steps(self, request: Request) -> tuple[int, int] | None:
         """(steps this release takes, steps this run may take in its phase), or None."""
         return None
+
+    def binding(self, request: Request) -> dict[str, Any] | None:
+        """What this release's noise is calibrated for, when later rounds share its
+        reservation (DP-SGD): a later round under other terms is refused. None: no binding."""
+        return None
+
+    def check(self, request: Request) -> None:
+        """Data-independent checks of the request's inputs, before the reservation (e.g. the
+        incoming weights); raise a ``Refusal``. Nothing here may read a record."""
 
     @abstractmethod
     def release(self, request: Request) -> Output:
@@ -149,19 +180,33 @@ def release(node: Node, request: Request, mechanism: Mechanism) -> tuple[Any, Co
         log.info("%s round %d of run %s was released before: replaying the same reply (no privacy cost)",
                  request.phase, request.round, request.run_id)
         return stored[0], ConfigRecord(stored[1])
+    mechanism.check(request)
     epsilon, delta = mechanism.cost(request)
     rel = Release(phase=request.phase, mechanism=mechanism.name, epsilon=epsilon, delta=delta,
                   run_id=request.run_id, round=request.round, public=mechanism.public(request))
-    entry = node.ledger.reserve(rel, request.phase_budget, steps=mechanism.steps(request))
+    entry = node.ledger.reserve(rel, request.phase_budget, steps=mechanism.steps(request), cap=request.cap,
+                                binding=mechanism.binding(request))
     try:
         out = mechanism.release(request)
+        if not _finite(out.payload):  # never computed from a non-finite value, never released as one
+            raise FloatingPointError("the noised release is not finite")
     except BaseException as err:
-        node.ledger.cancel(entry, f"{type(err).__name__} before anything left the node")
-        raise
+        node.ledger.fail(entry, f"{type(err).__name__} after the reservation")
+        raise ReleaseFailed(f"{request.phase} round {request.round} failed after its reservation "
+                            f"(charged): {type(err).__name__}: {err}") from err
     node.ledger.confirm(entry, out.private, out.accountant)
     statement = statement_record(node, rel)
     node.replies.put(request.run_id, request.phase, request.round, request.digest, out.payload, dict(statement))
     return out.payload, statement
+
+
+class ReleaseFailed(RuntimeError):
+    """A release failed after its reservation (it stays charged); the server gets one fixed text."""
+
+
+def _finite(payload: Any) -> bool:
+    values = payload.values() if isinstance(payload, dict) else [payload]
+    return all(np.isfinite(np.asarray(v)).all() for v in values)
 
 
 def statement_record(node: Node, rel: Release) -> ConfigRecord:

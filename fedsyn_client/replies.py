@@ -31,6 +31,8 @@ from flwr.app import RecordDict
 from common.config import ConfigError
 from common.dp import TRAIN
 from common.io import atomic_write_npz
+from fedsyn_client import refusals
+from fedsyn_client.refusals import BudgetExceeded
 
 _KEY = re.compile(r"^[A-Za-z0-9._-]{1,80}$")
 _VECTOR = "__vector__"
@@ -72,7 +74,7 @@ class ReplyStore:
     def get(self, key: str, phase: str, rnd: int, digest: str) -> tuple[Any, dict[str, Any]] | None:
         """The stored (payload, statement) for this request, or None if there is none.
 
-        Raises ``ConfigError`` when (key, phase, round) was released for another request.
+        Raises ``BudgetExceeded`` when (key, phase, round) was released for another request.
         """
         path = self._path(key, phase, rnd)
         if not path.exists():
@@ -80,7 +82,7 @@ class ReplyStore:
         with np.load(path, allow_pickle=False) as stored:
             meta = json.loads(str(stored["__meta__"]))
             if meta["digest"] != digest:
-                raise ConfigError(
+                raise BudgetExceeded(refusals.BUDGET_REPLAYED,
                     f"this node already released {phase} round {rnd} of run {key!r} for a different request; "
                     "a resumed run must repeat the same request (same resume-key, round, candidates and weights)")
             payload = (np.array(stored[_VECTOR]) if meta["order"] == [_VECTOR]

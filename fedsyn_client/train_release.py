@@ -10,8 +10,16 @@ Privacy accounting of phase 1, chosen so that nothing the server sees depends on
   per-round increments of the RDP epsilon depend on q, i.e. on |D|, so stating them would
   tell the server the record count; the reservation is data-independent and never
   under-counts (a run stopped after round 1 is charged the whole phase).
+- The reservation is bound to what the noise multiplier was calibrated for (epsilon, delta,
+  R, tau, B, model, finetune mode, LoRA rank): a later round, or a resume, under other terms
+  is refused, so re-sending the run key with a larger epsilon or more rounds cannot train past
+  the charge.
 - Before training, the accountant's epsilon after this round is checked against the
-  reservation (it can only exceed it if the data changed between rounds).
+  reservation (it can only exceed it if the data changed between rounds); that check comes
+  after the reservation, so its failure is charged and answered like any other failure.
+- The incoming weights are checked before any use: finite, within ``WEIGHT_LIMIT``, and the
+  model's own keys and shapes; a per-record gradient that is not finite is replaced by zeros
+  before clipping (``fedsyn_client.training``), so nothing non-finite reaches the noise.
 - q, the noise multiplier and the accountant's epsilon go to the node's ledger only.
 """
 
@@ -20,6 +28,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 from flwr.app import ArrayRecord
 
 from common import records as R
@@ -27,12 +36,14 @@ from common.config import RunConfig
 from common.data import TextData
 from common.devices import hidden_gpu_warning, model_device
 from common.dp import DPSGD, dpsgd_epsilon, dpsgd_noise_multiplier
-from common.ledger import BudgetExceeded
 from common.logs import get_logger
+from fedsyn_client.refusals import BadWeights
 from fedsyn_client.release import Mechanism, Output, Request
 
 log = get_logger(__name__)
 _TOL = 1e-6
+# No trained weight of a language model comes near this; a value beyond it is an attack or a bug.
+WEIGHT_LIMIT = 1e4
 
 
 class DpSgdRound(Mechanism):
@@ -51,6 +62,36 @@ class DpSgdRound(Mechanism):
         # holds either way, because the noise multiplier is calibrated for all R x tau steps and
         # the ledger never lets the run take more.
         self.phase_reserved = phase_reserved
+        self.model = self.tokenizer = None
+
+    def binding(self, request: Request) -> dict[str, Any]:  # noqa: D102
+        cfg = self.cfg
+        return {"epsilon": float(request.phase_budget), "delta": float(request.delta), "rounds": cfg.num_server_rounds,
+                "local_steps": cfg.local_steps, "batch_size": cfg.batch_size, "model": cfg.model,
+                "finetune": cfg.finetune, "lora_rank": cfg.lora_rank if cfg.finetune == "lora" else 0}
+
+    def check(self, request: Request) -> None:
+        """The incoming weights, before any use: finite, bounded, and this model's keys and shapes."""
+        from common.models import load_generator
+        from common.weights import load_trainable_state, prepare_model
+
+        try:
+            state = R.state_from_arrays(self.arrays)
+        except Exception as err:  # noqa: BLE001 - any unreadable record is bad weights
+            raise BadWeights(f"train: the weights cannot be read: {type(err).__name__}: {err}") from None
+        for name, arr in state.items():
+            if not np.issubdtype(arr.dtype, np.floating):
+                raise BadWeights(f"train: weight {name} has dtype {arr.dtype}, not a float")
+            if not np.isfinite(arr).all():
+                raise BadWeights(f"train: weight {name} has non-finite values")
+            if arr.size and float(np.abs(arr).max()) > WEIGHT_LIMIT:
+                raise BadWeights(f"train: weight {name} has |w| up to {float(np.abs(arr).max()):.3g} > {WEIGHT_LIMIT:g}")
+        model, self.tokenizer = load_generator(self.cfg.model, seed=self.cfg.seed)
+        self.model = prepare_model(model, self.cfg.finetune, self.cfg.lora_rank, seed=self.cfg.seed)
+        try:
+            load_trainable_state(self.model, state)
+        except ValueError as err:
+            raise BadWeights(f"train: {err}") from None
 
     def cost(self, request: Request) -> tuple[float, float]:  # noqa: D102
         if not self.cfg.private:
@@ -65,8 +106,6 @@ class DpSgdRound(Mechanism):
         return self.cfg.local_steps, self.total_steps
 
     def release(self, request: Request) -> Output:  # noqa: D102
-        from common.models import load_generator
-        from common.weights import load_trainable_state, prepare_model
         from fedsyn_client.training import TrainSettings, dp_train
 
         cfg = self.cfg
@@ -78,17 +117,17 @@ class DpSgdRound(Mechanism):
                        dpsgd_noise_multiplier(request.phase_budget, delta, q, self.total_steps))
             after = dpsgd_epsilon(history + [[nm, q, cfg.local_steps]], delta)
             if after > request.phase_budget + _TOL:
-                raise BudgetExceeded(f"train: refused, this round would take phase 1 to epsilon = {after:.4g}, "
-                                     f"above the reserved {request.phase_budget:g} (did the data change?)")
+                raise RuntimeError(f"train: this round would take phase 1 to epsilon = {after:.4g}, above the "
+                                   f"reserved {request.phase_budget:g} (did the data change?)")
         else:
             nm = 0.0
         warning = hidden_gpu_warning()
         if warning:
             log.warning("%s", warning)
-        model, tokenizer = load_generator(cfg.model, seed=cfg.seed)
+        if self.model is None:
+            self.check(request)
+        model, tokenizer = self.model, self.tokenizer
         log.info("round %d: DP-SGD on %s", request.round, model_device(model))
-        model = prepare_model(model, cfg.finetune, cfg.lora_rank, seed=cfg.seed)
-        load_trainable_state(model, R.state_from_arrays(self.arrays))
         settings = TrainSettings(
             local_steps=cfg.local_steps, batch_size=cfg.batch_size, learning_rate=cfg.learning_rate,
             max_length=cfg.max_length, max_grad_norm=cfg.max_grad_norm, noise_multiplier=nm,

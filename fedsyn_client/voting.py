@@ -5,6 +5,22 @@ from __future__ import annotations
 import numpy as np
 
 
+def finite_rows(emb: np.ndarray) -> np.ndarray:
+    """``emb`` with every row that holds a non-finite value replaced by zeros.
+
+    A record (or a candidate) whose embedding overflowed, or that a crafted embedder made NaN,
+    must not decide what the node releases: NaN compares as neither near nor far, and would
+    pass through clipping and noise as NaN. A zero row is a fixed value that scores 0 against
+    everything, so the record's contribution stays within the histogram's sensitivity.
+    """
+    emb = np.asarray(emb, dtype=np.float64)
+    bad = ~np.isfinite(emb).all(axis=1) if emb.ndim == 2 else ~np.isfinite(emb)
+    if bad.any():
+        emb = emb.copy()
+        emb[bad] = 0.0
+    return emb
+
+
 def knn_votes(
     local_emb: np.ndarray, local_codes: list[str], syn_emb: np.ndarray, syn_codes: list[str], k: int
 ) -> np.ndarray:

@@ -8,8 +8,8 @@ Subcommands:
   resumable, with results.csv, results.md and plots.
 - ``fedsyn run [APP] [FEDERATION] [flwr run options]``: ``flwr run`` with the ClientApps
   given the machine's GPUs in simulation (everything else passed through).
-- ``fedsyn ledger STATE_DIR``: a node's privacy ledger (budget, spent, every release), for
-  the institution's operator; ``--reset --reason ...`` starts over, recorded.
+- ``fedsyn ledger STATE_DIR`` and ``fedsyn node-check``: the node operator's commands, from
+  ``fedsyn_client.cli`` (registered as ``fedsyn.commands`` entry points).
 
 ``main(argv)`` returns the exit code (0 ok, 2 bad input), so it can be called from Python
 and tests; new subcommands register a parser in ``build_parser`` and a handler.
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from importlib.metadata import entry_points
 from pathlib import Path
 
 from common.tables import DatasetLoadError
@@ -187,111 +188,17 @@ def exit_code_of_run(code: int, output: str, env: dict[str, str]) -> int:
     return code
 
 
-def _add_ledger(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "ledger", help="show (or reset) a node's privacy ledger",
-        description="What this node's records have spent: budget, epsilon by basic composition and by a "
-                    "PLD accountant at the cumulative delta, and every release. Run it on the node.",
-    )
-    p.add_argument("state_dir", help="the node's state-dir (node-config state-dir; default ~/.fedsyn/state)")
-    p.add_argument("--ledger-id", default="", help="the node-config ledger-id, if the node sets one")
-    p.add_argument("--json", action="store_true", help="print the whole ledger summary as JSON")
-    p.add_argument("--reset", action="store_true",
-                   help="archive the ledger and start an empty one (e.g. new data); needs --reason")
-    p.add_argument("--reason", default="", help="why the ledger is reset (kept in the new ledger)")
-    p.add_argument("--release-holds", action="store_true",
-                   help="end every pre-flight hold (e.g. of a run that crashed and will not be resumed)")
-    p.set_defaults(handler=_run_ledger)
-
-
-def _add_node_check(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "node-check", help="check a SuperNode's node config and data before starting it",
-        description="Run on the node with the --node-config you give flower-supernode: loads the policy, the "
-                    "data file and the ledger as the first request of a run will, and prints one line, or the "
-                    "reason (by file) and exit 1. Flower runs no app code when a SuperNode starts, so this is "
-                    "the start-up check (deploy/start_local_deployment.sh runs it). Spends nothing.",
-    )
-    p.add_argument("--node-config", required=True, help='e.g. \'tier="weak" data-path="site.csv" epsilon=8\'')
-    p.set_defaults(handler=_run_node_check)
-
-
-def _run_node_check(args: argparse.Namespace) -> int:
-    from flwr.common.config import parse_config_args
-
-    from fedsyn_client.node import NodeSetupError, check_node
-
-    try:
-        print(check_node(parse_config_args([args.node_config])))
-    except NodeSetupError as err:
-        print(f"fedsyn node-check: {err}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _run_ledger(args: argparse.Namespace) -> int:
-    import json
-
-    from common.ledger import PrivacyLedger, ledger_path, reset_ledger
-
-    if args.reset:
-        archive = reset_ledger(args.state_dir, args.reason, args.ledger_id)
-        print(f"ledger reset; the old one is archived at {archive}")
-        return 0
-    path = ledger_path(args.state_dir, args.ledger_id)
-    if not path.exists():
-        raise FileNotFoundError(f"no ledger at {path} (is {args.state_dir} the node's state-dir?)")
-    if args.release_holds:
-        ended = PrivacyLedger(path).release_hold()
-        print(f"ended {len(ended)} hold(s){': runs ' + ', '.join(ended) if ended else ''}")
-        return 0
-    summary = PrivacyLedger(path).summary()
-    print(json.dumps(summary, indent=2) if args.json else format_ledger(summary))
-    return 0
-
-
-def format_ledger(summary: dict) -> str:
-    """A node's ledger summary as a readable table."""
-    lines = [
-        f"ledger           {summary['ledger']}",
-        f"budget           epsilon = {summary['budget']:g}",
-        f"spent            epsilon = {summary['epsilon_spent']:.4g} (basic composition), "
-        f"{summary['epsilon_pld']:.4g} (PLD at delta = {summary['delta_spent']:.3g})",
-        f"remaining        epsilon = {summary['epsilon_remaining']:.4g}"
-        + (f" ({summary['epsilon_held']:.4g} held for runs under way: {', '.join(summary['holds'])})"
-           if summary.get("holds") else ""),
-        f"delta spent      {summary['delta_spent']:.3g}",
-    ]
-    for change in summary["budget_changes"]:
-        lines.append(f"budget change    {change['from']:g} -> {change['to']:g} at {_when(change['time'])}")
-    for reset in summary["resets"]:
-        lines.append(f"reset            {_when(reset['time'])}: {reset['reason']} "
-                     f"(previously spent {reset['previous_epsilon_spent']:.4g})")
-    header = f"{'time':19}  {'run':>20}  {'phase':8} {'round':>5}  {'mechanism':9} {'epsilon':>8} {'delta':>8}  status"
-    lines += ["", header, "-" * len(header)]
-    for r in summary["releases"]:
-        lines.append(f"{_when(r.get('time', 0)):19}  {str(r['run_id'])[-20:]:>20}  {r['phase']:8} {r['round']:>5}  "
-                     f"{r['mechanism']:9} {float(r['epsilon']):8.4g} {float(r['delta']):8.2g}  {r['status']}")
-    if not summary["releases"]:
-        lines.append("(no releases)")
-    return "\n".join(lines)
-
-
-def _when(t: float) -> str:
-    import time
-
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(t)))
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The ``fedsyn`` parser with one subparser per subcommand."""
     parser = argparse.ArgumentParser(prog="fedsyn", description="fedsyn: federated DP synthetic text")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_evaluate(subparsers)
     _add_experiment(subparsers)
-    _add_ledger(subparsers)
-    _add_node_check(subparsers)
     _add_run(subparsers)
+    # The node operator's commands (ledger, node-check) live with the node's code and are found
+    # through the package's entry points, so the server's code never imports the node's.
+    for entry in sorted(entry_points(group="fedsyn.commands"), key=lambda e: e.name):
+        entry.load()(subparsers)
     return parser
 
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from common.codes import parse_code
 from common.config import RunConfig
-from common.dp import GAUSSIAN, gaussian_event, phase_epsilon, pld_epsilon
+from common.dp import composed_epsilon, phase_epsilon
 from common.io import atomic_write_json, atomic_write_jsonl
 from strategies.result import FedSynResult
 
@@ -106,7 +106,7 @@ def privacy_report(cfg: RunConfig, res: FedSynResult) -> dict[str, Any]:
             "epsilon_spent": basic,
             "epsilon_spent_all_runs": float((book or {}).get("epsilon-spent", last.get("epsilon-spent", basic))),
             "delta": total_delta,
-            "epsilon_basic_composition": basic, "epsilon_pld": min(stated_pld_epsilon(statements, total_delta), basic),
+            "epsilon_basic_composition": basic, "epsilon_pld": composed_epsilon(statements),
             "releases": statements,
             "failures": failures,
         })
@@ -161,19 +161,6 @@ def unknown_releases(cfg: RunConfig, tier: str, stated: list[dict[str, Any]],
                         "delta": float(f["delta_requested"]), "round": f.get("round", 0),
                         "status": "unknown, counted as spent", "reason": f["reason"]})
     return out
-
-
-def stated_pld_epsilon(statements: list[dict[str, Any]], delta: float) -> float:
-    """PLD epsilon of stated releases at ``delta``: Gaussians composed by PLD, the rest
-    (DP-SGD, whose PLD would need the private sampling rate) added by basic composition."""
-    if any(not math.isfinite(float(r["epsilon"])) for r in statements):
-        return math.inf
-    gaussians = [r for r in statements if r["mechanism"] == GAUSSIAN and r.get("sigma")]
-    rest = float(sum(float(r["epsilon"]) for r in statements if r not in gaussians))
-    if not gaussians:
-        return rest
-    d = float(sum(float(r["delta"]) for r in gaussians))
-    return pld_epsilon([gaussian_event(r["sigma"], r["sensitivity"]) for r in gaussians], d) + rest
 
 
 def _release_view(r: dict[str, Any]) -> dict[str, Any]:

@@ -88,7 +88,7 @@ class ServerModel(Generator):
 
     def heldout_loss(self, arrays: ArrayRecord, test: TextData) -> dict[str, float] | None:
         """Mean conditional LM loss (eq. 5) of the global model on held-out records."""
-        from fedsyn_client.training import conditional_lm_loss, encode_examples
+        from common.lm_loss import conditional_lm_loss, encode_examples
 
         if len(test) == 0:
             return None

@@ -15,6 +15,7 @@ node answers it with the reply it stored when it released it, byte for byte, at 
 from __future__ import annotations
 
 import json
+import secrets
 import uuid
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -43,6 +44,8 @@ class Progress:
     completed: list[str] = field(default_factory=list)  # "finetune", "profile", "generate", "refine"
     train_round: int = 0
     vote_totals: list[list[float]] = field(default_factory=list)
+    # the run's secret for its pre-flight holds: only a request carrying it renews or ends them
+    hold_token: str = field(default_factory=lambda: secrets.token_hex(16))
 
 
 @dataclass

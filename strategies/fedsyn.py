@@ -320,7 +320,8 @@ class FedSynStrategy(Strategy):
     def _ask_tiers(self, grid: Grid, node_ids: list[int]) -> tuple[dict[int, str], dict[int, str]]:
         """The tier query to ``node_ids``: returns (tier of each node that can finish the run,
         why each node that answered cannot). Budgets and ledger refs are kept in the result."""
-        replies = self.courier.ask(grid, node_ids, R.MSG_TIER, "tiers", RecordDict({R.CONFIG: self._request(phases=self._plan())}))
+        replies = self.courier.ask(grid, node_ids, R.MSG_TIER, "tiers", RecordDict({R.CONFIG: self._request(
+            phases=self._plan(), **{"hold-token": self.progress.hold_token})}))
         nodes: dict[int, str] = {}
         cannot = {f["node_id"]: f["reason"] for f in self.result.failures
                   if f["phase"] == "tiers" and f.get("code") in R.ERR_REFUSED and f["node_id"] in node_ids}
@@ -443,7 +444,8 @@ class FedSynStrategy(Strategy):
         The report then shows what each node actually charged, including a release whose
         reply was lost; a node that does not answer keeps the releases seen in its replies.
         """
-        replies = self.courier.ask(grid, node_ids, R.MSG_LEDGER, "ledger", RecordDict({R.CONFIG: self._request()}))
+        replies = self.courier.ask(grid, node_ids, R.MSG_LEDGER, "ledger", RecordDict({R.CONFIG: self._request(
+            **{"hold-token": self.progress.hold_token})}))
         for nid, msg in replies.items():
             try:
                 rec = msg.content.config_records[R.LEDGER]

@@ -58,6 +58,10 @@ class SubGrid(Grid):
         return self._grid.send_and_receive(messages, timeout=timeout)
 
 
+def _finite_arrays(msg: Message) -> bool:
+    return all(np.isfinite(a).all() for rec in msg.content.array_records.values() for a in rec.to_numpy_ndarrays())
+
+
 class Courier:
     """Requests to nodes for one run; replies, failures and degradations go into ``result``."""
 
@@ -91,10 +95,13 @@ class Courier:
             if msg.has_error():
                 self.fail(nid, phase, f"error {msg.error.code}: {msg.error.reason}", rnd, share, msg.error.code)
                 continue
-            good[nid] = msg
             statement = dict(msg.content.config_records.get(R.RELEASE, {}))
             if statement and statement not in self.result.releases.setdefault(nid, []):  # a replay is not a new release
                 self.result.releases[nid].append(statement)
+            if not _finite_arrays(msg):  # NaN weights would poison the global model: finite in, finite out
+                self.fail(nid, phase, "malformed reply: non-finite weights", rnd, share, stated=bool(statement))
+                continue
+            good[nid] = msg
         for nid in sorted(set(to_node.values()) - answered):
             self.fail(nid, phase, "no reply before node-timeout", rnd, share)
         return good

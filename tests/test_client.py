@@ -76,7 +76,7 @@ def test_the_preflight_statement_does_not_depend_on_the_records(tmp_path):
 
 
 def test_profile_is_released_once_per_run_a_repeat_is_replayed_free_and_more_is_refused(csv_path, tmp_path):
-    from common.ledger import PrivacyLedger
+    from fedsyn_client.ledger import PrivacyLedger
 
     node = _node(csv_path, tmp_path)
     first = _send(node, R.MSG_PROFILE, _profile_request(["topic=x", "topic=y"]))
@@ -94,20 +94,21 @@ def test_profile_is_released_once_per_run_a_repeat_is_replayed_free_and_more_is_
     other = _profile_request(["topic=x", "topic=y"])
     other.config_records[R.CONFIG]["delta"] = 5e-6
     differs = _send(node, R.MSG_PROFILE, other)
-    assert differs.error.code == ERR_CONFIG and "for a different request" in differs.error.reason
+    assert differs.error.code == ERR_BUDGET and differs.error.reason == "refused: budget: released before for another request"
     # a second profile in the same run (another round): beyond the run's profile budget
     more = _profile_request(["topic=x", "topic=y"])
     more.config_records[R.CONFIG]["server-round"] = 1
     refused = _send(node, R.MSG_PROFILE, more)
-    assert refused.error.code == ERR_BUDGET and "profile budget" in refused.error.reason
+    assert refused.error.code == ERR_BUDGET and refused.error.reason == "refused: budget: phase"
     assert PrivacyLedger.open(tmp_path, 8.0).spent() == 2.0
 
 
-def test_train_on_a_weak_node_is_a_config_error(csv_path, tmp_path):
+def test_train_on_a_weak_node_is_refused_by_its_policy(csv_path, tmp_path):
     node = _node(csv_path, tmp_path)
     reply = _send(node, R.MSG_TRAIN, RecordDict({R.ARRAYS: ArrayRecord(), R.CONFIG: ConfigRecord(
-        {"server-round": 1, "delta": 1e-5})}))
-    assert reply.has_error() and reply.error.code == ERR_CONFIG and "weak" in reply.error.reason
+        {"server-round": 1, "delta": 1e-5, "codes": ["topic=x", "topic=y"]})}))
+    assert reply.has_error() and reply.error.code == ERR_POLICY
+    assert reply.error.reason == "refused: policy: phase not for this node"
 
 
 def test_bad_vote_requests_are_refused_before_any_budget_is_spent(csv_path, tmp_path):
@@ -133,7 +134,8 @@ def test_node_config_epsilon_caps_the_run(csv_path, tmp_path):
     nc = {"tier": "weak", "data-path": csv_path, "state-dir": str(tmp_path), "epsilon": 4.0}
     over = RunConfig(model="tiny-gpt2", dataset=csv_path, test_fraction=0.0, epsilon=8.0).to_flower()
     refused = _send(client_node(app, 5, nc, over), R.MSG_PROFILE, _profile_request(["topic=x", "topic=y"]))
-    assert refused.has_error() and refused.error.code == ERR_POLICY and "epsilon=4" in refused.error.reason
+    assert refused.has_error() and refused.error.code == ERR_POLICY
+    assert refused.error.reason == "refused: policy: epsilon above the node's budget"  # a fixed text, no number
     within = RunConfig(model="tiny-gpt2", dataset=csv_path, test_fraction=0.0, epsilon=4.0,
                        epsilon_profile=1.0).to_flower()
     reply = _send(client_node(app, 5, nc, within), R.MSG_PROFILE, _profile_request(["topic=x", "topic=y"]))
@@ -141,11 +143,12 @@ def test_node_config_epsilon_caps_the_run(csv_path, tmp_path):
     assert rel["epsilon-budget"] == 4.0 and rel["epsilon"] == 1.0
 
 
-def test_missing_tier_in_deployment_names_the_fix(csv_path, tmp_path):
+def test_missing_tier_in_deployment_names_the_fix(csv_path, tmp_path, caplog):
     rc = RunConfig(model="tiny-gpt2", dataset=csv_path).to_flower()
     node = client_node(app, 5, {"data-path": csv_path, "epsilon": 8.0}, rc)
     reply = _send(node, R.MSG_PROFILE, _profile_request(["topic=x", "topic=y"]))
-    assert reply.has_error() and 'tier="strong"' in reply.error.reason
+    assert reply.has_error() and reply.error.reason == "node: not ready (see the node's log)"
+    assert 'tier="strong"' in caplog.text  # the fix is in the node's own log
 
 
 def test_a_weak_node_never_imports_the_training_stack():

@@ -6,7 +6,7 @@ import math
 import pytest
 
 from common.config import ConfigError, RunConfig
-from common.ledger import BudgetExceeded, PrivacyLedger, Release
+from fedsyn_client.ledger import BudgetExceeded, PrivacyLedger, Release
 
 
 def _rel(eps, phase="profile", run_id="1", **public):
@@ -33,7 +33,7 @@ def test_ledger_persists_and_refuses_past_budget(tmp_path):
 
 
 def test_a_preflight_hold_refuses_a_second_run_until_the_first_ends_or_lapses(tmp_path, monkeypatch):
-    import common.ledger as ledger_module
+    import fedsyn_client.ledger as ledger_module
 
     led = PrivacyLedger.open(tmp_path, budget=8.0)
     assert led.hold("A", 8.0).shortfall == 0.0  # run A can finish: 8 held for it
@@ -49,28 +49,37 @@ def test_a_preflight_hold_refuses_a_second_run_until_the_first_ends_or_lapses(tm
     assert led.summary()["epsilon_held"] == pytest.approx(6.0)
     led.release_hold("A")  # A's end-of-run ledger query: the 6 it did not spend are free again
     assert led.hold("B", 6.0).shortfall == 0.0 and led.remaining("C") == 0.0
-    monkeypatch.setattr(ledger_module, "HOLD_SECONDS", -1.0)  # B's hold lapses (its server died)...
+    monkeypatch.setattr(ledger_module, "HOLD_UNCONFIRMED_SECONDS", -1.0)  # B's hold lapses (its server died)...
     assert led.hold("B", 6.0).shortfall == 0.0  # (re-held, already lapsed)
     assert led.remaining("C") == 6.0 and led.hold("C", 6.0).shortfall == 0.0  # ...and C may take it
-    assert PrivacyLedger.open(tmp_path, budget=math.inf).hold("D", math.inf).shortfall == 0.0  # unlimited: never short
+    assert PrivacyLedger.open(tmp_path / "unlimited", budget=math.inf).hold("D", math.inf).shortfall == 0.0  # unlimited: never short
 
 
 def test_the_ledger_ref_is_random_kept_across_opens_and_resets(tmp_path):
-    from common.ledger import reset_ledger
+    from fedsyn_client.ledger import reset_ledger
 
     ref = PrivacyLedger.open(tmp_path / "a", budget=8.0).ref
-    assert len(ref) == 32 and PrivacyLedger.open(tmp_path / "a", budget=4.0).ref == ref
+    assert len(ref) == 32 and PrivacyLedger.open(tmp_path / "a", budget=8.0).ref == ref
     assert PrivacyLedger.open(tmp_path / "b", budget=8.0).ref != ref
     reset_ledger(tmp_path / "a", "new data")
     assert PrivacyLedger.open(tmp_path / "a", budget=8.0).ref == ref  # the same institution
 
 
-def test_a_new_budget_is_recorded(tmp_path):
+def test_a_new_budget_is_an_operators_act_not_a_node_config_edit(tmp_path):
+    from fedsyn_client.ledger import LedgerError, set_budget
+
     _release(PrivacyLedger.open(tmp_path, budget=2.0), _rel(2.0))
+    with pytest.raises(LedgerError, match="--set-budget 4"):  # the node config alone changes nothing
+        PrivacyLedger.open(tmp_path, budget=4.0)
+    assert PrivacyLedger.open(tmp_path, budget=2.0).budget == 2.0
+    with pytest.raises(ValueError, match="reason"):
+        set_budget(tmp_path, 4.0, "")
+    assert set_budget(tmp_path, 4.0, "board approved 4") == 2.0
     led = PrivacyLedger.open(tmp_path, budget=4.0)
     _release(led, _rel(2.0, run_id="2"))
     assert led.spent() == 4.0
-    assert led.summary()["budget_changes"][0]["to"] == 4.0
+    change = led.summary()["budget_changes"][0]
+    assert (change["from"], change["to"], change["reason"]) == (2.0, 4.0, "board approved 4")
 
 
 def test_one_ledger_per_node_whatever_the_data(tmp_path):
@@ -81,15 +90,16 @@ def test_one_ledger_per_node_whatever_the_data(tmp_path):
     assert PrivacyLedger.open(tmp_path, budget=2.0, ledger_id="second").spent() == 0.0  # an explicit other ledger
 
 
-def test_reservations_count_until_cancelled(tmp_path):
+def test_reservations_stay_charged_whatever_happens(tmp_path):
     led = PrivacyLedger.open(tmp_path, budget=4.0)
     crashed = led.reserve(_rel(2.0), math.inf)  # never confirmed: a crash between reserve and confirm
     failed = led.reserve(_rel(2.0, "vote"), math.inf)
+    led.fail(failed, "ValueError after the reservation")  # a failure is not a refund
     with pytest.raises(BudgetExceeded):
         led.reserve(_rel(1.0, "vote"), math.inf)
-    led.cancel(failed, "clean failure")
-    assert led.spent() == 2.0
-    assert {r["id"]: r["status"] for r in led.releases} == {crashed: "reserved", failed: "cancelled"}
+    assert led.spent() == 4.0
+    assert {r["id"]: r["status"] for r in led.releases} == {crashed: "reserved", failed: "failed"}
+    assert not hasattr(led, "cancel")
 
 
 def test_run_phase_and_step_budgets(tmp_path):
@@ -132,7 +142,7 @@ def test_summary_pld_is_below_basic_and_counts_dpsgd(tmp_path):
 
 
 def test_reset_is_an_operator_act_with_a_reason(tmp_path):
-    from common.ledger import reset_ledger
+    from fedsyn_client.ledger import reset_ledger
 
     _release(PrivacyLedger.open(tmp_path, budget=8.0), _rel(2.0))
     with pytest.raises(ValueError, match="reason"):

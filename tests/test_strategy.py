@@ -274,7 +274,7 @@ def test_a_strong_node_killed_mid_round_rejoins_with_a_new_node_id_and_pays_noth
     """SIGKILL after it released round 1 (reply lost); Flower gives the restarted SuperNode a new
     node id. It is admitted before round 2 (tier query), trains on, and the report counts its
     one ledger once, under both ids."""
-    from common.ledger import PrivacyLedger
+    from fedsyn_client.ledger import PrivacyLedger
     from fedsyn_server.outputs import privacy_report
 
     rc = run_config(dataset, **{"num-server-rounds": 3})
@@ -313,7 +313,7 @@ def test_a_strong_node_killed_mid_round_rejoins_with_a_new_node_id_and_pays_noth
 def test_a_run_whose_votes_no_node_can_cast_is_refused_before_anything_is_spent(dataset, tmp_path):
     """Both weak nodes' data is unusable: the run would train and profile, then find no voter and
     fail. Stage 0 refuses it instead, and the strong node's hold for it is ended."""
-    from common.ledger import PrivacyLedger
+    from fedsyn_client.ledger import PrivacyLedger
 
     rc = run_config(dataset, **{"num-server-rounds": 1})
     def broken_weak_nodes(rc: dict, state) -> dict:

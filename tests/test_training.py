@@ -17,7 +17,8 @@ from common.codes import code_prompt
 from common.dp import dpsgd_noise_multiplier
 from common.models import tiny_gpt2
 from common.weights import load_trainable_state, prepare_model, trainable_state
-from fedsyn_client.training import TrainSettings, conditional_lm_loss, dp_train, encode_examples
+from common.lm_loss import conditional_lm_loss, encode_examples
+from fedsyn_client.training import TrainSettings, dp_train
 
 DELTA = 1e-5
 TEXTS = [f"Record {i} talks about {'football' if i % 2 else 'markets'} and more." for i in range(40)]

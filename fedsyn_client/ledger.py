@@ -8,10 +8,16 @@ over is an operator's act (``fedsyn ledger STATE_DIR --reset --reason ...``), re
 Every read-check-write holds an exclusive file lock, so concurrent ClientApp processes
 (Flower starts one per message) or two SuperNodes on one state dir cannot both pass a
 check: epsilon is *reserved* under the lock before any work starts, then *confirmed*
-with the mechanism's details, or *cancelled* on a clean failure (nothing left the node).
-A crash between the two leaves the reservation counted.
+with the mechanism's details, or marked *failed*. Once reserved, a release stays charged
+whatever happens: a failure that were free would let a server probe the records with
+inputs that fail on one condition and not on another. A crash leaves the reservation counted.
 
-Each entry: ``id``, ``status`` (reserved | confirmed | cancelled), ``run_id``, ``phase``,
+The ledger is the node's memory of what its records lost, so the node refuses to serve when
+it is damaged, when it is missing from a state dir that has released before (its stored
+replies or archives are there), or when the node config's budget differs from the ledger's:
+a budget changes only by ``fedsyn ledger STATE_DIR --set-budget EPS --reason ...``.
+
+Each entry: ``id``, ``status`` (reserved | confirmed | failed | cancelled: legacy), ``run_id``, ``phase``,
 ``round``, ``mechanism``, ``epsilon``, ``delta``, ``time``; ``public`` (data-independent
 parameters the server also sees: sigma, sensitivity, histogram) and ``private`` (details
 that may depend on the records, e.g. DP-SGD's sampling rate: they never leave the node).
@@ -30,18 +36,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.dp import DPSGD, GAUSSIAN, dpsgd_event, gaussian_event, pld_epsilon, preflight
+from common.dp import composed_epsilon, preflight
 from common.io import atomic_write_json, read_json
+from fedsyn_client import refusals
+from fedsyn_client.refusals import BudgetExceeded, NodeSetupError
 
 FORMAT = 2
 # Float slack so that a budget spent exactly (e.g. 6 + 2 = 8) is not refused by rounding.
 _TOLERANCE = 1e-6
-HOLD_SECONDS = 6 * 3600.0  # a pre-flight hold lapses this long after its run's last request
-RESERVED, CONFIRMED, CANCELLED = "reserved", "confirmed", "cancelled"
+HOLD_SECONDS = 6 * 3600.0  # a confirmed hold lapses this long after its run's last release
+# A hold no release has confirmed lapses soon: a tier query alone must not lock a node's budget
+# for hours. Long enough for phase 1 before a weak node's first release on the default run.
+HOLD_UNCONFIRMED_SECONDS = 1800.0
+RESERVED, CONFIRMED, FAILED, CANCELLED = "reserved", "confirmed", "failed", "cancelled"
+_KEYS = ("format", "budget", "releases", "accountants", "budget_changes", "resets", "data")
 
 
-class BudgetExceeded(RuntimeError):
-    """A release would take the node past its epsilon budget (nothing was released)."""
+class LedgerError(NodeSetupError):
+    """The ledger is damaged, missing where it existed, or disagrees with the node config; the
+    message names the file and what the operator does. The node serves nothing until then."""
 
 
 @dataclass(frozen=True)
@@ -97,25 +110,51 @@ class PrivacyLedger:
         """
         ledger = cls(ledger_path(state_dir, ledger_id))
         ledger.path.parent.mkdir(parents=True, exist_ok=True)
+        if not ledger.path.exists():
+            trace = ledger.traces()
+            if trace:
+                raise LedgerError(
+                    f"the ledger {ledger.path} is missing but this state dir has released before ({trace[0]}); the "
+                    f"node will not start a fresh one. Restore it from a backup, or start over on purpose: "
+                    f"fedsyn ledger {state_dir} --reset --reason '...' --budget {budget:g}")
         with ledger._locked() as data:
-            if data["budget"] != budget and data["budget"] is not None:
-                data["budget_changes"].append({"from": data["budget"], "to": budget, "time": time.time()})
+            if data["budget"] is not None and float(data["budget"]) != float(budget):
+                raise LedgerError(
+                    f"node-config epsilon = {budget:g} but the ledger {ledger.path} has budget {data['budget']:g}; a "
+                    f"budget changes only on purpose: fedsyn ledger {state_dir} --set-budget {budget:g} --reason '...'")
             data["budget"] = budget
             if data_fingerprint and (not data["data"] or data["data"][-1]["fingerprint"] != data_fingerprint):
                 data["data"].append({"fingerprint": data_fingerprint, "since": time.time()})
             data.setdefault("ref", uuid.uuid4().hex)  # ledgers written before refs get one now
         return ledger
 
+    def traces(self) -> list[str]:
+        """What shows that this state dir had a ledger: stored replies, archived ledgers."""
+        replies = self.path.with_name(f"{self.path.stem}-replies")
+        found = [str(p) for p in sorted(replies.glob("*/*.npz"))[:1]]
+        return found + [str(p) for p in sorted(self.path.parent.glob(f"{self.path.stem}.*.archived.json"))[:1]]
+
     def _load(self) -> dict[str, Any]:
         if self.path.exists():
-            data = read_json(self.path)
-            if data.get("format") != FORMAT:
-                raise RuntimeError(f"{self.path} is not a fedsyn ledger of format {FORMAT}")
+            try:
+                data = read_json(self.path)
+            except (OSError, ValueError) as err:
+                raise self._damaged(f"unreadable: {err}") from None
+            if not isinstance(data, dict) or data.get("format") != FORMAT:
+                raise self._damaged(f"not a fedsyn ledger of format {FORMAT}")
+            missing = [k for k in _KEYS if k not in data]
+            if missing or not isinstance(data["releases"], list):
+                raise self._damaged(f"missing {missing or ['releases']}")
             return data
         data = {"format": FORMAT, "budget": None, "budget_changes": [], "resets": [], "data": [],
                 "releases": [], "accountants": {}, "created": time.time(), "ref": uuid.uuid4().hex}
         data["releases"] += _legacy_releases(self.path.parent) if self.path.name == "ledger.json" else []
         return data
+
+    def _damaged(self, what: str) -> LedgerError:
+        return LedgerError(f"the ledger {self.path} is damaged ({what}); this node serves nothing until it is fixed: "
+                           f"restore it from a backup, or archive it and start over on purpose with "
+                           f"fedsyn ledger {self.path.parent} --reset --reason '...' --budget EPSILON")
 
     @contextmanager
     def _locked(self) -> Iterator[dict[str, Any]]:
@@ -176,7 +215,7 @@ class PrivacyLedger:
         _check(self._load(), epsilon, what)
 
     # ----------------------------------------------------------------- updates
-    def hold(self, run_id: str, needed: float) -> Preflight:
+    def hold(self, run_id: str, needed: float, token: str = "") -> Preflight:
         """The pre-flight, atomically: if this node can pay the ``needed`` epsilon of run
         ``run_id`` (what it already spent in that run counts), hold it for that run (shortfall
         0); else hold nothing (the shortfall, ``common.dp.preflight``). The reply's numbers come
@@ -185,25 +224,33 @@ class PrivacyLedger:
         A hold makes two runs started at once see each other: the second one's pre-flight
         finds the budget held and is refused before anything is spent, instead of both
         spending part and neither finishing. A hold ends when its run asks for its ledger at
-        the end (``release_hold``), or lapses ``HOLD_SECONDS`` after its run's last request
-        (a crashed run keeps it meanwhile, so it can be resumed). It never lets a run spend
-        more: every release is still checked against the budget.
+        the end (``release_hold``), or lapses: ``HOLD_UNCONFIRMED_SECONDS`` after it was made
+        unless a release of its run confirms it, then ``HOLD_SECONDS`` after the run's last
+        release (a crashed run keeps it meanwhile, so it can be resumed). It never lets a run
+        spend more: every release is still checked against the budget.
+
+        ``token`` is the run's secret (the server's ``hold-token``); only its hash is kept, and
+        only a request with the same token renews or ends the hold, so a server that guesses
+        another run's key can neither keep nor end that run's hold.
         """
         with self._locked() as data:
-            now = time.time()
+            now, digest = time.time(), _token_hash(token)
             data["holds"] = {r: h for r, h in data.get("holds", {}).items() if float(h["until"]) >= now}
             short = preflight(needed, _spent(data["releases"], run_id), _remaining(data, run_id))
-            if short <= 0 and math.isfinite(needed):
-                data["holds"][run_id] = {"epsilon": float(needed), "until": now + HOLD_SECONDS}
+            mine = data["holds"].get(run_id)
+            if short <= 0 and math.isfinite(needed) and (mine is None or mine.get("token") == digest):
+                confirmed = bool(mine and mine.get("confirmed"))
+                data["holds"][run_id] = {"epsilon": float(needed), "token": digest, "confirmed": confirmed,
+                                         "until": now + (HOLD_SECONDS if confirmed else HOLD_UNCONFIRMED_SECONDS)}
             return Preflight(short, _remaining(data, run_id), _held(data, run_id), str(data.get("ref", "")))
 
-    def release_hold(self, run_id: str | None = None) -> list[str]:
-        """End ``run_id``'s hold (the run finished, or was refused), or every hold (None: the
-        operator's ``fedsyn ledger --release-holds``); what they did not spend is free again.
-        Returns the runs whose holds ended."""
+    def release_hold(self, run_id: str | None = None, token: str = "") -> list[str]:
+        """End ``run_id``'s hold if ``token`` is the one it was made with (the run finished, or
+        was refused), or every hold (None: the operator's ``fedsyn ledger --release-holds``);
+        what they did not spend is free again. Returns the runs whose holds ended."""
         with self._locked() as data:
             holds = data.setdefault("holds", {})
-            ended = [r for r in list(holds) if run_id is None or r == run_id]
+            ended = [r for r in list(holds) if run_id is None or (r == run_id and holds[r].get("token") == _token_hash(token))]
             for r in ended:
                 holds.pop(r)
             return ended
@@ -212,41 +259,62 @@ class PrivacyLedger:
         """Epsilon held for live runs other than ``run_id`` and not yet spent by them."""
         return _held(self._load(), run_id)
 
-    def reserve(self, release: Release, run_phase_budget: float, steps: tuple[int, int] | None = None) -> str:
-        """Under the lock: check ``release`` against the total budget and this run's budget
-        for its phase, then record it as reserved. Returns the entry id.
+    def reserve(self, release: Release, run_phase_budget: float, steps: tuple[int, int] | None = None,
+                cap: tuple[float, float] | None = None, binding: dict[str, Any] | None = None) -> str:
+        """Under the lock: check ``release`` against the total budget, this run's budget for its
+        phase and the policy's cap for the phase, then record it as reserved. Returns the entry id.
 
         ``steps`` = (steps of this release, steps this run's phase may take) bounds DP-SGD
         rounds, whose epsilon is reserved for the whole phase at its first round.
+        ``cap`` = (the policy's epsilon cap for the phase, its window in days; 0 = the ledger's
+        life) counts every run's releases of the phase, whatever their run key.
+        ``binding``: what the phase's noise was calibrated for; the phase's first reservation in
+        the run stores it, and a later round of the run under other terms is refused.
         Raises ``BudgetExceeded`` (nothing recorded) when it does not fit.
         """
         with self._locked() as data:
             _check(data, release.epsilon, release.phase, release.run_id)
-            if release.run_id in data.get("holds", {}):  # a run that is still asking keeps its hold
-                data["holds"][release.run_id]["until"] = time.time() + HOLD_SECONDS
+            hold = data.get("holds", {}).get(release.run_id)
+            if hold is not None:  # a release confirms its run's hold, which now lasts while the run releases
+                hold.update(confirmed=True, until=time.time() + HOLD_SECONDS)
+            if cap is not None:
+                since = time.time() - cap[1] * 86400.0 if cap[1] > 0 else -math.inf
+                used = sum(float(r["epsilon"]) for r in _counted(data["releases"])
+                           if r["phase"] == release.phase and float(r.get("time", 0.0)) >= since)
+                if used + release.epsilon > cap[0] + _TOLERANCE:
+                    raise BudgetExceeded(refusals.BUDGET_CAP, (
+                        f"{release.phase}: refused, the policy caps {release.phase} at epsilon = {cap[0]:g} across runs "
+                        f"and {used:.4g} is spent; the request needs {release.epsilon:.4g} more"))
             run = [r for r in _counted(data["releases"]) if r["run_id"] == release.run_id
                    and r["phase"] == release.phase]
+            bound = next((r["binding"] for r in run if "binding" in r), None)
+            if binding is not None and bound is not None and bound != binding:
+                differs = sorted(k for k in set(bound) | set(binding) if bound.get(k) != binding.get(k))
+                raise BudgetExceeded(refusals.BUDGET_BOUND, (
+                    f"{release.phase}: refused, this run's {release.phase} reservation was made for other terms "
+                    f"({', '.join(differs)} differ); a changed run is a new run (a new resume-key)"))
             # One release per run, phase and round, ever: a repeat of a released request is answered
             # from the stored reply before it gets here; anything else under the same name (a second
             # server process, a round still in flight after `flwr stop`) is refused.
             same = [r for r in run if int(r.get("round", 0)) == int(release.round)]
             if same:
                 state = "is in progress or was cut off" if same[0]["status"] == RESERVED else "was released"
-                raise BudgetExceeded(f"{release.phase}: refused, round {release.round} of this run {state} on this "
-                                     "node; a release is made once per round")
+                raise BudgetExceeded(refusals.BUDGET_ROUND, f"{release.phase}: refused, round {release.round} of this "
+                                     f"run {state} on this node; a release is made once per round")
             already = float(sum(float(r["epsilon"]) for r in run))
             if math.isfinite(run_phase_budget) and already + release.epsilon > run_phase_budget + _TOLERANCE:
-                raise BudgetExceeded(
+                raise BudgetExceeded(refusals.BUDGET_PHASE,
                     f"{release.phase}: refused, this run's {release.phase} budget is epsilon = {run_phase_budget:g} "
                     f"and {already:.4g} is spent; the request needs {release.epsilon:.4g} more")
             taken = sum(int(r.get("public", {}).get("steps", 0)) for r in run)
             if steps is not None and taken + steps[0] > steps[1]:
-                raise BudgetExceeded(
+                raise BudgetExceeded(refusals.BUDGET_STEPS,
                     f"{release.phase}: refused, this run's {release.phase} is calibrated for {steps[1]} steps and "
                     f"{taken} are taken; {steps[0]} more would exceed its epsilon")
             entry_id = uuid.uuid4().hex
             data["releases"].append({"id": entry_id, "status": RESERVED, "time": time.time(), **release.statement(),
-                                     "public": dict(release.public)})
+                                     "public": dict(release.public),
+                                     **({"binding": dict(binding)} if binding is not None and bound is None else {})})
         return entry_id
 
     def confirm(self, entry_id: str, private: dict[str, Any] | None = None,
@@ -262,10 +330,10 @@ class PrivacyLedger:
             if accountant is not None:
                 data["accountants"][accountant[0]] = accountant[1]
 
-    def cancel(self, entry_id: str, reason: str) -> None:
-        """Give a reservation back: the work failed cleanly and nothing left the node."""
+    def fail(self, entry_id: str, reason: str) -> None:
+        """Mark a reservation failed: it stays charged (``reason`` is for the operator only)."""
         with self._locked() as data:
-            _entry(data, entry_id).update(status=CANCELLED, reason=reason[:200])
+            _entry(data, entry_id).update(status=FAILED, reason=reason[:200])
 
     # ----------------------------------------------------------------- reading
     def summary(self) -> dict[str, Any]:
@@ -276,7 +344,8 @@ class PrivacyLedger:
         basic = _spent(data["releases"])
         return {
             "ledger": str(self.path), "budget": data["budget"], "epsilon_spent": basic,
-            "epsilon_pld": min(basic, node_pld_epsilon(counted, delta)) if counted else 0.0,
+            "epsilon_pld": composed_epsilon([{**r.get("public", {}), **(r.get("private", {}) if r["status"] == CONFIRMED
+                                                                          else {}), **r} for r in counted]),
             "delta_spent": delta, "epsilon_remaining": _remaining(data), "epsilon_held": _held(data),
             "holds": data.get("holds", {}),
             "budget_changes": data["budget_changes"], "resets": data["resets"], "data": data["data"],
@@ -284,42 +353,63 @@ class PrivacyLedger:
         }
 
 
-def reset_ledger(state_dir: str | Path, reason: str, ledger_id: str = "") -> Path:
+def reset_ledger(state_dir: str | Path, reason: str, ledger_id: str = "", budget: float | None = None) -> Path | None:
     """The operator's act of starting over (e.g. with new data): archive the ledger, start an
-    empty one that records why, when, and what the old one had spent. Returns the archive."""
+    empty one that records why, when, and what the old one had spent. Returns the archive.
+
+    A damaged ledger is archived as it is (its bytes) and a missing one is recorded as missing
+    (returns None); both need ``budget``, since the old one cannot be read.
+    """
     if not reason.strip():
         raise ValueError("a reset needs a reason (--reason), kept in the new ledger")
     ledger = PrivacyLedger(ledger_path(state_dir, ledger_id))
-    if not ledger.path.exists():
-        raise FileNotFoundError(f"no ledger at {ledger.path}")
-    with ledger._locked() as data:
-        archive = ledger.path.with_name(f"{ledger.path.stem}.{time.strftime('%Y%m%d-%H%M%S')}.archived.json")
-        atomic_write_json(archive, data)
-        budget, resets, spent, ref = data["budget"], data["resets"], _spent(data["releases"]), data.get("ref")
-        data.clear()
-        data.update({"format": FORMAT, "budget": budget, "releases": [], "ref": ref or uuid.uuid4().hex,
-                     "accountants": {}, "budget_changes": [], "data": [], "created": time.time(),
-                     "resets": resets + [{"time": time.time(), "reason": reason.strip(),
-                                                  "previous_epsilon_spent": spent, "archive": str(archive),
-                                                  "user": os.environ.get("USER", "")}]})
+    ledger.path.parent.mkdir(parents=True, exist_ok=True)
+    with open(ledger._lock_path, "a+") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        try:
+            archive = ledger.path.with_name(f"{ledger.path.stem}.{time.strftime('%Y%m%d-%H%M%S')}.archived.json")
+            try:
+                data = ledger._load() if ledger.path.exists() else None
+            except LedgerError:
+                data = None
+            if data is None and budget is None:
+                raise ValueError(f"the ledger {ledger.path} is {'damaged' if ledger.path.exists() else 'missing'}: "
+                                 "say the node's budget with --budget EPSILON")
+            previous: Any = _spent(data["releases"]) if data is not None else "unknown (ledger damaged or missing)"
+            if data is not None:
+                atomic_write_json(archive, data)
+            elif ledger.path.exists():
+                os.replace(ledger.path, archive)
+            else:
+                archive = None
+            old = data or {}
+            atomic_write_json(ledger.path, {
+                "format": FORMAT, "budget": float(budget) if budget is not None else old["budget"], "releases": [],
+                "ref": old.get("ref") or uuid.uuid4().hex, "accountants": {}, "budget_changes": [], "data": [],
+                "created": time.time(), "resets": old.get("resets", []) + [{
+                    "time": time.time(), "reason": reason.strip(), "previous_epsilon_spent": previous,
+                    "archive": str(archive) if archive else None, "user": os.environ.get("USER", "")}]})
+        finally:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
     return archive
 
 
-def node_pld_epsilon(releases: list[dict[str, Any]], delta: float) -> float:
-    """PLD epsilon of a node's counted releases at ``delta``; a release without the details
-    a PLD needs (a reservation never confirmed) is added by basic composition."""
-    events, extra = [], 0.0
-    for r in releases:
-        if not math.isfinite(float(r["epsilon"])):
-            return math.inf
-        pub, priv = r.get("public", {}), r.get("private", {})
-        if r["mechanism"] == GAUSSIAN and "sigma" in pub:
-            events.append(gaussian_event(pub["sigma"], pub["sensitivity"]))
-        elif r["mechanism"] == DPSGD and r["status"] == CONFIRMED and "noise_multiplier" in priv:
-            events.append(dpsgd_event(priv["noise_multiplier"], priv["sample_rate"], priv["steps"]))
-        else:
-            extra += float(r["epsilon"])
-    return pld_epsilon(events, delta) + extra if delta > 0 else math.inf
+def set_budget(state_dir: str | Path, budget: float, reason: str, ledger_id: str = "") -> float:
+    """The operator's act of changing a node's total epsilon, recorded with ``reason``; returns
+    the old budget. The node config's ``epsilon`` must then say the same, or the node refuses."""
+    if not reason.strip():
+        raise ValueError("a budget change needs a reason (--reason), kept in the ledger")
+    if not budget > 0:
+        raise ValueError(f"--set-budget {budget:g}: a budget must be > 0 (or inf)")
+    ledger = PrivacyLedger(ledger_path(state_dir, ledger_id))
+    if not ledger.path.exists():
+        raise FileNotFoundError(f"no ledger at {ledger.path} (is {state_dir} the node's state-dir?)")
+    with ledger._locked() as data:
+        old = float(data["budget"])
+        data["budget_changes"].append({"from": old, "to": float(budget), "time": time.time(),
+                                       "reason": reason.strip(), "user": os.environ.get("USER", "")})
+        data["budget"] = float(budget)
+    return old
 
 
 # --------------------------------------------------------------------------- helpers
@@ -348,15 +438,21 @@ def _remaining(data: dict[str, Any], run_id: str | None = None) -> float:
 def _check(data: dict[str, Any], epsilon: float, what: str, run_id: str | None = None) -> None:
     budget = float(data["budget"])
     if math.isinf(epsilon) and math.isfinite(budget):
-        raise BudgetExceeded(f"{what}: refused, a non-private release (epsilon = inf) exceeds this node's "
-                             f"budget epsilon = {budget:g}")
+        raise BudgetExceeded(refusals.BUDGET, f"{what}: refused, a non-private release (epsilon = inf) exceeds this "
+                             f"node's budget epsilon = {budget:g}")
     left = _remaining(data, run_id)
     if epsilon > left + _TOLERANCE:
         held = _held(data, run_id)
-        raise BudgetExceeded(
+        raise BudgetExceeded(refusals.BUDGET,
             f"{what}: refused, needs epsilon = {epsilon:.4g} but this node has {max(left, 0.0):.4g} left of its "
             f"budget {budget:g} (spent {_spent(data['releases']):.4g} in {len(_counted(data['releases']))} releases"
             + (f", {held:.4g} held for other runs under way" if held else "") + ")")
+
+
+def _token_hash(token: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(f"fedsyn-hold:{token}".encode()).hexdigest()
 
 
 def _entry(data: dict[str, Any], entry_id: str) -> dict[str, Any]:

@@ -1,0 +1,134 @@
+"""The node operator's commands, run on the node: ``fedsyn ledger`` and ``fedsyn node-check``.
+
+They are registered with the ``fedsyn`` command through the ``fedsyn.commands`` entry point
+(``pyproject.toml``), so the server's CLI never imports the node's code.
+
+- ``fedsyn ledger STATE_DIR``: the node's privacy ledger (budget, spent, every release);
+  ``--set-budget EPS --reason ...`` changes the budget (the only way it changes: a node whose
+  node-config ``epsilon`` differs from its ledger's refuses to serve); ``--reset --reason ...``
+  starts over, recorded (``--budget`` where the ledger is damaged or missing);
+  ``--release-holds`` ends every pre-flight hold.
+- ``fedsyn node-check --node-config '...'``: the start-up check of a SuperNode. Reads, writes
+  nothing but a new node's first ledger, spends nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+from fedsyn_client.refusals import NodeSetupError
+
+
+def add_ledger(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``fedsyn ledger``."""
+    p = subparsers.add_parser(
+        "ledger", help="show, re-budget or reset a node's privacy ledger",
+        description="What this node's records have spent: budget, epsilon by basic composition and by a "
+                    "PLD accountant at the cumulative delta, and every release. Run it on the node.",
+    )
+    p.add_argument("state_dir", help="the node's state-dir (node-config state-dir; default ~/.fedsyn/state)")
+    p.add_argument("--ledger-id", default="", help="the node-config ledger-id, if the node sets one")
+    p.add_argument("--json", action="store_true", help="print the whole ledger summary as JSON")
+    p.add_argument("--set-budget", type=float, default=None, metavar="EPSILON",
+                   help="change the node's total epsilon (needs --reason); then set the same node-config epsilon")
+    p.add_argument("--reset", action="store_true",
+                   help="archive the ledger and start an empty one (e.g. new data); needs --reason")
+    p.add_argument("--budget", type=float, default=None, metavar="EPSILON",
+                   help="with --reset: the budget of the new ledger (required when the old one is damaged or missing)")
+    p.add_argument("--reason", default="", help="why (kept in the ledger)")
+    p.add_argument("--release-holds", action="store_true",
+                   help="end every pre-flight hold (e.g. of a run that crashed and will not be resumed)")
+    p.set_defaults(handler=_run_ledger)
+
+
+def add_node_check(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``fedsyn node-check``."""
+    p = subparsers.add_parser(
+        "node-check", help="check a SuperNode's node config and data before starting it",
+        description="Run on the node with the --node-config you give flower-supernode: loads the policy, the "
+                    "data file and the ledger as the first request of a run will, and prints one line, or the "
+                    "reason (by file) and exit 1. Flower runs no app code when a SuperNode starts, so this is "
+                    "the start-up check (deploy/start_local_deployment.sh runs it). Spends nothing, and never "
+                    "changes a budget.",
+    )
+    p.add_argument("--node-config", required=True, help='e.g. \'tier="weak" data-path="site.csv" epsilon=8\'')
+    p.set_defaults(handler=_run_node_check)
+
+
+def _run_node_check(args: argparse.Namespace) -> int:
+    from flwr.common.config import parse_config_args
+
+    from fedsyn_client.node import check_node
+
+    try:
+        print(check_node(parse_config_args([args.node_config])))
+    except NodeSetupError as err:
+        print(f"fedsyn node-check: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _run_ledger(args: argparse.Namespace) -> int:
+    from fedsyn_client.ledger import PrivacyLedger, ledger_path, reset_ledger, set_budget
+
+    try:
+        if args.reset:
+            archive = reset_ledger(args.state_dir, args.reason, args.ledger_id, args.budget)
+            print("ledger reset" + (f"; the old one is archived at {archive}" if archive else
+                                    "; there was no ledger to archive"))
+            return 0
+        if args.set_budget is not None:
+            old = set_budget(args.state_dir, args.set_budget, args.reason, args.ledger_id)
+            print(f"budget changed: epsilon {old:g} -> {args.set_budget:g}; set node-config epsilon={args.set_budget:g}")
+            return 0
+        path = ledger_path(args.state_dir, args.ledger_id)
+        if not path.exists():
+            raise FileNotFoundError(f"no ledger at {path} (is {args.state_dir} the node's state-dir?)")
+        if args.release_holds:
+            ended = PrivacyLedger(path).release_hold()
+            print(f"ended {len(ended)} hold(s){': runs ' + ', '.join(ended) if ended else ''}")
+            return 0
+        summary = PrivacyLedger(path).summary()
+    except NodeSetupError as err:
+        print(f"fedsyn ledger: {err}", file=sys.stderr)
+        return 1
+    print(json.dumps(summary, indent=2) if args.json else format_ledger(summary))
+    return 0
+
+
+def format_ledger(summary: dict) -> str:
+    """A node's ledger summary as a readable table."""
+    lines = [
+        f"ledger           {summary['ledger']}",
+        f"budget           epsilon = {summary['budget']:g}",
+        f"spent            epsilon = {summary['epsilon_spent']:.4g} (basic composition), "
+        f"{summary['epsilon_pld']:.4g} (PLD at delta = {summary['delta_spent']:.3g})",
+        f"remaining        epsilon = {summary['epsilon_remaining']:.4g}"
+        + (f" ({summary['epsilon_held']:.4g} held for runs under way: {', '.join(summary['holds'])})"
+           if summary.get("holds") else ""),
+        f"delta spent      {summary['delta_spent']:.3g}",
+    ]
+    for change in summary["budget_changes"]:
+        lines.append(f"budget change    {change['from']:g} -> {change['to']:g} at {_when(change['time'])}"
+                     + (f": {change['reason']}" if change.get("reason") else ""))
+    for reset in summary["resets"]:
+        spent = reset["previous_epsilon_spent"]
+        lines.append(f"reset            {_when(reset['time'])}: {reset['reason']} (previously spent "
+                     f"{spent:.4g})" if isinstance(spent, (int, float)) and math.isfinite(spent) else
+                     f"reset            {_when(reset['time'])}: {reset['reason']} (previously spent {spent})")
+    header = f"{'time':19}  {'run':>20}  {'phase':8} {'round':>5}  {'mechanism':9} {'epsilon':>8} {'delta':>8}  status"
+    lines += ["", header, "-" * len(header)]
+    for r in summary["releases"]:
+        lines.append(f"{_when(r.get('time', 0)):19}  {str(r['run_id'])[-20:]:>20}  {r['phase']:8} {r['round']:>5}  "
+                     f"{r['mechanism']:9} {float(r['epsilon']):8.4g} {float(r['delta']):8.2g}  {r['status']}")
+    if not summary["releases"]:
+        lines.append("(no releases)")
+    return "\n".join(lines)
+
+
+def _when(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(t)))

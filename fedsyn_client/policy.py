@@ -1,0 +1,299 @@
+"""A node's privacy policy: what the institution allows its records to lose, whatever the server asks.
+
+The server *asks* (run config + message); the node checks the request against its policy
+and refuses what does not fit, before it reads a record. Everything that decides how much
+a node's records can lose, and what runs on them, comes from here, never from the server:
+
+| policy field      | node-config key (deployment)            | simulation (no institution)      |
+|-------------------|-----------------------------------------|----------------------------------|
+| tier              | ``tier``                                | from ``strong-fraction``         |
+| data              | ``data-path``                           | the node's partition             |
+| text column       | ``text-column`` (default ``text``)      | run config ``text-column``       |
+| control columns   | ``control-columns`` (default ``topic``) | run config ``control-columns``   |
+| vocabulary        | ``control-codes`` (optional, pins it)   | the benchmark's vocabulary       |
+| total epsilon     | ``epsilon`` (**required**)              | run config ``epsilon``           |
+| largest delta     | ``delta`` (default 1e-5)                | the run's resolved ``delta``     |
+| per-phase caps    | ``max-epsilon-train``/``-profile``/``-vote`` (optional; across all runs in the window) | none |
+| cap window        | ``cap-window-days`` (default 0: the ledger's whole life) | none               |
+| generators        | ``model`` (default ``smollm2-135m,tiny-gpt2``) | run config ``model``      |
+| embedders         | ``embedder`` (default ``all-MiniLM-L6-v2``) | run config ``embedder``       |
+| finetune modes    | ``finetune`` (default ``lora,full``)    | run config ``finetune``          |
+| ledger            | ``state-dir``, ``ledger-id``            | a temp dir per run               |
+
+``policy-file`` names a TOML file with the same keys (node-config keys win), so an
+institution can keep its policy under version control. An unknown key, in the node config
+or the file, a negative cap or a cap above the budget stops the node at start-up with one
+line naming the key.
+
+``NodePolicy.authorise(ask)`` is the one check: every handler of the ClientApp calls it
+(``fedsyn_client.release.authorise``) before it touches data, for the tier query and every
+release alike, so a new message type cannot skip it. A refusal is a ``PolicyRefused`` whose
+``rule`` is a fixed text (the server's reply) and whose message is the detail (the node's log).
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from common.dp import PHASES, TIERS, TRAIN, VOTE
+from common.records import ERR_POLICY
+from fedsyn_client.refusals import (RULE_CAP, RULE_COLUMNS, RULE_DELTA, RULE_EMBEDDER, RULE_EPSILON,
+                                     RULE_FINETUNE, RULE_MODEL, RULE_PHASE, RULE_VOCABULARY, Refusal)
+
+DEFAULT_DELTA = 1e-5
+# The offline models the project ships (common.models): what a node runs unless its institution
+# names others. The server's run config only asks; a model the node does not list is refused.
+DEFAULT_MODELS = ("smollm2-135m", "tiny-gpt2")
+DEFAULT_EMBEDDERS = ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2")
+DEFAULT_FINETUNE = ("lora", "full")
+NODE_KEYS = ("tier", "data-path", "text-column", "control-columns", "control-codes", "epsilon", "delta",
+             "max-epsilon-train", "max-epsilon-profile", "max-epsilon-vote", "cap-window-days", "model", "embedder",
+             "finetune", "state-dir", "ledger-id", "audit-dir", "policy-file")
+SIMULATION_KEYS = ("partition-id", "num-partitions")  # set by Flower's simulation engine
+
+class PolicyError(ValueError):
+    """The node's own configuration is unusable; the message says what to set."""
+
+
+class PolicyRefused(Refusal):
+    """A request the node's policy does not allow (nothing was read or released).
+
+    ``rule`` is one of the fixed ``RULE_*`` texts (what the server is told); the message is the
+    detail for the node's log.
+    """
+
+    code = ERR_POLICY
+    prefix = "refused: policy: "
+
+
+@dataclass(frozen=True)
+class Ask:
+    """What a request asks of a node, read from the run config and the message only.
+
+    ``phases`` maps each phase the request would make this node release in (one for a release,
+    the planned ones for the tier query) to this run's epsilon for it. ``delta`` is None when the
+    request carries none (the tier query may omit it; a release may not: ``release`` checks).
+    """
+
+    text_column: str
+    control_columns: tuple[str, ...]
+    epsilon: float  # the run's per-node total
+    vocabulary: tuple[str, ...]
+    phases: tuple[tuple[str, float], ...]
+    delta: Any = None
+    model: str = ""
+    embedder: str = ""
+    finetune: str = ""
+
+
+@dataclass(frozen=True)
+class NodePolicy:
+    """The institution's rules for its node (see the module docstring for the keys)."""
+
+    tier: str
+    epsilon: float  # total budget of this node's records, across all runs
+    delta: float = DEFAULT_DELTA  # the largest delta this node accepts per release
+    text_column: str = "text"
+    control_columns: tuple[str, ...] = ("topic",)
+    control_codes: tuple[str, ...] = ()  # () = accept the server's public vocabulary
+    data_path: str = ""  # "" in simulation (the partition comes from the run config)
+    state_dir: str = ""
+    ledger_id: str = ""
+    phase_caps: tuple[tuple[str, float], ...] = ()  # (phase, max epsilon across runs in the window)
+    cap_window_days: float = 0.0  # 0: the caps count the ledger's whole life
+    models: tuple[str, ...] = DEFAULT_MODELS
+    embedders: tuple[str, ...] = DEFAULT_EMBEDDERS
+    finetune_modes: tuple[str, ...] = DEFAULT_FINETUNE
+    simulated: bool = False
+    partition: tuple[int, ...] = ()  # simulation: (partition id, number of partitions)
+    warnings: tuple[str, ...] = field(default=(), compare=False)
+
+    def cap(self, phase: str) -> float | None:
+        """The policy's epsilon cap for ``phase`` across runs (None: no cap)."""
+        return dict(self.phase_caps).get(phase)
+
+    # ----------------------------------------------------------------- the one check
+    def authorise(self, ask: Ask) -> None:
+        """Refuse (``PolicyRefused``) anything in ``ask`` this policy does not allow.
+
+        The data view and the run's per-node epsilon; the vocabulary and delta; for each phase,
+        that this tier takes part in it, its per-phase cap, and the models it would run (training:
+        the generator and finetune mode; votes: the embedder). Nothing here reads a record.
+        """
+        if ask.text_column != self.text_column or tuple(ask.control_columns) != self.control_columns:
+            raise PolicyRefused(RULE_COLUMNS, (
+                f"the run asks for text-column={ask.text_column!r} control-columns={','.join(ask.control_columns)!r}, "
+                f"but this node's policy is text-column={self.text_column!r} "
+                f"control-columns={','.join(self.control_columns)!r}"))
+        if ask.epsilon > self.epsilon:
+            raise PolicyRefused(RULE_EPSILON, f"the run asks for epsilon = {ask.epsilon:g} per node, above this "
+                                              f"node's budget epsilon = {self.epsilon:g}")
+        self._check_vocabulary(ask.vocabulary)
+        if ask.delta is not None:
+            self._check_delta(ask.delta)
+        for phase, eps in ask.phases:
+            self._check_phase(phase, eps)
+            if phase == TRAIN:
+                _allowed(RULE_MODEL, "model", ask.model, self.models)
+                _allowed(RULE_FINETUNE, "finetune", ask.finetune, self.finetune_modes)
+            if phase == VOTE:
+                _allowed(RULE_EMBEDDER, "embedder", ask.embedder, self.embedders)
+
+    def _check_vocabulary(self, codes: Sequence[str]) -> None:
+        if not codes:
+            raise PolicyRefused(RULE_VOCABULARY, "the request carries an empty control-code vocabulary")
+        if self.control_codes and set(codes) != set(self.control_codes):
+            raise PolicyRefused(RULE_VOCABULARY, (
+                f"the request's control-code vocabulary ({len(set(codes))} codes) is not this node's pinned "
+                f"vocabulary ({len(self.control_codes)} codes, node-config control-codes)"))
+
+    def _check_delta(self, delta: Any) -> None:
+        if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not 0 < delta <= self.delta:
+            raise PolicyRefused(RULE_DELTA, f"the request asks for delta = {delta!r}; this node accepts "
+                                            f"0 < delta <= {self.delta:g} per release (node-config delta)")
+
+    def _check_phase(self, phase: str, epsilon_this_run: float) -> None:
+        if phase not in PHASES or not epsilon_this_run > 0:
+            raise PolicyRefused(RULE_PHASE, f"{phase} was asked of a {self.tier} node, which has no {phase} "
+                                            "budget in this run")
+        cap = self.cap(phase)
+        if cap is not None and epsilon_this_run > cap + 1e-9:
+            raise PolicyRefused(RULE_CAP, f"the run asks for epsilon = {epsilon_this_run:.4g} for {phase}, above "
+                                          f"this node's cap max-epsilon-{phase} = {cap:g}")
+
+
+def _allowed(rule: str, key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise PolicyRefused(rule, f"the run asks for {key} = {value!r}; this node's policy allows "
+                                  f"{key} = {','.join(allowed)!r} (node-config {key})")
+
+
+# --------------------------------------------------------------------------- building
+def is_simulated(node_config: Mapping[str, Any]) -> bool:
+    """True for a node started by Flower's simulation engine without its own data file."""
+    return all(k in node_config for k in SIMULATION_KEYS) and not _get(node_config, "data-path")
+
+
+def policy_from_node_config(node_config: Mapping[str, Any]) -> NodePolicy:
+    """The policy of a deployed node, from its ``--node-config`` (and ``policy-file``).
+
+    Raises ``PolicyError`` naming the missing, unknown or invalid key and how to set it.
+    """
+    given = {_canonical(k): v for k, v in node_config.items() if _canonical(k) not in SIMULATION_KEYS}
+    unknown = sorted(k for k in given if k not in NODE_KEYS)
+    if unknown:
+        raise PolicyError(f"unknown node-config key(s) {unknown}: a misspelt key would be ignored; "
+                          f"allowed: {', '.join(NODE_KEYS)}")
+    values: dict[str, Any] = {}
+    file = given.get("policy-file")
+    if file:
+        values.update(_read_policy_file(Path(str(file)).expanduser()))
+    values.update(given)
+
+    tier = str(values.get("tier", "")).strip().lower()
+    if tier not in TIERS:
+        raise PolicyError(f'node-config tier = {tier!r} is invalid; set tier="strong" or tier="weak"')
+    data_path = str(values.get("data-path", "")).strip()
+    if not data_path:
+        raise PolicyError('node-config data-path is missing; set data-path="/path/to/records.csv"')
+    if "epsilon" not in values:
+        raise PolicyError(
+            "node-config epsilon is missing: this node does not let the server choose its privacy budget. "
+            "Set the institution's total budget, e.g. --node-config '... epsilon=8.0'")
+    epsilon = _float("epsilon", values["epsilon"])
+    if not epsilon > 0:
+        raise PolicyError(f"node-config epsilon = {epsilon} must be > 0 (or inf to switch DP off on purpose)")
+    delta = _float("delta", values.get("delta", DEFAULT_DELTA))
+    if not 0 < delta < 1:
+        raise PolicyError(f"node-config delta = {delta} must be in (0, 1); the default is {DEFAULT_DELTA:g}")
+    columns = _names(values.get("control-columns", "topic"))
+    text_column = str(values.get("text-column", "text")).strip()
+    if not columns or not text_column or text_column in columns:
+        raise PolicyError(f"node-config text-column = {text_column!r} / control-columns = {columns} are invalid: "
+                          "one text column and one or more other control columns")
+    caps = []
+    for phase in PHASES:
+        key = f"max-epsilon-{phase}"
+        if key in values:
+            cap = _float(key, values[key])
+            if not 0 <= cap <= epsilon:
+                raise PolicyError(f"node-config {key} = {cap:g} must be in [0, epsilon = {epsilon:g}]: a cap is a part "
+                                  "of the node's budget")
+            caps.append((phase, cap))
+    window = _float("cap-window-days", values.get("cap-window-days", 0.0))
+    if not 0 <= window < math.inf:
+        raise PolicyError(f"node-config cap-window-days = {window:g} must be >= 0 (0: the ledger's whole life)")
+    models = {key: _names(values[key]) if key in values else default for key, default in
+              (("model", DEFAULT_MODELS), ("embedder", DEFAULT_EMBEDDERS), ("finetune", DEFAULT_FINETUNE))}
+    for key, names in models.items():
+        if not names:
+            raise PolicyError(f"node-config {key} is empty; name the allowed values, comma-separated, or leave it "
+                              "unset for the project's offline models")
+    bad = sorted(set(models["finetune"]) - set(DEFAULT_FINETUNE))
+    if bad:
+        raise PolicyError(f"node-config finetune = {','.join(models['finetune'])!r}: {bad} is not a finetune mode; "
+                          f"allowed: {','.join(DEFAULT_FINETUNE)}")
+    codes = _names(values.get("control-codes", ""))
+    notes = () if codes else (
+        "node-config control-codes is not set: this node accepts the server's public vocabulary and drops "
+        "records whose code is not in it; set control-codes to pin the vocabulary",)
+    return NodePolicy(
+        tier=tier, epsilon=epsilon, delta=delta, text_column=text_column, control_columns=columns,
+        control_codes=codes, data_path=data_path, state_dir=str(values.get("state-dir", "")),
+        ledger_id=str(values.get("ledger-id", "")), phase_caps=tuple(caps), cap_window_days=window,
+        models=models["model"], embedders=models["embedder"], finetune_modes=models["finetune"], warnings=notes,
+    )
+
+
+def simulation_policy(tier: str, epsilon: float, delta: float, text_column: str,
+                      control_columns: Sequence[str], vocabulary: Sequence[str], state_dir: str,
+                      partition: tuple[int, int], model: str, embedder: str, finetune: str) -> NodePolicy:
+    """The policy of a simulated node: built from the run config, since no institution exists
+    (its models are the run's own)."""
+    return NodePolicy(tier=tier, epsilon=epsilon, delta=delta, text_column=text_column,
+                      control_columns=tuple(control_columns), control_codes=tuple(vocabulary),
+                      state_dir=state_dir, simulated=True, partition=tuple(partition),
+                      models=(model,), embedders=(embedder,), finetune_modes=(finetune,))
+
+
+def _canonical(key: str) -> str:
+    return str(key).replace("_", "-")
+
+
+def _get(node_config: Mapping[str, Any], key: str) -> Any:
+    return node_config.get(key, node_config.get(key.replace("-", "_")))
+
+
+def _read_policy_file(path: Path) -> dict[str, Any]:
+    try:
+        values = {_canonical(k): v for k, v in tomllib.loads(path.read_text(encoding="utf-8")).items()}
+    except FileNotFoundError:
+        raise PolicyError(f"node-config policy-file {path} does not exist") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise PolicyError(f"node-config policy-file {path} is not valid TOML: {err}") from None
+    unknown = sorted(k for k in values if k not in NODE_KEYS or k == "policy-file")
+    if unknown:
+        raise PolicyError(f"unknown policy key(s) {unknown} in {path}; allowed: {', '.join(NODE_KEYS[:-1])}")
+    return values
+
+
+def _float(key: str, raw: Any) -> float:
+    try:
+        if isinstance(raw, bool):
+            raise ValueError
+        value = float(raw)
+    except (TypeError, ValueError):
+        raise PolicyError(f"node-config {key} = {raw!r} is not a number") from None
+    if math.isnan(value):
+        raise PolicyError(f"node-config {key} = {raw!r} is not a number")
+    return value
+
+
+def _names(raw: Any) -> tuple[str, ...]:
+    items = raw if isinstance(raw, (list, tuple)) else str(raw).split(",")
+    return tuple(s.strip() for s in map(str, items) if s.strip())

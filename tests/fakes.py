@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterable
 
 from flwr.app import Context, Message, RecordDict
 from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg
 from flwr.supercore.task_identity import TaskIdentity
 
 NodeFn = Callable[[Message], Message | None]  # None = the node never answers
@@ -69,3 +70,23 @@ def write_topic_csv(path, topics: dict[str, str], per_topic: int, template: str 
     rows = [{"text": template.format(base=base, i=i), "topic": t} for t, base in topics.items() for i in range(per_topic)]
     pd.DataFrame(rows).to_csv(path, index=False)
     return str(path)
+
+
+class NanWeightsFromRound2(FedAvg):
+    """A curious server's phase-1 aggregator (run-config ``aggregator``): from round 2 on it sends
+    the strong nodes weights with a NaN in them, as a probe of the records through non-finite
+    arithmetic. The nodes must refuse it before anything is spent."""
+
+    def configure_train(self, server_round, arrays, config, grid):  # noqa: D102
+        messages = list(super().configure_train(server_round, arrays, config, grid))
+        if server_round >= 2:
+            import numpy as np
+            from flwr.app import Array, ArrayRecord
+
+            for m in messages:
+                rec = m.content.array_records["arrays"]
+                poisoned = {k: np.array(v.numpy(), copy=True) for k, v in rec.items()}
+                first = next(iter(poisoned))
+                poisoned[first].flat[0] = np.nan
+                m.content.array_records["arrays"] = ArrayRecord({k: Array(v) for k, v in poisoned.items()})
+        return messages

@@ -163,7 +163,7 @@ class Deployment:
         state-dir (ledger) and budget, on a fresh Runtime API port."""
         node = self.nodes[name]
         node_config = (f'tier="{node["tier"]}" data-path="{node["data"]}" state-dir="{node["state"]}" '
-                       f"epsilon={EPSILON}")
+                       f"epsilon={EPSILON} {node.get('policy', '')}").strip()
         _start(self, process or name, [
             str(BIN / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{self.port}",
             "--port", str(free_port()), "--node-config", node_config,
@@ -214,7 +214,7 @@ def _start(dep: Deployment, name: str, args: list[str], home: Path) -> None:
 
 
 @contextmanager
-def _deploy(tmp_path: Path, tiers: dict[str, str]):
+def _deploy(tmp_path: Path, tiers: dict[str, str], policies: dict[str, str] | None = None):
     """A SuperLink and one SuperNode per ``tiers`` entry (name -> tier), each with its own CSV
     and state-dir; yields the running ``Deployment`` and stops every process it started by PID."""
     # A uniquely named root: every process we start names it on its command line.
@@ -224,7 +224,8 @@ def _deploy(tmp_path: Path, tiers: dict[str, str]):
     for offset, (name, tier) in zip(range(100, 1000, 100), tiers.items()):
         data = root / f"{name}.csv"
         node_texts += _write_csv(data, offset)
-        nodes[name] = {"data": data, "state": root / f"state-{name}", "tier": tier}
+        nodes[name] = {"data": data, "state": root / f"state-{name}", "tier": tier,
+                       "policy": (policies or {}).get(name, "")}  # more node-config keys of the institution
     public = root / "public.csv"  # the server's public dataset: vocabulary + held-out loss
     dep = Deployment(root=root, port=free_port(), cli_home=root / "home-cli", nodes=nodes,
                      public_texts=_write_csv(public, 900, n=30), node_texts=node_texts)
@@ -347,7 +348,7 @@ def test_deployment_two_supernodes_then_budget_refusal(deployment):
                                            "run-name": f"attack-{what}", **over})
         diag3 = output3[-4000:] + "\n" + dep.diagnostics()
         assert code3 != 0 or status3.get("status") == "finished:failed", f"{what}: {status3}\n{diag3}"
-        assert output3.count("refused by the node's policy") >= 2, f"{what}\n{diag3}"
+        assert output3.count("refused: policy:") >= 2, f"{what}\n{diag3}"
         assert "run refused before anything was spent: 2 node(s) cannot finish it" in output3, diag3
 
     # The institution's view: `fedsyn ledger` on each node's state-dir.
@@ -587,7 +588,9 @@ def test_deployment_bad_data_on_the_server_and_on_a_node_fails_in_one_line_befor
     diag = output[-4000:] + "\n" + dep.diagnostics()
     assert status.get("status") == "finished:failed", f"{status}\n{diag}"
     assert "run refused before anything was spent: the votes have no weak node" in output, diag
-    assert f"data unavailable: data-path '{dep.nodes['weak']['data']}' cannot be used" in output, diag
+    assert "data: unreadable on this node" in output, diag  # the server gets the fixed text only...
+    assert str(dep.nodes['weak']['data']) not in output, diag
+    # ...and the node's own log names the file
     assert f"data unavailable: data-path '{dep.nodes['weak']['data']}' cannot be used" in dep.log("weak"), diag
     assert not any(text in output for text in dep.node_texts), "a node's record reached the server's log"
     for name, node in dep.nodes.items():  # nothing spent, nothing held
@@ -595,3 +598,26 @@ def test_deployment_bad_data_on_the_server_and_on_a_node_fails_in_one_line_befor
         if ledger_file:
             book = _ledger(node["state"])
             assert not book["releases"] and not book.get("holds"), (name, book)
+
+
+def test_deployment_a_disallowed_embedder_and_nan_weights_are_refused_through_flower(tmp_path):
+    """Issue 21 through Flower itself: the weak institution pins its embedder, and a curious
+    server's aggregator sends NaN weights in round 2. Both are refused before anything is spent,
+    with fixed texts; the run that sent NaN still completes on round 1's weights."""
+    with _deploy(tmp_path, {"strong": "strong", "weak": "weak"}, {"weak": 'embedder="all-MiniLM-L6-v2"'}) as dep:
+        out = dep.root / "out"
+        public = str(dep.root / "public.csv")
+        code, output, status = dep.run({**TINY, "dataset": public, "out-dir": str(out), "run-name": "evil-embedder",
+                                         "embedder": "sentence-transformers/all-MiniLM-L6-v2"})
+        diag = output[-4000:] + "\n" + dep.diagnostics()
+        assert status.get("status") == "finished:failed", f"{status}\n{diag}"
+        assert "refused: policy: embedder not allowed" in output, diag
+        assert not any(_ledger(n["state"])["releases"] for n in dep.nodes.values()), diag
+        code, output, status = dep.run({**TINY, "dataset": public, "out-dir": str(out), "run-name": "nan",
+                                         "num-server-rounds": 2, "aggregator": "tests.fakes.NanWeightsFromRound2"})
+        diag = output[-4000:] + "\n" + dep.diagnostics()
+        assert status.get("status") == "finished:completed", f"{status}\n{diag}"
+        assert "refused: bad weights" in output, diag
+        trains = [r for r in _ledger(dep.nodes["strong"]["state"])["releases"] if r["phase"] == "train"]
+        assert [(r["round"], r["status"]) for r in trains] == [(1, "confirmed")], trains
+        assert "non-finite values" in dep.log("strong"), diag  # the detail stays on the node

@@ -418,6 +418,10 @@ class FedSynStrategy(Strategy):
                 continue
             trained = True
             new_arrays, metrics = self.aggregate_train(rnd, list(good.values()))
+            if new_arrays is not None and not all(np.isfinite(a).all() for a in new_arrays.to_numpy_ndarrays()):
+                self.courier.degrade(f"phase 1 round {rnd}: the aggregator returned non-finite weights; kept the "
+                                     "previous ones")
+                new_arrays = None
             if new_arrays is not None:
                 arrays = new_arrays
             if metrics is not None:

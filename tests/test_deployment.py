@@ -612,7 +612,10 @@ def test_deployment_a_disallowed_embedder_and_nan_weights_are_refused_through_fl
         diag = output[-4000:] + "\n" + dep.diagnostics()
         assert status.get("status") == "finished:failed", f"{status}\n{diag}"
         assert "refused: policy: embedder not allowed" in output, diag
-        assert not any(_ledger(n["state"])["releases"] for n in dep.nodes.values()), diag
+        # refused before the nodes opened their data or ledgers: nothing spent, nothing held
+        assert not any(list(n["state"].glob("ledger*.json")) and (_ledger(n["state"])["releases"]
+                                                                   or _ledger(n["state"]).get("holds"))
+                       for n in dep.nodes.values()), diag
         code, output, status = dep.run({**TINY, "dataset": public, "out-dir": str(out), "run-name": "nan",
                                          "num-server-rounds": 2, "aggregator": "tests.fakes.NanWeightsFromRound2"})
         diag = output[-4000:] + "\n" + dep.diagnostics()

@@ -240,8 +240,10 @@ class PrivacyLedger:
             mine = data["holds"].get(run_id)
             if short <= 0 and math.isfinite(needed) and (mine is None or mine.get("token") == digest):
                 confirmed = bool(mine and mine.get("confirmed"))
+                # asking again never stretches an unconfirmed hold: only a release does
+                until = now + HOLD_SECONDS if confirmed else (float(mine["until"]) if mine else now + HOLD_UNCONFIRMED_SECONDS)
                 data["holds"][run_id] = {"epsilon": float(needed), "token": digest, "confirmed": confirmed,
-                                         "until": now + (HOLD_SECONDS if confirmed else HOLD_UNCONFIRMED_SECONDS)}
+                                         "until": until}
             return Preflight(short, _remaining(data, run_id), _held(data, run_id), str(data.get("ref", "")))
 
     def release_hold(self, run_id: str | None = None, token: str = "") -> list[str]:

@@ -90,3 +90,16 @@ class NanWeightsFromRound2(FedAvg):
                 poisoned[first].flat[0] = np.nan
                 m.content.array_records["arrays"] = ArrayRecord({k: Array(v) for k, v in poisoned.items()})
         return messages
+
+
+class NanAggregate(FedAvg):
+    """A broken phase-1 aggregator (run-config ``aggregator``) whose global weights are NaN."""
+
+    def aggregate_train(self, server_round, replies):  # noqa: D102
+        import numpy as np
+        from flwr.app import Array, ArrayRecord
+
+        arrays, metrics = super().aggregate_train(server_round, replies)
+        if arrays is not None:
+            arrays = ArrayRecord({k: Array(np.full_like(v.numpy(), np.nan)) for k, v in arrays.items()})
+        return arrays, metrics

@@ -252,8 +252,9 @@ def test_a_guessed_key_can_neither_end_nor_renew_another_runs_hold(twins, tmp_pa
     for token in ("", "guess"):
         assert not _send(data, state, R.MSG_LEDGER, **{"resume-key": "victim", "hold-token": token}).has_error()
         assert "victim" in PrivacyLedger.open(state, BUDGET).summary()["holds"]
-    _send(data, state, R.MSG_TIER, **{"resume-key": "victim", "hold-token": "guess"})
-    assert PrivacyLedger.open(state, BUDGET).summary()["holds"]["victim"]["until"] == held["until"]  # not renewed
+    for token in ("guess", "secret"):  # asking again, even with the token, never stretches an unconfirmed hold
+        _send(data, state, R.MSG_TIER, **{"resume-key": "victim", "hold-token": token})
+        assert PrivacyLedger.open(state, BUDGET).summary()["holds"]["victim"]["until"] == held["until"]
     assert not _send(data, state, R.MSG_LEDGER, **{"resume-key": "victim", "hold-token": "secret"}).has_error()
     assert "victim" not in PrivacyLedger.open(state, BUDGET).summary()["holds"]
 

@@ -330,3 +330,30 @@ def test_a_run_whose_votes_no_node_can_cast_is_refused_before_anything_is_spent(
     rc_all = {**rc, "voters": "all"}  # the strong node may vote instead: the run goes on, degraded
     res, grid, _ = run(rc_all, broken_weak_nodes(rc_all, tmp_path / "all"))
     assert res.vote_rounds[0]["voters"] == [100] and not res.skipped and res.degradations
+
+
+def test_non_finite_weights_from_a_node_or_an_aggregator_never_reach_the_global_model(dataset, tmp_path):
+    rc = run_config(dataset, aggregator="tests.fakes.NanAggregate")
+    nodes = nodes_for(rc, 3, tmp_path)
+    res, grid, _ = run(rc, nodes)
+    assert sum("non-finite weights" in d for d in res.degradations) == 2  # both rounds' aggregates kept out
+    assert all(np.isfinite(a).all() for a in res.arrays.to_numpy_ndarrays())
+
+    rc = run_config(dataset)
+    nodes = nodes_for(rc, 3, tmp_path / "liar")
+    real = nodes[100]
+
+    def poisoned(m):  # a strong node whose reply carries NaN weights
+        reply = real(m)
+        if m.metadata.message_type == R.MSG_TRAIN and not reply.has_error():
+            state = R.state_from_arrays(reply.content.array_records[R.ARRAYS])
+            first = next(iter(state))
+            state[first] = np.full_like(state[first], np.nan)
+            reply.content.array_records[R.ARRAYS] = R.arrays_from_state(state)
+        return reply
+
+    nodes[100] = poisoned
+    res, _, _ = run(rc, nodes)
+    assert [(f["node_id"], f["phase"], f["reason"]) for f in res.failures] == [
+        (100, "train", "malformed reply: non-finite weights")] * 2
+    assert all(np.isfinite(a).all() for a in res.arrays.to_numpy_ndarrays())

@@ -102,11 +102,12 @@ class PrivacyLedger:
     # ----------------------------------------------------------------- opening
     @classmethod
     def open(cls, state_dir: str | Path, budget: float, ledger_id: str = "", data_fingerprint: str = "") -> PrivacyLedger:
-        """Open (or create) the node's ledger and set its total ``budget``.
+        """Open the node's ledger with its total ``budget`` (the node policy's), or create it.
 
-        The budget is the institution's (node policy); a change from the stored one is
-        recorded. ``data_fingerprint`` is informational only: a change of data is logged
-        in the ledger, it never opens a new one.
+        Raises ``LedgerError`` when the stored budget differs (a budget changes only by
+        ``set_budget``), when the file is damaged, or when it is missing from a state dir
+        that released before (``traces``). ``data_fingerprint`` is informational only: a
+        change of data is logged in the ledger, it never opens a new one.
         """
         ledger = cls(ledger_path(state_dir, ledger_id))
         ledger.path.parent.mkdir(parents=True, exist_ok=True)

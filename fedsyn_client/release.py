@@ -192,6 +192,8 @@ def release(node: Node, request: Request, mechanism: Mechanism) -> tuple[Any, Co
             raise FloatingPointError("the noised release is not finite")
     except BaseException as err:
         node.ledger.fail(entry, f"{type(err).__name__} after the reservation")
+        if not isinstance(err, Exception):  # an interrupt or exit stays one (still charged)
+            raise
         raise ReleaseFailed(f"{request.phase} round {request.round} failed after its reservation "
                             f"(charged): {type(err).__name__}: {err}") from err
     node.ledger.confirm(entry, out.private, out.accountant)

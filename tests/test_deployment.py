@@ -600,17 +600,20 @@ def test_deployment_bad_data_on_the_server_and_on_a_node_fails_in_one_line_befor
             assert not book["releases"] and not book.get("holds"), (name, book)
 
 
-def test_deployment_a_disallowed_embedder_and_nan_weights_are_refused_through_flower(tmp_path):
-    """Issue 21 through Flower itself: the weak institution pins its embedder, and a curious
-    server's aggregator sends NaN weights in round 2. Both are refused before anything is spent,
-    with fixed texts; the run that sent NaN still completes on round 1's weights."""
-    with _deploy(tmp_path, {"strong": "strong", "weak": "weak"}, {"weak": 'embedder="all-MiniLM-L6-v2"'}) as dep:
+def test_deployment_a_disallowed_model_and_nan_weights_are_refused_through_flower(tmp_path):
+    """Issue 21 through Flower itself: the strong institution pins its generator and the weak one
+    its embedder; a run asking for others is refused at stage 0 by both, with fixed texts. Then a
+    curious server's aggregator sends NaN weights in round 2: refused before anything is spent,
+    and the run still completes on round 1's weights."""
+    policies = {"strong": 'model="tiny-gpt2"', "weak": 'embedder="all-MiniLM-L6-v2"'}
+    with _deploy(tmp_path, {"strong": "strong", "weak": "weak"}, policies) as dep:
         out = dep.root / "out"
         public = str(dep.root / "public.csv")
-        code, output, status = dep.run({**TINY, "dataset": public, "out-dir": str(out), "run-name": "evil-embedder",
-                                         "embedder": "sentence-transformers/all-MiniLM-L6-v2"})
+        code, output, status = dep.run({**TINY, "dataset": public, "out-dir": str(out), "run-name": "evil-models",
+                                         "model": "smollm2-135m", "embedder": "sentence-transformers/all-MiniLM-L6-v2"})
         diag = output[-4000:] + "\n" + dep.diagnostics()
         assert status.get("status") == "finished:failed", f"{status}\n{diag}"
+        assert "refused: policy: model not allowed" in output, diag
         assert "refused: policy: embedder not allowed" in output, diag
         # refused before the nodes opened their data or ledgers: nothing spent, nothing held
         assert not any(list(n["state"].glob("ledger*.json")) and (_ledger(n["state"])["releases"]

@@ -98,3 +98,15 @@ def test_noise_calibration_refuses_zero_steps_instead_of_looping():
 
 def test_paper_delta():
     assert paper_delta(10) == pytest.approx(1 / (20 * math.log(10)))
+
+
+@pytest.mark.parametrize("epsilon,q", [(6.0, 32 / 1000), (1.0, 0.001), (0.5, 0.5), (30.0, 0.01)])
+def test_the_rdp_orders_reach_the_optimum_no_accountant_warning(epsilon, q):
+    import warnings
+
+    from common.dp import dpsgd_epsilon, dpsgd_noise_multiplier
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # Opacus warns when the best order is at the end of the grid
+        nm = dpsgd_noise_multiplier(epsilon, 1e-5, q, 24)
+        assert dpsgd_epsilon([[nm, q, 24]], 1e-5) <= epsilon + 0.01

@@ -3,12 +3,16 @@
 Usage: python -m benchmarks.throughput [--model smollm2-135m] [--batch-size 8] [--steps 3]
        [--max-length 64] [--generate 32] [--default-run] [--json out.json]
 
-Prints, for this device: DP-SGD and non-private training tokens/s (LoRA and full
-finetuning) and their ratio, generation tokens/s at the automatic batch size, embedding
-texts/s (MiniLM), and with ``--default-run`` the default run's phase times (one real
-``flwr run`` through ``fedsyn run``'s client resources). Training tokens are the padded
-B x L tokens a step processes; generation tokens are the new tokens actually produced.
-Training is timed over one call of ``--steps`` steps after a one-step warm-up call.
+Prints, for this device: its own peak first (a large matmul in fp32 and bf16, and the
+tokens/s of a plain forward pass of the model in each), then DP-SGD and non-private training
+tokens/s (LoRA and full finetuning) and their ratio, generation tokens/s at the automatic
+batch size, embedding texts/s (MiniLM), and with ``--default-run`` the default run's phase
+times (one real ``flwr run`` through ``fedsyn run``'s client resources). Every model figure
+also says what fraction of the peak it reaches: its FLOP/s (2 x parameters per token for a
+forward, x3 for a training step) over the matmul peak of the dtype it ran in, so each number
+says how far it is from this machine's limit. Training tokens are the padded B x L tokens a
+step processes; generation tokens are the new tokens actually produced. Training is timed over
+one call of ``--steps`` steps after a one-step warm-up call.
 """
 
 from __future__ import annotations
@@ -37,6 +41,48 @@ def bbc_records(n: int) -> tuple[list[str], list[str]]:
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def matmul_peak(dtype: torch.dtype, n: int = 2048, repeat: int = 10) -> float:
+    """GFLOP/s of an n x n matmul in ``dtype`` on the default device: the machine's practical peak."""
+    device = default_device()
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    a @ b  # warm-up
+    _sync()
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        a @ b
+    _sync()
+    return 2 * n ** 3 * repeat / (time.perf_counter() - t0) / 1e9
+
+
+def forward_throughput(model_name: str, dtype: torch.dtype, batch: int, length: int, repeat: int = 3) -> float:
+    """Tokens/s of a plain forward pass (no grad) of ``model_name`` on B x L tokens in ``dtype``."""
+    from common.models import load_generator
+
+    model, _ = load_generator(model_name)
+    model.eval()
+    ids = torch.randint(0, model.config.vocab_size, (batch, length), device=default_device())
+    with torch.inference_mode(), torch.autocast(ids.device.type, dtype=dtype, enabled=dtype != torch.float32):
+        model(input_ids=ids)
+        _sync()
+        t0 = time.perf_counter()
+        for _ in range(repeat):
+            model(input_ids=ids)
+        _sync()
+    return batch * length * repeat / (time.perf_counter() - t0)
+
+
+def flops_per_token(model_name: str) -> float:
+    """Forward FLOPs per token: 2 x the parameters that take part (the tied output layer counted)."""
+    from common.models import load_generator
+
+    model, _ = load_generator(model_name)
+    params = sum(p.numel() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight.numel()
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    return 2.0 * (params - embedding + (embedding if tied else 0))
 
 
 def train_throughput(model_name: str, finetune: str, private: bool, batch: int, steps: int,
@@ -132,16 +178,34 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)"
     out: dict[str, Any] = {"device": device, "model": args.model, "batch_size": args.batch_size,
                            "max_length": args.max_length, "torch": torch.__version__}
+    # The machine's own limits first: every later figure is read against them.
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        out[f"peak_matmul_{name}_gflops"] = round(matmul_peak(dtype), 1)
+        out[f"forward_{name}_tokens_per_s"] = round(forward_throughput(args.model, dtype, args.batch_size,
+                                                                       args.max_length), 1)
+        print(f"peak matmul {name}: {out[f'peak_matmul_{name}_gflops']} GFLOP/s; forward {name}: "
+              f"{out[f'forward_{name}_tokens_per_s']} tokens/s", flush=True)
+    flops = flops_per_token(args.model)
+    peak = out["peak_matmul_fp32_gflops"] * 1e9
+
+    def of_peak(tokens_per_s: float, factor: float) -> float:
+        return round(tokens_per_s * flops * factor / peak, 3)
+
+    for name in ("fp32", "bf16"):
+        out[f"forward_{name}_of_fp32_peak"] = of_peak(out[f"forward_{name}_tokens_per_s"], 1)
     for finetune in ("lora", "full"):
         for private in (True, False):
             key = f"train_{finetune}_{'dp' if private else 'nondp'}_tokens_per_s"
             out[key] = round(train_throughput(args.model, finetune, private, args.batch_size, args.steps,
                                               args.max_length), 1)
-            print(f"{key}: {out[key]}", flush=True)
+            out[key.replace("_tokens_per_s", "_of_fp32_peak")] = of_peak(out[key], 3)
+            print(f"{key}: {out[key]} ({out[key.replace('_tokens_per_s', '_of_fp32_peak')]:.1%} of the fp32 peak)",
+                  flush=True)
         out[f"dp_over_nondp_{finetune}"] = round(out[f"train_{finetune}_nondp_tokens_per_s"]
                                                  / out[f"train_{finetune}_dp_tokens_per_s"], 2)
     tps, batch = generation_throughput(args.model, args.generate, 64)
-    out.update(generation_tokens_per_s=round(tps, 1), generation_batch_size=batch)
+    out.update(generation_tokens_per_s=round(tps, 1), generation_batch_size=batch,
+               generation_of_fp32_peak=of_peak(tps, 1))
     out["embedding_texts_per_s"] = round(embedding_throughput(args.embed), 1)
     if args.default_run:
         out["default_run_phases_s"] = default_run_phases()

@@ -14,7 +14,13 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
-def generate_texts(
+def generate_texts(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[str],
+                   **kwargs) -> list[str]:
+    """``generate_samples`` without the limit flags: one continuation per prompt, in order."""
+    return [text for text, _ in generate_samples(model, tokenizer, prompts, **kwargs)]
+
+
+def generate_samples(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     prompts: list[str],
@@ -25,11 +31,12 @@ def generate_texts(
     batch_size: int = 16,
     seed: int = 0,
     progress: bool = True,
-) -> list[str]:
-    """Sample one continuation per prompt and return them in the order of `prompts`.
+) -> list[tuple[str, bool]]:
+    """Sample one continuation per prompt; return (text, stopped by the token limit) in the order of
+    `prompts`.
 
-    Each output is only the newly generated text (at most `max_new_tokens` tokens), decoded without
-    special tokens and stripped. `temperature == 0` decodes greedily; otherwise nucleus sampling with
+    Each text is only the newly generated text (at most `max_new_tokens` tokens), decoded without
+    special tokens and stripped; the flag is True when no eos ended it (it may end mid-word). `temperature == 0` decodes greedily; otherwise nucleus sampling with
     `temperature` and `top_p`. The result is a deterministic function of (model, prompts, settings,
     seed); the caller's global torch RNG state is left untouched and the model's train/eval mode
     is restored afterwards.
@@ -53,7 +60,7 @@ def generate_texts(
     # Batching prompts of similar length wastes less compute on padding.
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-    outputs: list[str] = [""] * len(prompts)
+    outputs: list[tuple[str, bool]] = [("", False)] * len(prompts)
     was_training = model.training
     model.eval()
     try:
@@ -64,10 +71,11 @@ def generate_texts(
                 torch.manual_seed(int(np.random.SeedSequence([seed, b]).generate_state(1)[0]))
                 enc = tokenizer([prompts[i] for i in idx], return_tensors="pt", padding=True, padding_side="left")
                 enc = to_device(enc, device)
-                out = model.generate(**enc, **settings)
-                texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-                for i, text in zip(idx, texts):
-                    outputs[i] = text.strip()
+                new = model.generate(**enc, **settings)[:, enc["input_ids"].shape[1] :]
+                texts = tokenizer.batch_decode(new, skip_special_tokens=True)
+                eos = tokenizer.eos_token_id
+                for row, i, text in zip(new, idx, texts):
+                    outputs[i] = (text.strip(), eos is None or not bool((row == eos).any()))
     finally:
         model.train(was_training)
     return outputs

@@ -7,7 +7,7 @@
 | ``refinement_rounds.jsonl`` | for methods with several rounds (``pe``, ``popri``): every text each round saw, with its aggregated noisy score and the method's columns (PE: ``survived``, ``children``; POPri: ``role`` chosen / rejected) |
 | ``profile.json`` | vocabulary, each node's noisy profile, the global profile, the allocation |
 | ``privacy_report.json`` | per node: budget, spent, every release, basic and PLD totals |
-| ``metrics.json`` | held-out loss per round, phase timings, failures, degradations, sizes |
+| ``metrics.json`` | held-out loss per round, phase timings, failures, degradations, sizes, generation (texts asked again, dropped, written per code against the allocation) |
 | ``config.json`` | the validated run config |
 | ``model/`` | the finetuned trainable weights (a peft adapter or a full model folder) |
 | ``plots/*.png`` | votes per code, allocation vs. final counts, held-out loss per round |
@@ -54,7 +54,7 @@ def write_outputs(run_dir: Path, cfg: RunConfig, vocabulary: list[str], res: Fed
             "train": {str(k): v for k, v in res.train_metrics.items()},
             "timings_s": res.timings, "failures": res.failures,
             "degradations": res.degradations, "degraded": bool(res.degradations), "skipped": res.skipped,
-            "pool_size": len(res.pool_texts), "final_size": len(final),
+            "pool_size": len(res.pool_texts), "final_size": len(final), "generation": res.generation,
             "nodes": {str(n): t for n, t in res.tiers.items()},
             "refinement": {"method": cfg.refinement, "vote_rounds": res.vote_rounds, **res.refinement},
         }),

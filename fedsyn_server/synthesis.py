@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from flwr.app import ArrayRecord
 
@@ -16,10 +18,12 @@ from common.data import TextData
 from common.devices import to_device
 from common.models import load_generator
 from common.weights import load_trainable_state, prepare_model, trainable_state
-from fedsyn_server.generation import generate_texts
+from fedsyn_server.generation import generate_samples
+from fedsyn_server.text_quality import trim_cut, unusable
 from strategies.refinement import Generator
 
 log = get_logger("fedsyn")
+REGENERATE = 2  # further attempts for a text that is unusable (then it is dropped and counted)
 HELDOUT_EVAL_RECORDS = 64  # enough for a stable loss, ~5 s per round on CPU with SmolLM2
 
 
@@ -41,6 +45,7 @@ class ServerModel(Generator):
         self.cfg = cfg
         model, self.tokenizer = load_generator(cfg.model, seed=cfg.seed)
         self.model = prepare_model(model, cfg.finetune, cfg.lora_rank, seed=cfg.seed)
+        self._report: dict[str, Any] = {}
 
     def initial_arrays(self) -> ArrayRecord:
         """theta^0: the trainable weights every strong node starts round 1 from."""
@@ -57,10 +62,46 @@ class ServerModel(Generator):
         return self.model
 
     def generate(self, allocation: Mapping[str, int], seed: int) -> tuple[list[str], list[str]]:
-        """s_j samples for each code c_j, prompted by the code (paper eq. 3); (texts, codes)."""
+        """s_j samples for each code c_j, prompted by the code (paper eq. 3); (texts, codes).
+
+        Only usable texts (``fedsyn_server.text_quality``): a text stopped by the token limit
+        loses its cut last word; an empty, prompt-copy or looping one is asked again, up to
+        ``REGENERATE`` times with other seeds, then dropped. ``generation_report`` counts both.
+        """
         codes = [code for code, n in allocation.items() for _ in range(n)]
         log.info("[generate] %d texts for %d codes", len(codes), sum(n > 0 for n in allocation.values()))
-        return self._sample([self.prompt(c) for c in codes], self.cfg.max_new_tokens, seed), codes
+        prompts = [self.prompt(c) for c in codes]
+        texts: list[str | None] = [None] * len(codes)
+        todo, rejected = list(range(len(codes))), Counter()
+        for attempt in range(1 + REGENERATE):
+            if not todo:
+                break
+            if attempt:
+                log.info("[generate] asking again for %d unusable texts (attempt %d)", len(todo), attempt + 1)
+            samples = self._samples([prompts[i] for i in todo], self.cfg.max_new_tokens,
+                                    seed if not attempt else int(np.random.SeedSequence([seed, attempt]).generate_state(1)[0]))
+            again = []
+            for i, (text, hit_limit) in zip(todo, samples):
+                text = trim_cut(text, hit_limit)
+                why = unusable(text, prompts[i])
+                if why is None:
+                    texts[i] = text
+                else:
+                    rejected[why] += 1
+                    again.append(i)
+            todo = again
+        kept = [i for i, t in enumerate(texts) if t is not None]
+        written = Counter(codes[i] for i in kept)
+        self._report = {"requested": len(codes), "written": len(kept), "dropped": len(todo),
+                        "rejected": dict(rejected), "attempts": 1 + REGENERATE,
+                        "per_code": {c: {"allocated": int(n), "written": written.get(c, 0)} for c, n in allocation.items()}}
+        if todo:
+            log.warning("[generate] dropped %d of %d texts still unusable after %d attempts (%s)", len(todo),
+                        len(codes), 1 + REGENERATE, dict(rejected))
+        return [texts[i] for i in kept], [codes[i] for i in kept]
+
+    def generation_report(self) -> dict[str, Any]:  # noqa: D102
+        return dict(self._report)
 
     def variation(self, texts: list[str], codes: list[str], seed: int) -> list[str]:
         """One variation of each text: keep its first half (by words) after the code prompt and
@@ -71,14 +112,14 @@ class ServerModel(Generator):
         partial re-noising of an image; the kept half ties the child to its parent.
         """
         heads = [" ".join(t.split()[: len(t.split()) // 2]) for t in texts]
-        tails = self._sample([self.prompt(c) + h + (" " if h else "") for c, h in zip(codes, heads)],
-                             max(1, self.cfg.max_new_tokens // 2), seed)
-        return [f"{h} {t}".strip() for h, t in zip(heads, tails)]
+        tails = self._samples([self.prompt(c) + h + (" " if h else "") for c, h in zip(codes, heads)],
+                              max(1, self.cfg.max_new_tokens // 2), seed)
+        return [f"{h} {trim_cut(t, hit)}".strip() for h, (t, hit) in zip(heads, tails)]
 
-    def _sample(self, prompts: list[str], max_new_tokens: int, seed: int) -> list[str]:
-        return generate_texts(self.model, self.tokenizer, prompts, max_new_tokens=max_new_tokens,
-                              temperature=self.cfg.temperature, top_p=self.cfg.top_p, seed=seed,
-                              batch_size=generation_batch_size(self.cfg.generation_batch_size))
+    def _samples(self, prompts: list[str], max_new_tokens: int, seed: int) -> list[tuple[str, bool]]:
+        return generate_samples(self.model, self.tokenizer, prompts, max_new_tokens=max_new_tokens,
+                                temperature=self.cfg.temperature, top_p=self.cfg.top_p, seed=seed,
+                                batch_size=generation_batch_size(self.cfg.generation_batch_size))
 
     def prompt(self, code: str) -> str:
         """The generation prompt for ``code``: the code itself, or a zero-shot instruction."""

@@ -159,6 +159,7 @@ class FedSynStrategy(Strategy):
         if "generate" not in done:
             self.generator.load(res.arrays)
             res.pool_texts, res.pool_codes = self.generator.generate(res.allocation, seed=self.cfg.seed)
+            res.generation = self.generator.generation_report()
             self._checkpoint("generate")
             res.timings["generate"] = time.time() - t
 

@@ -57,6 +57,11 @@ class Generator(ABC):
     def variation(self, texts: list[str], codes: list[str], seed: int) -> list[str]:
         """One variation of each text, conditioned on its code (same order)."""
 
+    def generation_report(self) -> dict[str, Any]:
+        """What the last ``generate`` wrote against what it was asked (texts asked again,
+        dropped, written per code); {} when the generator keeps no such count."""
+        return {}
+
 
 class VoteFn(Protocol):
     """One vote round on the voters; returns the sum of the nodes' noised histograms."""

@@ -23,6 +23,7 @@ class FedSynResult:
     allocation: dict[str, int] = field(default_factory=dict)
     pool_texts: list[str] = field(default_factory=list)
     pool_codes: list[str] = field(default_factory=list)
+    generation: dict[str, Any] = field(default_factory=dict)  # ``Generator.generation_report`` of the pool
     node_votes: dict[int, list[float]] = field(default_factory=dict)  # the last vote round's, by node
     votes: np.ndarray | None = None  # aggregated noisy votes of the final population (last round)
     selected: np.ndarray | None = None

@@ -76,3 +76,54 @@ def test_smollm2_generates_text():
     for text in out:
         assert isinstance(text, str) and text
         assert sum(c.isalpha() for c in text) / len(text) > 0.5
+
+
+def test_the_limit_flag_says_which_texts_the_token_limit_stopped(tiny):
+    from fedsyn_server.generation import generate_samples
+
+    model, tok = tiny
+    samples = generate_samples(model, tok, PROMPTS, max_new_tokens=4, batch_size=2, progress=False)
+    assert len(samples) == len(PROMPTS) and all(hit for _, hit in samples)  # a random model never says eos in 4
+    eos_first = model.generate  # a model that says eos at once is never stopped by the limit
+
+    def immediate_eos(**kw):
+        out = eos_first(**{**kw, "max_new_tokens": 1})
+        out[:, -1] = tok.eos_token_id
+        return out
+
+    model.generate = immediate_eos
+    try:
+        assert all(not hit for _, hit in generate_samples(model, tok, PROMPTS, max_new_tokens=4, progress=False))
+    finally:
+        del model.generate
+
+
+def test_no_empty_or_prompt_copy_text_is_written(monkeypatch):
+    """The server asks again for unusable texts, drops what stays unusable, and counts both."""
+    from common.config import RunConfig
+    from fedsyn_server.synthesis import REGENERATE, ServerModel
+
+    server = ServerModel(RunConfig(model="tiny-gpt2"))
+    calls = []
+
+    def samples(prompts, max_new_tokens, seed):
+        calls.append(len(prompts))
+        out = []
+        for i, p in enumerate(prompts):
+            if len(calls) == 1:  # first attempt: every kind of unusable text, and two good ones
+                out.append([("", False), (p.strip(), False), ("goal " * 8, False), ("A fine report on the matc", True),
+                            ("The vote was close.", False)][i % 5])
+            else:  # later attempts: the prompt-copy becomes usable; the empty one never does
+                out.append(("", False) if i == 0 else ("The market rose again.", False))
+        return out
+
+    monkeypatch.setattr(server, "_samples", samples)
+    texts, codes = server.generate({"topic=a": 3, "topic=b": 2}, seed=0)
+    assert calls == [5, 3, 1]  # the unusable ones are asked again, REGENERATE times at most
+    assert len(calls) == 1 + REGENERATE
+    assert all(t.strip() for t in texts) and not any(t == server.prompt(c).strip() for t, c in zip(texts, codes))
+    assert "A fine report on the" in texts  # the limit's cut word is trimmed, the text kept
+    report = server.generation_report()
+    assert report["written"] == len(texts) == 4 and report["dropped"] == 1
+    assert report["rejected"] == {"empty": 3, "prompt-copy": 1, "repetition": 1}
+    assert report["per_code"] == {"topic=a": {"allocated": 3, "written": 2}, "topic=b": {"allocated": 2, "written": 2}}

@@ -115,10 +115,10 @@ def generation_throughput(model_name: str, prompts: int, max_new_tokens: int) ->
     """(new tokens/s, batch size) of generating ``prompts`` texts at the automatic batch size."""
     from common.models import load_generator
     from fedsyn_server.generation import generate_texts
-    from fedsyn_server.synthesis import generation_batch_size
+    from fedsyn_server.generation import auto_batch_size
 
     model, tok = load_generator(model_name)
-    batch = generation_batch_size(0)
+    batch = auto_batch_size(model, prompts, 8 + max_new_tokens)
     codes = [f"topic={t}" for t in ("business", "sport", "tech", "politics")]
     ps = [code_prompt(codes[i % len(codes)]) for i in range(prompts)]
     generate_texts(model, tok, ps[: min(4, prompts)], max_new_tokens=4, batch_size=batch, progress=False)  # warm-up

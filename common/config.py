@@ -54,7 +54,7 @@ class RunConfig:
     embedder: str = "all-MiniLM-L6-v2"
     num_synthetic: int = 120
     max_new_tokens: int = 64
-    generation_batch_size: int = 0  # 0 = auto: 128 on CUDA, 16 on CPU
+    generation_batch_size: int = 0  # 0 = auto: from free memory, at most 128 on CPU, 512 on CUDA
     sampling_rate: float = 0.5
     num_votes: int = 4
     temperature: float = 1.0
@@ -125,7 +125,7 @@ class RunConfig:
              f"a float in (0, epsilon={self.epsilon})"),
             ("num-synthetic", self.num_synthetic >= 1, "an integer >= 1"),
             ("max-new-tokens", 1 <= self.max_new_tokens <= 4096, "an integer in [1, 4096]"),
-            ("generation-batch-size", self.generation_batch_size >= 0, "an integer >= 0 (0 = auto by device)"),
+            ("generation-batch-size", self.generation_batch_size >= 0, "an integer >= 0 (0 = auto from free memory)"),
             ("sampling-rate", 0 < self.sampling_rate <= 1, "a float in (0, 1]"),
             ("num-votes", self.num_votes >= 1, "an integer >= 1"),
             ("temperature", 0 <= self.temperature <= 5, "a float in [0, 5] (0 = greedy)"),

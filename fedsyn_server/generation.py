@@ -1,17 +1,136 @@
-"""Batched, seeded sampling of continuations from a causal LM (GPT-2, Llama/SmolLM2, PEFT-wrapped)."""
+"""Batched, seeded sampling of continuations from a causal LM (GPT-2, Llama/SmolLM2, PEFT-wrapped).
+
+Two things here are ours rather than transformers' defaults, both measured (``benchmarks/README.md``):
+
+- **Sampling with one uniform per row.** ``generate(do_sample=True)`` draws a token with
+  ``torch.multinomial``, which on a CPU fills an exponential variate for every vocabulary entry of
+  every row at every step (49,152 for SmolLM2): 26% of generation time at batch 128 on 2 cores.
+  ``InverseCdfSampler`` draws the same distribution (softmax of the temperature-scaled scores,
+  restricted to the top-p nucleus) by inverting its CDF with one uniform per row, and hands
+  ``generate`` a score row whose argmax is that token, so everything else (KV cache, eos, padding)
+  stays transformers' own.
+- **Batch size from memory.** One ``generate`` call per batch; the batch is as large as a quarter
+  of the free memory allows for the KV cache and the per-step score rows, up to a per-device cap
+  past which throughput stops growing (CPU 128, CUDA 512).
+
+A sequence that ends with eos is padded until its batch ends (transformers' behaviour); freeing
+its slot would need a decode loop of our own, which does not pay on the default data: records are
+longer than ``max-length``, so nearly every row runs to the token limit.
+"""
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from common.devices import model_device, to_device
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+BATCH_CAP = {"cpu": 128, "cuda": 512}  # measured: 256 is no faster than 128 on 2 CPU cores
+MEMORY_SHARE = 0.25  # of the free memory, for one batch's cache and score rows
+SCORE_COPIES = 8  # float32 vocabulary rows per sequence alive in one step (scores, softmax, CDF, ...)
+
+
+class InverseCdfSampler(LogitsProcessor):
+    """Nucleus sampling with one uniform per row: returns scores that are 0 at the drawn token and
+    -inf elsewhere, for ``generate(do_sample=False)`` to take by argmax.
+
+    The distribution is softmax(scores / temperature) on the smallest set of most likely tokens
+    whose mass reaches ``top_p`` (at least one token), renormalised; ``top_p = 1`` keeps all.
+    Draws come from the global torch RNG, so ``torch.manual_seed`` makes them reproducible.
+    """
+
+    def __init__(self, temperature: float, top_p: float) -> None:
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        self.temperature, self.top_p = temperature, top_p
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        probs = torch.softmax(scores.float() / self.temperature, dim=-1)
+        order = None
+        if self.top_p < 1:
+            probs, order = probs.sort(dim=-1, descending=True)
+            # keep a token while the mass before it is below top_p (so the first is always kept)
+            probs = probs.masked_fill(probs.cumsum(-1) - probs >= self.top_p, 0.0)
+        token = draw(probs)
+        if order is not None:
+            token = order.gather(1, token)
+        out = torch.full_like(scores, float("-inf"))
+        return out.scatter_(1, token, 0.0)
+
+
+def draw(probs: torch.Tensor) -> torch.Tensor:
+    """One index per row of ``probs`` [n, V] (non-negative, any positive sum), drawn with
+    probability proportional to its entry; returns [n, 1] long.
+
+    Inverse CDF: the first index whose cumulative mass exceeds u * total, u ~ U[0, 1). An entry of
+    0 is never drawn (its CDF step is empty).
+    """
+    cdf = probs.cumsum(-1)
+    u = torch.rand(cdf.shape[0], 1, device=cdf.device, dtype=cdf.dtype) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[1] - 1)
+
+
+def batch_size_for(free_bytes: float, bytes_per_row: float, prompts: int, cap: int) -> int:
+    """Rows per ``generate`` call: as many as ``MEMORY_SHARE`` of ``free_bytes`` holds at
+    ``bytes_per_row``, at most ``cap`` and ``prompts``, at least 1."""
+    fits = int(MEMORY_SHARE * free_bytes // max(bytes_per_row, 1.0))
+    return max(1, min(cap, prompts, fits))
+
+
+def bytes_per_row(model: PreTrainedModel, tokens: int) -> float:
+    """Memory one sequence of ``tokens`` (prompt + new) takes while generating: its KV cache in the
+    model's dtype plus ``SCORE_COPIES`` float32 rows of the vocabulary."""
+    cfg = model.config
+    layers = getattr(cfg, "num_hidden_layers", 12)
+    heads = getattr(cfg, "num_attention_heads", 12)
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or getattr(cfg, "hidden_size", 768) // heads
+    elem = next(model.parameters()).element_size()
+    return 2 * layers * kv_heads * head_dim * tokens * elem + SCORE_COPIES * 4 * getattr(cfg, "vocab_size", 50257)
+
+
+def free_memory(device: torch.device) -> float:
+    """Free bytes on ``device``: CUDA's own count, else the kernel's MemAvailable (Linux), else
+    the available physical pages."""
+    if device.type == "cuda":
+        return float(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def auto_batch_size(model: PreTrainedModel, prompts: int, tokens: int) -> int:
+    """``batch_size_for`` on the model's device with its free memory and per-row cost."""
+    device = model_device(model)
+    return batch_size_for(free_memory(device), bytes_per_row(model, tokens), prompts,
+                          BATCH_CAP.get(device.type, BATCH_CAP["cpu"]))
+
+
+class _StepProgress(StoppingCriteria):
+    """Advances a progress bar by one per decoding step; never stops anything."""
+
+    def __init__(self, bar) -> None:
+        self.bar = bar
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        self.bar.update(1)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
 def generate_texts(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[str],
@@ -28,7 +147,7 @@ def generate_samples(
     max_new_tokens: int,
     temperature: float = 1.0,
     top_p: float = 1.0,
-    batch_size: int = 16,
+    batch_size: int = 0,
     seed: int = 0,
     progress: bool = True,
 ) -> list[tuple[str, bool]]:
@@ -36,10 +155,11 @@ def generate_samples(
     `prompts`.
 
     Each text is only the newly generated text (at most `max_new_tokens` tokens), decoded without
-    special tokens and stripped; the flag is True when no eos ended it (it may end mid-word). `temperature == 0` decodes greedily; otherwise nucleus sampling with
-    `temperature` and `top_p`. The result is a deterministic function of (model, prompts, settings,
-    seed); the caller's global torch RNG state is left untouched and the model's train/eval mode
-    is restored afterwards.
+    special tokens and stripped; the flag is True when no eos ended it (it may end mid-word).
+    `temperature == 0` decodes greedily; otherwise nucleus sampling with `temperature` and `top_p`
+    (``InverseCdfSampler``). `batch_size` 0 = ``auto_batch_size``. The result is a deterministic
+    function of (model, prompts, settings, seed, batch size); the caller's global torch RNG state
+    is left untouched and the model's train/eval mode is restored afterwards.
     """
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
@@ -47,35 +167,40 @@ def generate_samples(
         return []
     device = model_device(model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    # Explicit settings override the checkpoint's own generation_config (SmolLM2-Instruct ships one);
-    # top_k=0 turns off transformers' default top-k=50 so sampling is plain temperature/top-p.
+    # Explicit settings override the checkpoint's own generation_config (SmolLM2-Instruct ships one):
+    # greedy argmax over our sampler's scores, no top-k/temperature/top-p of its own.
     # use_cache explicitly: a trainer may have switched the model config's off (trl's DPO does), and
     # sampling without the KV cache recomputes the whole prefix for every new token.
     settings = {"max_new_tokens": max_new_tokens, "pad_token_id": pad_id, "eos_token_id": tokenizer.eos_token_id,
-                "use_cache": True}
-    if temperature > 0:
-        settings |= {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
-    else:
-        settings |= {"do_sample": False}
+                "use_cache": True, "do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+    processors = LogitsProcessorList([InverseCdfSampler(temperature, top_p)] if temperature > 0 else [])
     # Batching prompts of similar length wastes less compute on padding.
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    longest = max(len(tokenizer(p)["input_ids"]) for p in prompts)
+    size = batch_size or auto_batch_size(model, len(prompts), longest + max_new_tokens)
+    batches = [order[i : i + size] for i in range(0, len(order), size)]
     outputs: list[tuple[str, bool]] = [("", False)] * len(prompts)
     was_training = model.training
     model.eval()
+    bar = tqdm(total=len(batches) * max_new_tokens, desc=f"generating {len(prompts)} texts", unit="step",
+               disable=not (progress and sys.stderr.isatty()), leave=False)
     try:
         rng_devices = [device.index or 0] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=rng_devices), torch.inference_mode():
-            for b, idx in enumerate(tqdm(batches, desc="generating", unit="batch", disable=not progress)):
+            for b, idx in enumerate(batches):
                 # One seed per batch (not one stream) so a batch's samples do not depend on earlier batches.
                 torch.manual_seed(int(np.random.SeedSequence([seed, b]).generate_state(1)[0]))
                 enc = tokenizer([prompts[i] for i in idx], return_tensors="pt", padding=True, padding_side="left")
                 enc = to_device(enc, device)
-                new = model.generate(**enc, **settings)[:, enc["input_ids"].shape[1] :]
+                new = model.generate(**enc, **settings, logits_processor=processors,
+                                     stopping_criteria=StoppingCriteriaList([_StepProgress(bar)]))
+                new = new[:, enc["input_ids"].shape[1] :]
+                bar.update(max_new_tokens - new.shape[1])  # a batch that ended early
                 texts = tokenizer.batch_decode(new, skip_special_tokens=True)
                 eos = tokenizer.eos_token_id
                 for row, i, text in zip(new, idx, texts):
                     outputs[i] = (text.strip(), eos is None or not bool((row == eos).any()))
     finally:
+        bar.close()
         model.train(was_training)
     return outputs

@@ -27,17 +27,6 @@ REGENERATE = 2  # further attempts for a text that is unusable (then it is dropp
 HELDOUT_EVAL_RECORDS = 64  # enough for a stable loss, ~5 s per round on CPU with SmolLM2
 
 
-def generation_batch_size(configured: int) -> int:
-    """Prompts per ``generate`` call: the configured value, or (0 = auto) 128 on CUDA, 16 on CPU.
-
-    Measured (issue 9): SmolLM2-135M on an H100 generates 342 tokens/s at batch 16 and 2,910
-    at batch 128; on 2 CPU cores larger batches only add padding and memory.
-    """
-    if configured > 0:
-        return configured
-    return 128 if torch.cuda.is_available() else 16
-
-
 class ServerModel(Generator):
     """The global generator on the server: same base and adapter structure as the nodes'."""
 
@@ -119,7 +108,7 @@ class ServerModel(Generator):
     def _samples(self, prompts: list[str], max_new_tokens: int, seed: int) -> list[tuple[str, bool]]:
         return generate_samples(self.model, self.tokenizer, prompts, max_new_tokens=max_new_tokens,
                                 temperature=self.cfg.temperature, top_p=self.cfg.top_p, seed=seed,
-                                batch_size=generation_batch_size(self.cfg.generation_batch_size))
+                                batch_size=self.cfg.generation_batch_size)
 
     def prompt(self, code: str) -> str:
         """The generation prompt for ``code``: the code itself, or a zero-shot instruction."""

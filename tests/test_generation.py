@@ -127,3 +127,46 @@ def test_no_empty_or_prompt_copy_text_is_written(monkeypatch):
     assert report["written"] == len(texts) == 4 and report["dropped"] == 1
     assert report["rejected"] == {"empty": 3, "prompt-copy": 1, "repetition": 1}
     assert report["per_code"] == {"topic=a": {"allocated": 3, "written": 2}, "topic=b": {"allocated": 2, "written": 2}}
+
+
+# ------------------------------------------------------------ the sampler and the batch size (pure)
+def test_draw_follows_the_distribution_and_never_draws_a_zero():
+    from fedsyn_server.generation import draw
+
+    torch.manual_seed(0)
+    p = torch.tensor([0.0, 0.1, 0.0, 0.6, 0.3])
+    drawn = draw(p.expand(40_000, 5).clone() * 7.0).squeeze(1)  # any positive total
+    freq = torch.bincount(drawn, minlength=5).float() / drawn.numel()
+    assert freq[0] == 0 and freq[2] == 0
+    assert torch.allclose(freq, p, atol=0.01)  # 40k draws: 3 sigma of 0.6 is 0.0073
+
+
+def test_inverse_cdf_sampler_matches_temperature_and_nucleus():
+    from fedsyn_server.generation import InverseCdfSampler
+
+    torch.manual_seed(1)
+    scores = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.1]])).expand(40_000, 4).clone()
+    picks = InverseCdfSampler(0.5, 1.0)(None, scores).argmax(dim=1)
+    want = torch.softmax(scores[0] / 0.5, dim=0)  # temperature 0.5 sharpens
+    assert torch.allclose(torch.bincount(picks, minlength=4).float() / 40_000, want, atol=0.01)
+    picks = InverseCdfSampler(1.0, 0.7)(None, scores).argmax(dim=1)  # nucleus {0.5, 0.25}: 0.5 + 0.25 >= 0.7
+    freq = torch.bincount(picks, minlength=4).float() / 40_000
+    assert freq[2] == 0 and freq[3] == 0 and abs(freq[0] - 2 / 3) < 0.01
+    out = InverseCdfSampler(1.0, 0.1)(None, scores[:3])  # top_p below the top token: only it
+    assert (out.argmax(dim=1) == 0).all() and torch.isinf(out).sum(dim=1).eq(3).all()
+    with pytest.raises(ValueError, match="top_p"):
+        InverseCdfSampler(1.0, 0.0)
+
+
+def test_batch_size_comes_from_memory_within_the_cap_and_the_prompts():
+    from fedsyn_server.generation import MEMORY_SHARE, batch_size_for, bytes_per_row
+
+    assert batch_size_for(free_bytes=1e12, bytes_per_row=1e6, prompts=120, cap=128) == 120  # all prompts
+    assert batch_size_for(1e12, 1e6, prompts=1000, cap=128) == 128  # the device's cap
+    assert batch_size_for(40e6 / MEMORY_SHARE, 1e6, prompts=1000, cap=128) == 40  # memory
+    assert batch_size_for(0.0, 1e6, prompts=1000, cap=128) == 1  # always at least one row
+    model, _ = load_generator("tiny-gpt2")
+    cfg = model.config
+    kv = 2 * cfg.num_hidden_layers * cfg.hidden_size * 100 * 4
+    assert bytes_per_row(model, 100) == kv + 8 * 4 * cfg.vocab_size
+    assert bytes_per_row(model, 200) > bytes_per_row(model, 100)

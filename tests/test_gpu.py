@@ -58,16 +58,6 @@ def test_a_hidden_gpu_is_named_with_its_fix(monkeypatch):
     assert hidden_gpu_warning() is None
 
 
-def test_generation_batch_size_is_automatic_by_device(monkeypatch):
-    from fedsyn_server import synthesis
-
-    assert synthesis.generation_batch_size(7) == 7
-    monkeypatch.setattr(synthesis.torch.cuda, "is_available", lambda: False)
-    assert synthesis.generation_batch_size(0) == 16
-    monkeypatch.setattr(synthesis.torch.cuda, "is_available", lambda: True)
-    assert synthesis.generation_batch_size(0) == 128
-
-
 # --------------------------------------------------------------------------- on CUDA
 @pytest.fixture(scope="module")
 def tiny_cuda():

@@ -20,6 +20,7 @@ REFINEMENTS = ("knn-vote", "uniform", "none", "pe", "popri")  # built-ins; or a 
 PROMPTS = ("code", "zero-shot")
 VOTERS = ("weak", "all")
 ON_NODE_SHORTFALL = ("refuse", "continue-without")
+PRECISIONS = ("auto", "fp32")
 
 
 class ConfigError(ValueError):
@@ -41,6 +42,7 @@ class RunConfig:
     finetune: str = "lora"
     lora_rank: int = 2
     max_grad_norm: float = 1.0
+    precision: str = "auto"  # auto: bf16 autocast where the device computes bf16 natively; fp32: never
     dataset: str = "bbc-news"
     text_column: str = "text"
     control_columns: tuple[str, ...] = ("topic",)
@@ -115,6 +117,7 @@ class RunConfig:
              f"one of {list(AGGREGATORS)} or a class path 'package.module.Class'"),
             ("max-length", 8 <= self.max_length <= 8192, "an integer in [8, 8192]"),
             ("finetune", self.finetune in FINETUNE_MODES, f"one of {list(FINETUNE_MODES)}"),
+            ("precision", self.precision in PRECISIONS, f"one of {list(PRECISIONS)}"),
             ("lora-rank", self.lora_rank >= 1, "an integer >= 1"),
             ("max-grad-norm", self.max_grad_norm > 0, "a float > 0"),
             ("control-columns", len(self.control_columns) >= 1, "one or more comma-separated column names"),

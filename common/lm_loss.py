@@ -63,3 +63,81 @@ def conditional_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
     nll = nll.view(target.shape)
     count = (target != IGNORE).sum(dim=1).clamp(min=1)
     return (nll.sum(dim=1) / count).mean()
+
+
+# --------------------------------------------------------------------- the loss without full logits
+# The output layer of a small LM is much of its cost: SmolLM2's 49,152 x 576 head on B x L = 32 x 64
+# positions is a 100M-entry fp32 logits tensor, copied, log-softmaxed, and a same-size gradient, plus
+# a zero-filled copy for the shift's slice: 20% of a LoRA DP-SGD step on 2 CPU cores (profiled,
+# benchmarks/README.md). When the head is frozen (LoRA), only the gradient to the hidden states is
+# needed, so the head, the softmax and that gradient are computed together, a chunk of label
+# positions at a time, and only the [positions, hidden] gradient is kept (what Liger's fused linear
+# cross-entropy does on GPUs; written here because none ships for the CPU).
+FUSED_MODEL_TYPES = frozenset({"llama", "gpt2", "mistral", "qwen2", "qwen3"})  # logits = hidden @ W^T, nothing after
+CHUNK_ROWS = 1024  # label positions per chunk: 1024 x 49,152 fp32 = 200 MB at a time
+
+
+class _FusedHeadNll(torch.autograd.Function):
+    """sum_i w_i * NLL(softmax(h_i W^T), y_i) with dL/dh computed in the forward, chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, row_weights):  # noqa: D102
+        total = hidden.new_zeros((), dtype=torch.float32)
+        grad = torch.empty_like(hidden, dtype=torch.float32)
+        # The two matmuls run in whatever precision an enclosing autocast asks for; the softmax
+        # and the sums always in fp32.
+        for s in range(0, hidden.shape[0], CHUNK_ROWS):
+            logits = (hidden[s : s + CHUNK_ROWS] @ weight.T).float()
+            y, rw = targets[s : s + CHUNK_ROWS], row_weights[s : s + CHUNK_ROWS]
+            rows = torch.arange(len(y), device=y.device)
+            top = logits.max(dim=-1, keepdim=True).values
+            picked = logits[rows, y] - top.squeeze(1)
+            # one pass each: shift, exp, sum, scale; the logits' memory becomes w_i * softmax
+            norm = logits.sub_(top).exp_().sum(dim=-1)
+            total += ((norm.log() - picked) * rw).sum()
+            probs = logits.mul_((rw / norm)[:, None])
+            probs[rows, y] -= rw  # w_i * (softmax - onehot) = w_i * d(nll)/d(logits)
+            grad[s : s + CHUNK_ROWS] = probs.to(weight.dtype) @ weight
+        ctx.save_for_backward(grad)
+        ctx.hidden_dtype = hidden.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output):  # noqa: D102
+        (grad,) = ctx.saved_tensors
+        return (grad * grad_output).to(ctx.hidden_dtype), None, None, None
+
+
+def head_and_decoder(model) -> tuple[torch.nn.Module, torch.nn.Module] | None:
+    """(the decoder that yields the last hidden state, the output layer) of a causal LM whose
+    logits are just ``hidden @ W^T`` and whose output layer is frozen and has no bias; else None.
+
+    Sees through Opacus' ``GradSampleModule`` (``_module``) and a peft model: their hooks sit on
+    the inner layers, so calling the decoder directly keeps per-sample gradients.
+    """
+    inner = model
+    while hasattr(inner, "_module"):
+        inner = inner._module
+    if hasattr(inner, "get_base_model"):
+        inner = inner.get_base_model()
+    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    if (head is None or getattr(inner.config, "model_type", None) not in FUSED_MODEL_TYPES
+            or getattr(head, "bias", None) is not None or head.weight.requires_grad):
+        return None
+    return inner.base_model, head
+
+
+def fused_conditional_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``conditional_lm_loss(hidden @ weight.T, labels)`` without the full logits.
+
+    ``hidden`` [n, L, d] (the decoder's last hidden state), ``weight`` [V, d] (a frozen output
+    layer: no gradient reaches it), ``labels`` [n, L] unshifted. Only positions whose next label
+    counts are gathered; each carries 1 / (its record's label count x n), so a record's term
+    depends only on that record, as in ``conditional_lm_loss``.
+    """
+    target = labels[:, 1:]
+    keep = target != IGNORE
+    n = labels.shape[0]
+    count = keep.sum(dim=1).clamp(min=1)
+    row_weights = (1.0 / (count * n)).float()[:, None].expand_as(target)[keep]
+    return _FusedHeadNll.apply(hidden[:, :-1][keep], weight.detach(), target[keep], row_weights)

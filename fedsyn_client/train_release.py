@@ -130,7 +130,7 @@ class DpSgdRound(Mechanism):
         log.info("round %d: DP-SGD on %s", request.round, model_device(model))
         settings = TrainSettings(
             local_steps=cfg.local_steps, batch_size=cfg.batch_size, learning_rate=cfg.learning_rate,
-            max_length=cfg.max_length, max_grad_norm=cfg.max_grad_norm, noise_multiplier=nm,
+            max_length=cfg.max_length, max_grad_norm=cfg.max_grad_norm, noise_multiplier=nm, precision=cfg.precision,
             private=cfg.private, seed=cfg.seed * 100_003 + request.round * 101 + int(self.node_id % 100_000),
         )
         result = dp_train(model, tokenizer, self.records.texts, self.records.codes, settings, delta, history)

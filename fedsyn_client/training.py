@@ -19,8 +19,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 from tqdm.auto import tqdm
 
-from common.devices import to_device
-from common.lm_loss import conditional_lm_loss, encode_examples
+from common.devices import autocast, to_device
+from common.lm_loss import conditional_lm_loss, encode_examples, fused_conditional_lm_loss, head_and_decoder
 from common.dp import dpsgd_epsilon
 from common.logs import get_logger
 from common.weights import trainable_state
@@ -48,6 +48,10 @@ class TrainSettings:
     # instead of the OS. Reproducible, but NOT private against anyone who knows the seed:
     # they can recompute and subtract the noise. For tests and experiments only.
     reproducible_noise: bool = False
+    # "auto": bf16 autocast for forward and backward where the device has native bf16
+    # (common.devices.native_bf16); per-sample gradients are upcast to fp32 before clipping, so
+    # clipping and noise are exactly as in fp32. "fp32": never.
+    precision: str = "auto"
 
     def __post_init__(self) -> None:
         if self.local_steps < 1 or self.batch_size < 1:
@@ -56,6 +60,8 @@ class TrainSettings:
             raise ValueError(f"learning_rate and max_grad_norm must be > 0, got {self.learning_rate}, {self.max_grad_norm}")
         if self.noise_multiplier < 0 or (self.private and self.noise_multiplier == 0):
             raise ValueError(f"noise_multiplier must be > 0 when private (>= 0 otherwise), got {self.noise_multiplier}")
+        if self.precision not in ("auto", "fp32"):
+            raise ValueError(f"precision must be 'auto' or 'fp32', got {self.precision!r}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
 
@@ -179,13 +185,14 @@ def _private_steps(model, optimizer, dataset, batch, settings, history, sampler_
         with warnings.catch_warnings():
             # The embedding's backward hook fires on an integer input: harmless, torch warns.
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
-            losses = _run(lambda t: _private_step(gsm, dp_optimizer, t), _cycle(loader), settings.local_steps, "DP-SGD")
+            losses = _run(lambda t: _private_step(gsm, dp_optimizer, t, settings.precision), _cycle(loader),
+                          settings.local_steps, "DP-SGD")
     finally:
         gsm.to_standard_module()  # remove hooks and grad-sample attributes: `model` is usable again
     return losses, list(engine.accountant.state_dict()["history"])
 
 
-def _private_step(gsm, dp_optimizer, tensors) -> float:
+def _private_step(gsm, dp_optimizer, tensors, precision: str) -> float:
     dp_optimizer.zero_grad(set_to_none=True)
     if tensors[0].shape[0] == 0:
         # An empty Poisson batch is still a step: the optimizer releases noise only (zero
@@ -195,7 +202,10 @@ def _private_step(gsm, dp_optimizer, tensors) -> float:
             p.grad_sample = p.new_zeros((0, *p.shape))
         loss = math.nan
     else:
-        loss = _loss(gsm, tensors)
+        loss = _loss(gsm, tensors, precision)
+        for p in dp_optimizer.params:  # bf16 autocast leaves bf16 per-sample gradients: clip in fp32
+            if getattr(p, "grad_sample", None) is not None and p.grad_sample.dtype != torch.float32:
+                p.grad_sample = p.grad_sample.float()
         zero_nonfinite_samples(dp_optimizer.params)
     dp_optimizer.step()
     return loss
@@ -225,7 +235,7 @@ def zero_nonfinite_samples(params) -> int:
 def _plain_steps(model, optimizer, dataset, batch, settings, generator):
     def step(tensors) -> float:
         optimizer.zero_grad(set_to_none=True)
-        loss = _loss(model, tensors)
+        loss = _loss(model, tensors, settings.precision)
         optimizer.step()
         return loss
 
@@ -236,12 +246,23 @@ def _plain_steps(model, optimizer, dataset, batch, settings, generator):
     return _run(step, uniform_batches(), settings.local_steps, "training (non-private)")
 
 
-def _loss(model, tensors) -> float:
-    """Forward and backward on one non-empty batch; returns the loss."""
+def _loss(model, tensors, precision: str = "auto") -> float:
+    """Forward and backward on one non-empty batch; returns the loss.
+
+    With a frozen output layer (LoRA) the loss is fused with the head (``fused_conditional_lm_loss``:
+    no full-vocabulary logits); a trainable head (full finetuning) needs the ordinary logits so
+    that Opacus sees the head's per-sample activations.
+    """
     width = max(int(tensors[1].sum(dim=1).max()), 1)  # drop all-padding columns (right padding)
     input_ids, attention_mask, labels, position_ids = to_device([t[:, :width] for t in tensors], model)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).logits
-    loss = conditional_lm_loss(logits, labels)
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids, "use_cache": False}
+    split = head_and_decoder(model)
+    with autocast(model, precision):
+        if split is not None:
+            decoder, head = split
+            loss = fused_conditional_lm_loss(decoder(**inputs).last_hidden_state, head.weight, labels)
+        else:
+            loss = conditional_lm_loss(model(**inputs).logits, labels)
     loss.backward()
     return float(loss.detach())
 

@@ -29,7 +29,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
-from common.devices import model_device, to_device
+from common.devices import autocast, model_device, to_device
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -150,6 +150,7 @@ def generate_samples(
     batch_size: int = 0,
     seed: int = 0,
     progress: bool = True,
+    precision: str = "auto",
 ) -> list[tuple[str, bool]]:
     """Sample one continuation per prompt; return (text, stopped by the token limit) in the order of
     `prompts`.
@@ -158,7 +159,8 @@ def generate_samples(
     special tokens and stripped; the flag is True when no eos ended it (it may end mid-word).
     `temperature == 0` decodes greedily; otherwise nucleus sampling with `temperature` and `top_p`
     (``InverseCdfSampler``). `batch_size` 0 = ``auto_batch_size``. The result is a deterministic
-    function of (model, prompts, settings, seed, batch size); the caller's global torch RNG state
+    function of (model, prompts, settings, seed, batch size); `precision` "auto" runs the model under
+    bf16 autocast where the device has native bf16 (``common.devices.autocast``). The caller's global torch RNG state
     is left untouched and the model's train/eval mode is restored afterwards.
     """
     if temperature < 0:
@@ -186,7 +188,7 @@ def generate_samples(
                disable=not (progress and sys.stderr.isatty()), leave=False)
     try:
         rng_devices = [device.index or 0] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=rng_devices), torch.inference_mode():
+        with torch.random.fork_rng(devices=rng_devices), torch.inference_mode(), autocast(device, precision):
             for b, idx in enumerate(batches):
                 # One seed per batch (not one stream) so a batch's samples do not depend on earlier batches.
                 torch.manual_seed(int(np.random.SeedSequence([seed, b]).generate_state(1)[0]))

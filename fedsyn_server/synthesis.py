@@ -108,7 +108,7 @@ class ServerModel(Generator):
     def _samples(self, prompts: list[str], max_new_tokens: int, seed: int) -> list[tuple[str, bool]]:
         return generate_samples(self.model, self.tokenizer, prompts, max_new_tokens=max_new_tokens,
                                 temperature=self.cfg.temperature, top_p=self.cfg.top_p, seed=seed,
-                                batch_size=self.cfg.generation_batch_size)
+                                batch_size=self.cfg.generation_batch_size, precision=self.cfg.precision)
 
     def prompt(self, code: str) -> str:
         """The generation prompt for ``code``: the code itself, or a zero-shot instruction."""

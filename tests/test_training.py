@@ -147,6 +147,49 @@ def test_record_loss_does_not_depend_on_other_records_length():
         assert torch.allclose(2 * batch_loss([a, other]) - batch_loss([other]), alone_a, atol=1e-4)
 
 
+def test_fused_loss_matches_the_logits_loss_and_its_gradient():
+    from common.lm_loss import fused_conditional_lm_loss, head_and_decoder
+
+    model, tok = _model("lora")
+    model.eval()  # no dropout: both passes see the same network (gradients still flow)
+    enc = encode_examples(tok, TEXTS[:6] + ["Tiny."], CODES[:7], max_length=24)  # mixed lengths, padding
+    inputs = {k: enc[k] for k in ("input_ids", "attention_mask", "position_ids")}
+    plain = conditional_lm_loss(model(**inputs).logits, enc["labels"])
+    plain.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad(set_to_none=True)
+    decoder, head = head_and_decoder(model)
+    fused = fused_conditional_lm_loss(decoder(**inputs).last_hidden_state, head.weight, enc["labels"])
+    fused.backward()
+    assert torch.allclose(fused, plain, rtol=1e-5)
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            assert torch.allclose(p.grad, want[n], rtol=1e-4, atol=1e-7), n
+    assert head.weight.grad is None  # frozen: nothing computed for it
+    assert head_and_decoder(_model("full")[0]) is None  # a trainable head keeps the logits path
+
+
+@pytest.mark.parametrize("precision, bf16", [("auto", True), ("fp32", False)])
+def test_bf16_autocast_where_native_and_clipping_in_fp32(monkeypatch, precision, bf16):
+    import common.devices as devices
+    import fedsyn_client.training as training
+    from common.lm_loss import head_and_decoder
+
+    monkeypatch.setattr(devices, "native_bf16", lambda kind: True)  # as on an AMX CPU or a GPU
+    model, tok = _model("lora")
+    seen, dtypes = [], []
+    head_and_decoder(model)[0].register_forward_hook(lambda m, i, o: seen.append(torch.is_autocast_enabled("cpu")))
+    real = training.zero_nonfinite_samples
+    monkeypatch.setattr(training, "zero_nonfinite_samples",
+                        lambda params: dtypes.extend(p.grad_sample.dtype for p in params) or real(params))
+    result = dp_train(model, tok, TEXTS, CODES, _settings(precision=precision), DELTA, [])
+    assert seen and all(s == bf16 for s in seen)
+    assert dtypes and set(dtypes) == {torch.float32}  # bf16 per-sample gradients are upcast before clipping
+    assert all(math.isfinite(x) for x in result.losses) and all(v.dtype == np.float32 for v in result.state.values())
+    with pytest.raises(ValueError, match="precision"):
+        _settings(precision="fp16")
+
+
 # --- dp_train -----------------------------------------------------------------------------
 
 

@@ -55,7 +55,7 @@ class RunConfig:
     delta: str = "1e-5"
     embedder: str = "all-MiniLM-L6-v2"
     num_synthetic: int = 120
-    max_new_tokens: int = 64
+    max_new_tokens: int = 0  # 0 = from the data: max-length minus the code prompt (what phase 1 trained)
     generation_batch_size: int = 0  # 0 = auto: from free memory, at most 128 on CPU, 512 on CUDA
     sampling_rate: float = 0.5
     num_votes: int = 4
@@ -127,7 +127,7 @@ class RunConfig:
             ("epsilon-profile", math.isinf(self.epsilon) or 0 < self.epsilon_profile < self.epsilon,
              f"a float in (0, epsilon={self.epsilon})"),
             ("num-synthetic", self.num_synthetic >= 1, "an integer >= 1"),
-            ("max-new-tokens", 1 <= self.max_new_tokens <= 4096, "an integer in [1, 4096]"),
+            ("max-new-tokens", 0 <= self.max_new_tokens <= 4096, "an integer in [0, 4096] (0 = from max-length)"),
             ("generation-batch-size", self.generation_batch_size >= 0, "an integer >= 0 (0 = auto from free memory)"),
             ("sampling-rate", 0 < self.sampling_rate <= 1, "a float in (0, 1]"),
             ("num-votes", self.num_votes >= 1, "an integer >= 1"),

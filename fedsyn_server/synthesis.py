@@ -67,7 +67,7 @@ class ServerModel(Generator):
                 break
             if attempt:
                 log.info("[generate] asking again for %d unusable texts (attempt %d)", len(todo), attempt + 1)
-            samples = self._samples([prompts[i] for i in todo], self.cfg.max_new_tokens,
+            samples = self._samples([prompts[i] for i in todo], self.new_tokens(prompts),
                                     seed if not attempt else int(np.random.SeedSequence([seed, attempt]).generate_state(1)[0]))
             again = []
             for i, (text, hit_limit) in zip(todo, samples):
@@ -102,13 +102,24 @@ class ServerModel(Generator):
         """
         heads = [" ".join(t.split()[: len(t.split()) // 2]) for t in texts]
         tails = self._samples([self.prompt(c) + h + (" " if h else "") for c, h in zip(codes, heads)],
-                              max(1, self.cfg.max_new_tokens // 2), seed)
+                              max(1, self.new_tokens([self.prompt(c) for c in codes]) // 2), seed)
         return [f"{h} {trim_cut(t, hit)}".strip() for h, (t, hit) in zip(heads, tails)]
 
     def _samples(self, prompts: list[str], max_new_tokens: int, seed: int) -> list[tuple[str, bool]]:
         return generate_samples(self.model, self.tokenizer, prompts, max_new_tokens=max_new_tokens,
                                 temperature=self.cfg.temperature, top_p=self.cfg.top_p, seed=seed,
                                 batch_size=self.cfg.generation_batch_size, precision=self.cfg.precision)
+
+    def new_tokens(self, prompts: list[str]) -> int:
+        """The token limit of a generated text: ``max-new-tokens``, or (0 = from the data) what
+        phase 1 trained the model to write: ``max-length`` minus the longest of these prompts'
+        tokens (records were cut there), ``max-length`` itself for zero-shot prompts."""
+        if self.cfg.max_new_tokens:
+            return self.cfg.max_new_tokens
+        if self.cfg.prompt == "zero-shot" or not prompts:
+            return self.cfg.max_length
+        longest = max(len(self.tokenizer(p)["input_ids"]) for p in set(prompts))
+        return max(1, self.cfg.max_length - longest)
 
     def prompt(self, code: str) -> str:
         """The generation prompt for ``code``: the code itself, or a zero-shot instruction."""

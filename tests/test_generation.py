@@ -170,3 +170,21 @@ def test_batch_size_comes_from_memory_within_the_cap_and_the_prompts():
     kv = 2 * cfg.num_hidden_layers * cfg.hidden_size * 100 * 4
     assert bytes_per_row(model, 100) == kv + 8 * 4 * cfg.vocab_size
     assert bytes_per_row(model, 200) > bytes_per_row(model, 100)
+
+
+def test_the_token_limit_defaults_to_the_window_phase_1_trained():
+    from common.config import RunConfig
+    from fedsyn_server.synthesis import ServerModel
+
+    server = ServerModel(RunConfig(model="tiny-gpt2", max_length=40))
+    prompts = [server.prompt("topic=sport"), server.prompt("topic=entertainment")]
+    longest = max(len(server.tokenizer(p)["input_ids"]) for p in prompts)
+    assert server.new_tokens(prompts) == 40 - longest < 40  # records were cut at max-length, prompt included
+    seen = []
+    server._samples = lambda ps, n, seed: seen.append(n) or [("A usable text.", False)] * len(ps)
+    server.generate({"topic=sport": 1, "topic=entertainment": 1}, seed=0)
+    assert seen == [40 - longest]
+    server.variation(["one two three four"], ["topic=sport"], seed=0)
+    assert seen[-1] == (40 - len(server.tokenizer(prompts[0])["input_ids"])) // 2
+    assert ServerModel(RunConfig(model="tiny-gpt2", max_new_tokens=7)).new_tokens(prompts) == 7  # explicit wins
+    assert ServerModel(RunConfig(model="tiny-gpt2", prompt="zero-shot", max_length=40)).new_tokens(prompts) == 40

@@ -25,7 +25,7 @@ from flwr.clientapp import ClientApp
 from common import records as R
 from common.config import ConfigError, RunConfig
 from common.dp import PROFILE, STRONG, TRAIN, VOTE
-from common.logs import get_logger
+from common.logs import get_logger, plain_console
 from fedsyn_client import refusals
 from fedsyn_client.audit import audit_mod
 from fedsyn_client.histograms import vote_histogram
@@ -34,6 +34,7 @@ from fedsyn_client.refusals import NodeSetupError, Refusal, public_reason
 from fedsyn_client.release import LEDGER, TIER, GaussianHistogram, ReleaseFailed, Request, authorise, release, run_key
 
 log = get_logger(__name__)
+plain_console()  # no escape codes in streamed logs and log files
 app = ClientApp(mods=[audit_mod])
 Handler = Callable[[Message, Node, RunConfig, Request], RecordDict]
 

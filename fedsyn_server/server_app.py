@@ -8,7 +8,7 @@ from pathlib import Path
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from common.logs import get_logger
+from common.logs import get_logger, plain_console
 from common.config import ConfigError, RunConfig
 from common.tables import DatasetFileError, DatasetLoadError
 from common.federation import Benchmark, benchmark
@@ -25,6 +25,7 @@ from strategies.refinement import build_refinement
 log = get_logger("fedsyn")
 APP_ROOT = Path(__file__).resolve().parent.parent
 RESUME_CONFIG = "resume.toml"
+plain_console()  # no escape codes in streamed logs and log files
 app = ServerApp()
 
 

@@ -1,0 +1,27 @@
+"""A quiet, honest console: no escape codes where no terminal reads them."""
+
+from __future__ import annotations
+
+import logging
+
+from flwr.supercore.logger import ConsoleHandler
+
+from common.logs import get_logger, plain_console
+
+
+def _flower_console() -> ConsoleHandler:
+    return next(h for h in logging.getLogger("flwr").handlers if isinstance(h, ConsoleHandler))
+
+
+def test_flower_console_colours_only_on_a_terminal(monkeypatch):
+    handler = _flower_console()
+    monkeypatch.setattr(handler, "colored", True)
+    monkeypatch.setattr("sys.stderr.isatty", lambda: False)
+    assert plain_console() is False and handler.colored is False
+    record = get_logger("fedsyn").makeRecord("flwr.fedsyn", logging.WARNING, __file__, 1, "a line", (), None)
+    assert "\033[" not in handler.format(record)
+    monkeypatch.setattr("sys.stderr.isatty", lambda: True)
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    assert plain_console() is True and "\033[" in handler.format(record)
+    monkeypatch.setenv("NO_COLOR", "1")
+    assert plain_console() is False

@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 from tqdm.auto import tqdm
 
+from common.config import PRECISIONS
 from common.devices import autocast, to_device
 from common.lm_loss import conditional_lm_loss, encode_examples, fused_conditional_lm_loss, head_and_decoder
 from common.dp import dpsgd_epsilon
@@ -60,8 +61,8 @@ class TrainSettings:
             raise ValueError(f"learning_rate and max_grad_norm must be > 0, got {self.learning_rate}, {self.max_grad_norm}")
         if self.noise_multiplier < 0 or (self.private and self.noise_multiplier == 0):
             raise ValueError(f"noise_multiplier must be > 0 when private (>= 0 otherwise), got {self.noise_multiplier}")
-        if self.precision not in ("auto", "fp32"):
-            raise ValueError(f"precision must be 'auto' or 'fp32', got {self.precision!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
 

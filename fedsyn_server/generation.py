@@ -178,8 +178,8 @@ def generate_samples(
     processors = LogitsProcessorList([InverseCdfSampler(temperature, top_p)] if temperature > 0 else [])
     # Batching prompts of similar length wastes less compute on padding.
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    longest = max(len(tokenizer(p)["input_ids"]) for p in prompts)
-    size = batch_size or auto_batch_size(model, len(prompts), longest + max_new_tokens)
+    size = batch_size or auto_batch_size(
+        model, len(prompts), max(len(tokenizer(p)["input_ids"]) for p in set(prompts)) + max_new_tokens)
     batches = [order[i : i + size] for i in range(0, len(order), size)]
     outputs: list[tuple[str, bool]] = [("", False)] * len(prompts)
     was_training = model.training

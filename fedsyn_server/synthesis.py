@@ -62,12 +62,13 @@ class ServerModel(Generator):
         prompts = [self.prompt(c) for c in codes]
         texts: list[str | None] = [None] * len(codes)
         todo, rejected = list(range(len(codes))), Counter()
+        limit = self.new_tokens(prompts)
         for attempt in range(1 + REGENERATE):
             if not todo:
                 break
             if attempt:
                 log.info("[generate] asking again for %d unusable texts (attempt %d)", len(todo), attempt + 1)
-            samples = self._samples([prompts[i] for i in todo], self.new_tokens(prompts),
+            samples = self._samples([prompts[i] for i in todo], limit,
                                     seed if not attempt else int(np.random.SeedSequence([seed, attempt]).generate_state(1)[0]))
             again = []
             for i, (text, hit_limit) in zip(todo, samples):

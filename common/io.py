@@ -35,6 +35,22 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
     return _atomic_write(path, lambda fh: fh.write(text))
 
 
+def atomic_symlink(link: str | Path, target: str | Path) -> Path:
+    """Point ``link`` at ``target`` (kept as given, e.g. a name relative to ``link``'s folder),
+    replacing an older link by one rename, so a reader finds the old or the new one, never none."""
+    link = Path(link)
+    link.parent.mkdir(parents=True, exist_ok=True)
+    tmp = link.with_name(f".{link.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    os.symlink(target, tmp)
+    try:
+        os.replace(tmp, link)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return link
+
+
 def atomic_write_npz(path: str | Path, arrays: dict[str, Any]) -> Path:
     """Write named arrays as an ``.npz`` file, atomically (temp file, then ``os.replace``)."""
     import numpy as np

@@ -14,15 +14,20 @@ def get_logger(name: str) -> logging.Logger:
 
 
 def plain_console() -> bool:
-    """Turn off the ANSI colours of Flower's console handler unless this process writes to a
-    terminal (and ``NO_COLOR`` is unset); returns whether colours stay on.
+    """Each log line once and, unless this process writes to a terminal (and ``NO_COLOR`` is
+    unset), without ANSI colours; returns whether colours stay on.
 
-    Flower colours every level name. A ServerApp or ClientApp never writes to a terminal itself:
-    its lines are streamed to ``flwr run --stream`` or land in log files (``flwr-run.log``, the
-    experiment's cell logs, a SuperNode's journal), where escape codes are noise.
+    Flower colours every level name and Ray every actor's prefix. A ServerApp or ClientApp never
+    writes to a terminal itself: its lines are streamed to ``flwr run --stream`` or land in log
+    files (``flwr-run.log``, the experiment's cell logs, a SuperNode's journal), where escape
+    codes are noise. Opacus configures the root logger when imported (``logging.basicConfig``),
+    so every line of Flower's logger, which propagates to the root, was printed a second time.
     """
     from flwr.common.logger import update_console_handler
 
     colored = sys.stderr.isatty() and "NO_COLOR" not in os.environ
     update_console_handler(colored=colored)
+    if not colored:
+        os.environ["RAY_COLOR_PREFIX"] = "0"  # read by Ray's driver for each actor line it prints
+    logging.getLogger("flwr").propagate = False  # Flower's own handler prints it; the root's would repeat it
     return colored

@@ -217,16 +217,26 @@ def load_embedder(name: str = MINILM, device: str | None = None) -> SentenceTran
     return SentenceTransformer(name, device=device)
 
 
-def embed(embedder: SentenceTransformer, texts: list[str], batch_size: int = 64, progress: bool = False) -> np.ndarray:
-    """Embed `texts` into a float32 array of shape (len(texts), d) with L2-normalised rows (cosine = dot)."""
+def embed(embedder: SentenceTransformer, texts: list[str], batch_size: int = 64, progress: bool = False,
+          max_tokens: int | None = None) -> np.ndarray:
+    """Embed `texts` into a float32 array of shape (len(texts), d) with L2-normalised rows (cosine = dot).
+
+    `max_tokens` embeds only each text's first `max_tokens` tokens (at most the embedder's own
+    limit, 256 for MiniLM); None keeps the embedder's limit. The shared embedder is restored after.
+    """
     import numpy as np
 
     if not texts:
         dim = getattr(embedder, "get_embedding_dimension", embedder.get_sentence_embedding_dimension)()
         return np.zeros((0, dim), dtype=np.float32)
-    vectors = embedder.encode(
-        list(texts), batch_size=batch_size, show_progress_bar=progress, convert_to_numpy=True, normalize_embeddings=True
-    )
+    limit = embedder.max_seq_length
+    if max_tokens is not None:
+        embedder.max_seq_length = max(1, min(int(max_tokens), limit or int(max_tokens)))
+    try:
+        vectors = embedder.encode(list(texts), batch_size=batch_size, show_progress_bar=progress,
+                                  convert_to_numpy=True, normalize_embeddings=True)
+    finally:
+        embedder.max_seq_length = limit
     return np.asarray(vectors, dtype=np.float32)
 
 

@@ -65,9 +65,7 @@ def load_table(dataset: str = DEFAULT_DATASET) -> pd.DataFrame:
     if dataset == DEFAULT_DATASET:
         return _bbc_news_table().copy()
     path = Path(dataset).expanduser()
-    if _table_suffix(path) is not None or path.exists() or (
-        path.suffix.lower() in _OTHER_FILE_SUFFIXES
-    ):
+    if names_a_file(dataset):
         return _read_local_table(path)
     if _looks_like_path(dataset) or _HF_ID.match(dataset) is None:
         raise FileNotFoundError(
@@ -127,6 +125,13 @@ def _table_suffix(path: Path) -> str | None:
     if suffixes and suffixes[-1] in _TABLE_SUFFIXES:
         return suffixes[-1]
     return None
+
+
+def names_a_file(dataset: str) -> bool:
+    """True when ``dataset`` names a local file (a table suffix, an existing path, or another
+    file type we refuse by name), not the packaged data set or a hub id."""
+    path = Path(dataset.strip()).expanduser()
+    return _table_suffix(path) is not None or path.exists() or path.suffix.lower() in _OTHER_FILE_SUFFIXES
 
 
 def _looks_like_path(dataset: str) -> bool:

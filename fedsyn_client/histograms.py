@@ -51,9 +51,14 @@ def _on_embeddings(records: TextData, texts: list[str], codes: list[str], cfg: R
     def compute() -> np.ndarray:
         from common.models import embed, load_embedder
 
-        # non-finite embeddings become zero rows before any statistic is computed from them
-        return fn(finite_rows(local_embeddings(records, cfg.embedder)), records.codes,
-                  finite_rows(embed(load_embedder(cfg.embedder), texts)), codes)
+        # Records and candidates are compared within the window the generator learned and writes
+        # (``max-length`` tokens, paper A.3): a candidate can only imitate a record's first
+        # max-length tokens, so embedding the rest of a long record compares unlike things, and
+        # costs the vote 4x its time at BBC's 256-token articles. Non-finite rows become zero
+        # rows before any statistic is computed from them.
+        window = cfg.max_length
+        return fn(finite_rows(local_embeddings(records, cfg.embedder, window)), records.codes,
+                  finite_rows(embed(load_embedder(cfg.embedder), texts, max_tokens=window)), codes)
 
     return compute
 
@@ -76,15 +81,16 @@ def vote_histogram(name: str, records: TextData, texts: list[str], codes: list[s
     return build(records, texts, codes, params, cfg)
 
 
-def local_embeddings(records: TextData, embedder_name: str) -> np.ndarray:
-    """Embeddings of the node's records, computed once per process (records never change)."""
-    cache = _EMBEDDING_CACHE.setdefault(embedder_name, {})
+def local_embeddings(records: TextData, embedder_name: str, max_tokens: int | None = None) -> np.ndarray:
+    """Embeddings of the node's records (each cut to its first ``max_tokens`` tokens; None = the
+    embedder's own limit), computed once per process (records never change)."""
+    cache = _EMBEDDING_CACHE.setdefault((embedder_name, max_tokens), {})
     key = dataset_fingerprint(records)
     if key not in cache:
         from common.models import embed, load_embedder
 
-        cache[key] = embed(load_embedder(embedder_name), records.texts, progress=True)
+        cache[key] = embed(load_embedder(embedder_name), records.texts, progress=True, max_tokens=max_tokens)
     return cache[key]
 
 
-_EMBEDDING_CACHE: dict[str, dict[str, np.ndarray]] = {}
+_EMBEDDING_CACHE: dict[tuple[str, int | None], dict[str, np.ndarray]] = {}

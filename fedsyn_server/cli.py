@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from importlib.metadata import entry_points
 from pathlib import Path
 
+from common.logs import plain_console
 from common.tables import DatasetLoadError
 from fedsyn_server.evaluation import CLASSIFIERS, DEFAULT_EMBEDDER
 
@@ -154,24 +155,31 @@ def flwr_run_command(args: list[str], num_gpus: int, num_cpus: int) -> list[str]
 def _run_flwr(args: argparse.Namespace) -> int:
     import os
     import subprocess
+    import tempfile
 
     import torch
 
     from common.devices import gpu_on_machine
+    from fedsyn_server.flwr_args import with_absolute_paths
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else gpu_on_machine()
-    command = flwr_run_command(args.flwr_args, gpus, os.cpu_count() or 1)
-    print(f"fedsyn run: {gpus} GPU(s) on this machine; {' '.join(command)}", file=sys.stderr)
-    if args.dry_run:
-        print(" ".join(command))
-        return 0
-    # Pass the output through as it comes, and keep it: `flwr run --stream` exits 0 even when
-    # the run failed, so the run's status decides this command's exit code.
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:
-        lines = []
-        for line in proc.stdout or []:
-            sys.stdout.write(line)
-            lines.append(line)
+    # argparse hands everything after the app folder to flwr; `--dry-run` is ours wherever it stands
+    dry_run = args.dry_run or "--dry-run" in args.flwr_args
+    with tempfile.TemporaryDirectory(prefix="fedsyn-run-") as scratch:
+        # outputs and data files are where the user is, whichever directory the SuperLink runs in
+        flwr_args = with_absolute_paths([a for a in args.flwr_args if a != "--dry-run"], Path.cwd(), Path(scratch))
+        command = flwr_run_command(flwr_args, gpus, os.cpu_count() or 1)
+        print(f"fedsyn run: {gpus} GPU(s) on this machine; {' '.join(command)}", file=sys.stderr)
+        if dry_run:
+            print(" ".join(command))
+            return 0
+        # Pass the output through as it comes, and keep it: `flwr run --stream` exits 0 even when
+        # the run failed, so the run's status decides this command's exit code.
+        with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:
+            lines = []
+            for line in proc.stdout or []:
+                sys.stdout.write(line)
+                lines.append(line)
     return exit_code_of_run(proc.returncode, "".join(lines), dict(os.environ))
 
 
@@ -206,6 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``fedsyn`` command line; returns the exit code (2 for bad input)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    plain_console()  # `fedsyn experiment > log` gets no escape codes; a terminal keeps colours
     try:
         return args.handler(args)
     except (ValueError, FileNotFoundError, DatasetLoadError) as err:

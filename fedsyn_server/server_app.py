@@ -12,7 +12,7 @@ from common.logs import get_logger, plain_console
 from common.config import ConfigError, RunConfig
 from common.tables import DatasetFileError, DatasetLoadError
 from common.federation import Benchmark, benchmark
-from common.io import atomic_write_json, atomic_write_jsonl, atomic_write_text
+from common.io import atomic_symlink, atomic_write_json, atomic_write_jsonl, atomic_write_text
 from fedsyn_server.experiment import EVALUATION_FILE
 from fedsyn_server.outputs import save_model, write_outputs
 from fedsyn_server.synthesis import ServerModel
@@ -23,17 +23,23 @@ from strategies.result import FedSynResult
 from strategies.refinement import build_refinement
 
 log = get_logger("fedsyn")
-APP_ROOT = Path(__file__).resolve().parent.parent
 RESUME_CONFIG = "resume.toml"
+LATEST = "latest"  # <out-dir>/latest -> the newest run's folder
 plain_console()  # no escape codes in streamed logs and log files
 app = ServerApp()
 
 
 def app_path(path: str) -> Path:
-    """``path`` as an absolute path; a relative one is under the app root (the ServerApp's
-    working directory is not the app's)."""
+    """``path`` as an absolute path; a relative one is under the ServerApp's working directory.
+
+    In simulation that is the directory the local SuperLink was started in, i.e. where the
+    first ``flwr run`` ran, which is where the user is in the usual case; the ClientApps resolve
+    a relative ``dataset`` against the same directory. ``fedsyn run`` makes every path absolute
+    against the user's own directory before ``flwr run`` sees it. (The app's own folder is a
+    copy under ``$FLWR_HOME/apps/`` whose name changes with every edit: never a place for outputs.)
+    """
     out = Path(path).expanduser()
-    return (out if out.is_absolute() else APP_ROOT / out).resolve()
+    return (out if out.is_absolute() else Path.cwd() / out).resolve()
 
 
 def run_directory(cfg: RunConfig, run_id: int) -> Path:
@@ -141,11 +147,15 @@ def _main(grid: Grid, context: Context) -> None:
     if checkpoint is not None:
         check_resumable(checkpoint, cfg, run_dir)
     log.info("fedsyn run %s: outputs go to %s%s", context.run_id, run_dir, " (resumed)" if checkpoint else "")
+    if not Path(cfg.resume or cfg.out_dir).expanduser().is_absolute():
+        log.info("(a relative path is under the SuperLink's working directory %s, where the first `flwr run` "
+                 "started it; `fedsyn run` resolves paths against yours)", Path.cwd())
     strategy, bench, server_model = build_strategy(cfg)
     strategy.resume_key = str(context.run_id)  # a resumed run takes its original key from the checkpoint
     strategy.checkpoint_dir = run_dir
     if checkpoint is None:
         write_resume_config(cfg, run_dir)
+    atomic_symlink(run_dir.parent / LATEST, run_dir.name)
     try:
         result = strategy.run(grid, server_model.initial_arrays(), resume=checkpoint)
     except Exception:

@@ -25,3 +25,16 @@ def test_flower_console_colours_only_on_a_terminal(monkeypatch):
     assert plain_console() is True and "\033[" in handler.format(record)
     monkeypatch.setenv("NO_COLOR", "1")
     assert plain_console() is False
+
+
+def test_each_line_once_and_no_ray_colours_off_a_terminal(monkeypatch):
+    """Opacus adds a root handler on import; Flower's logger must not hand its lines to it too."""
+    import opacus  # noqa: F401 - installs its root handler (logging.basicConfig)
+
+    monkeypatch.setattr("sys.stderr.isatty", lambda: False)
+    monkeypatch.setenv("RAY_COLOR_PREFIX", "1")  # undone after the test
+    flwr_logger = logging.getLogger("flwr")
+    monkeypatch.setattr(flwr_logger, "propagate", True)
+    plain_console()
+    assert flwr_logger.propagate is False
+    assert __import__("os").environ["RAY_COLOR_PREFIX"] == "0"

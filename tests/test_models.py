@@ -76,6 +76,21 @@ def test_embedder_normalised_and_semantic():
     assert embed(embedder, []).shape == (0, 384)
 
 
+def test_embedding_window_cuts_texts_and_restores_the_shared_embedder():
+    """``max_tokens`` embeds only each text's first tokens (the vote's window); the cached,
+    shared embedder keeps its own limit afterwards."""
+    embedder = load_embedder()
+    limit = embedder.max_seq_length
+    head = "The striker scored twice as the football club won the league match"
+    a, b = head + " and the fans sang all night.", head + " while parliament voted on the income tax rate."
+    cut = embed(embedder, [a, b], max_tokens=8)
+    np.testing.assert_allclose(cut[0], cut[1], atol=1e-6)  # the same first 8 tokens ([CLS] included)
+    whole = embed(embedder, [a, b])
+    assert float(whole[0] @ whole[1]) < 0.99  # without the window they differ
+    assert embedder.max_seq_length == limit
+    np.testing.assert_allclose(embed(embedder, [a], max_tokens=10_000), embed(embedder, [a]), atol=1e-6)
+
+
 def test_conversion_is_published_atomically(tmp_path, monkeypatch):
     """Racing loaders never see a half-written folder: it appears complete, by one rename."""
     seen = []

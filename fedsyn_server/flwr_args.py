@@ -1,0 +1,112 @@
+"""What a ``flwr run`` command line means for this app: its folder, its run config, its paths.
+
+``fedsyn run`` (and ``fedsyn plan``) take ``flwr run``'s own arguments. Flower resolves a
+relative ``out-dir``, ``dataset`` or ``resume`` where the ServerApp and ClientApps run: the
+directory the local SuperLink was started in, which is not always where the user is. This
+module makes such paths absolute against the user's directory before ``flwr run`` sees them,
+with Flower's own parser for ``--run-config`` (key=value pairs, or one TOML file).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from common.tables import names_a_file
+
+RUN_CONFIG_FLAGS = ("--run-config", "-c")
+OPTIONS_WITH_VALUE = ("--federation", "--federation-config", "--format", *RUN_CONFIG_FLAGS)
+PATH_KEYS = ("out-dir", "resume", "dataset")
+
+
+def app_dir(args: list[str]) -> Path:
+    """The app folder ``flwr run`` would use: its first positional argument, else ``.``."""
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg in OPTIONS_WITH_VALUE:
+            skip = True
+        elif not arg.startswith("-"):
+            return Path(arg)
+    return Path(".")
+
+
+def app_defaults(app: Path) -> dict[str, Any]:
+    """``[tool.flwr.app.config]`` of ``app``'s pyproject.toml (empty when it has none)."""
+    try:
+        spec = tomllib.loads((app / "pyproject.toml").read_text())
+    except (OSError, tomllib.TOMLDecodeError):
+        return {}
+    return dict(spec.get("tool", {}).get("flwr", {}).get("app", {}).get("config", {}))
+
+
+def run_config_values(args: list[str]) -> tuple[list[int], list[str]]:
+    """Positions (in ``args``) and values of every ``--run-config`` / ``-c`` given."""
+    positions, values = [], []
+    for i, arg in enumerate(args):
+        if arg in RUN_CONFIG_FLAGS and i + 1 < len(args):
+            positions.append(i + 1)
+            values.append(args[i + 1])
+        elif arg.startswith("--run-config="):
+            positions.append(i)
+            values.append(arg.split("=", 1)[1])
+    return positions, values
+
+
+def overrides(args: list[str]) -> dict[str, Any]:
+    """The run-config overrides ``args`` give, parsed as Flower parses them (ValueError on bad syntax)."""
+    from flwr.common.config import parse_config_args
+
+    return dict(parse_config_args(run_config_values(args)[1]))
+
+
+def effective_run_config(args: list[str]) -> dict[str, Any]:
+    """The app's defaults with the command line's overrides on top: the run config Flower will send."""
+    return {**app_defaults(app_dir(args)), **overrides(args)}
+
+
+def relative_paths(config: dict[str, Any], cwd: Path) -> dict[str, str]:
+    """``key -> absolute path`` for every path in ``config`` that is relative (``dataset`` only when
+    it names a local file, not ``bbc-news`` or a hub id)."""
+    out = {}
+    for key in PATH_KEYS:
+        value = config.get(key)
+        if not isinstance(value, str) or not value.strip():
+            continue
+        if key == "dataset" and not names_a_file(value):
+            continue
+        path = Path(value.strip()).expanduser()
+        if not path.is_absolute():
+            out[key] = str((cwd / path).resolve())
+    return out
+
+
+def with_absolute_paths(args: list[str], cwd: Path, scratch: Path) -> list[str]:
+    """``args`` with every relative path of the run config made absolute against ``cwd``.
+
+    Key=value overrides get one more ``--run-config`` after them; a TOML file given as
+    ``--run-config`` (Flower takes no pairs beside it) is replaced by a copy with absolute
+    paths, written into the folder ``scratch`` (the caller removes it after ``flwr run``).
+    """
+    import tomli_w
+
+    fixed = relative_paths(effective_run_config(args), cwd)
+    if not fixed:
+        return list(args)
+    args = list(args)
+    positions, values = run_config_values(args)
+    toml_at = [p for p, v in zip(positions, values) if v.strip().endswith(".toml")]
+    if toml_at:
+        pos = toml_at[0]
+        value = args[pos].split("=", 1)[1] if args[pos].startswith("--run-config=") else args[pos]
+        copy = scratch / Path(value).name
+        copy.write_text(tomli_w.dumps({**tomllib.loads(Path(value).read_text()), **fixed}))
+        args[pos] = f"--run-config={copy}" if args[pos].startswith("--run-config=") else str(copy)
+        return args
+    return args + ["--run-config", " ".join(f'{k}="{_toml_escape(v)}"' for k, v in fixed.items())]
+
+
+def _toml_escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"')

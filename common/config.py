@@ -13,10 +13,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from common.dp import BudgetSplit, paper_delta, split_budget
+from common.plugins import AGGREGATORS, FINETUNE_MODES, REFINEMENTS, is_class_path
 
-AGGREGATORS = ("fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "fedmedian", "fedtrimmedavg")
-FINETUNE_MODES = ("full", "lora")
-REFINEMENTS = ("knn-vote", "uniform", "none", "pe", "popri")  # built-ins; or a class path
 PROMPTS = ("code", "zero-shot")
 VOTERS = ("weak", "all")
 ON_NODE_SHORTFALL = ("refuse", "continue-without")
@@ -113,8 +111,8 @@ class RunConfig:
             ("batch-size", self.batch_size >= 1, "an integer >= 1"),
             ("learning-rate", 0 < self.learning_rate < 10, "a float in (0, 10)"),
             ("server-learning-rate", 0 < self.server_learning_rate <= 10, "a float in (0, 10]"),
-            ("aggregator", self.aggregator in AGGREGATORS or "." in self.aggregator,
-             f"one of {list(AGGREGATORS)} or a class path 'package.module.Class'"),
+            ("aggregator", self.aggregator in AGGREGATORS or is_class_path(self.aggregator),
+             f"one of {list(AGGREGATORS)} or a class path 'package.module:Class'"),
             ("max-length", 8 <= self.max_length <= 8192, "an integer in [8, 8192]"),
             ("finetune", self.finetune in FINETUNE_MODES, f"one of {list(FINETUNE_MODES)}"),
             ("precision", self.precision in PRECISIONS, f"one of {list(PRECISIONS)}"),
@@ -135,7 +133,7 @@ class RunConfig:
             ("top-p", 0 < self.top_p <= 1, "a float in (0, 1] (1 = plain sampling)"),
             ("prompt", self.prompt in PROMPTS, f"one of {list(PROMPTS)}"),
             ("zero-shot-template", "{fields}" in self.zero_shot_template, "a string containing {fields}"),
-            ("refinement", self.refinement in REFINEMENTS or ":" in self.refinement,
+            ("refinement", self.refinement in REFINEMENTS or is_class_path(self.refinement),
              f"one of {list(REFINEMENTS)} or a class path 'package.module:Class'"),
             ("refinement-rounds", self.refinement_rounds >= 1, "an integer >= 1"),
             ("popri-samples-per-prompt", self.popri_samples_per_prompt >= 2, "an integer >= 2"),

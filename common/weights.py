@@ -12,7 +12,8 @@ import warnings
 import numpy as np
 import torch
 
-FINETUNE_MODES = ("lora", "full")
+from common.plugins import FINETUNE_MODES
+
 _WRAPPER_PREFIX = "_module."  # Opacus' GradSampleModule wraps the model as `_module`
 
 

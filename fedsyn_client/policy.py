@@ -42,6 +42,7 @@ from typing import Any
 
 from common.dp import PHASES, TIERS, TRAIN, VOTE
 from common.records import ERR_POLICY
+from common.plugins import FINETUNE_MODES
 from fedsyn_client.refusals import (RULE_CAP, RULE_COLUMNS, RULE_DELTA, RULE_EMBEDDER, RULE_EPSILON,
                                      RULE_FINETUNE, RULE_MODEL, RULE_PHASE, RULE_VOCABULARY, Refusal)
 
@@ -50,7 +51,7 @@ DEFAULT_DELTA = 1e-5
 # names others. The server's run config only asks; a model the node does not list is refused.
 DEFAULT_MODELS = ("smollm2-135m", "tiny-gpt2")
 DEFAULT_EMBEDDERS = ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2")
-DEFAULT_FINETUNE = ("lora", "full")
+DEFAULT_FINETUNE = FINETUNE_MODES
 NODE_KEYS = ("tier", "data-path", "text-column", "control-columns", "control-codes", "epsilon", "delta",
              "max-epsilon-train", "max-epsilon-profile", "max-epsilon-vote", "cap-window-days", "model", "embedder",
              "finetune", "state-dir", "ledger-id", "audit-dir", "policy-file")

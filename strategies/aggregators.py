@@ -3,26 +3,20 @@
 ``build_aggregator("fedavg", ...)`` gives Flower's ``FedAvg`` set up for fedsyn: train
 on every strong node each round (not Flower's default minimum of 2 nodes, which would
 wait forever with one strong node), no federated evaluation, uniform weights (A.3).
-A class path (``mypkg.strategies.MyStrategy``) plugs in any other strategy; the
-keyword arguments it accepts among the ones below are passed.
+A class path (``mypkg.strategies:MyStrategy``) plugs in any other strategy; the
+keyword arguments it accepts among the ones below are passed. The names live in
+``common.plugins.AGGREGATORS``.
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Any
 
-from flwr.serverapp.strategy import (
-    FedAdagrad, FedAdam, FedAvg, FedAvgM, FedMedian, FedTrimmedAvg, FedYogi, Strategy,
-)
+from flwr.serverapp.strategy import FedAvg, FedAvgM, Strategy
 
+from common.plugins import AGGREGATORS, load_class
 from common.records import ARRAYS, CONFIG, WEIGHT_KEY
-
-_BUILTIN: dict[str, type[Strategy]] = {
-    "fedavg": FedAvg, "fedavgm": FedAvgM, "fedadam": FedAdam, "fedyogi": FedYogi,
-    "fedadagrad": FedAdagrad, "fedmedian": FedMedian, "fedtrimmedavg": FedTrimmedAvg,
-}
 
 
 def build_aggregator(name: str, server_learning_rate: float, num_strong: int) -> Strategy:
@@ -32,7 +26,7 @@ def build_aggregator(name: str, server_learning_rate: float, num_strong: int) ->
     for ``fedavg`` with eta != 1 this returns ``FedAvgM(server_learning_rate=eta,
     server_momentum=0)``, which is exactly that step. FedOpt variants take eta as ``eta``.
     """
-    cls = _BUILTIN.get(name) or _import_class(name)
+    cls = load_class(name, AGGREGATORS, "aggregator", Strategy)
     if cls is FedAvg and server_learning_rate != 1.0:
         cls = FedAvgM
     n = max(1, num_strong)
@@ -44,14 +38,3 @@ def build_aggregator(name: str, server_learning_rate: float, num_strong: int) ->
     params = inspect.signature(cls.__init__).parameters
     return cls(**{k: v for k, v in kwargs.items() if k in params})
 
-
-def _import_class(path: str) -> type[Strategy]:
-    module_name, _, cls_name = path.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module_name), cls_name)
-    except (ImportError, AttributeError, ValueError) as err:
-        raise ValueError(f"aggregator {path!r} could not be imported ({err}); use a built-in name "
-                         f"{sorted(_BUILTIN)} or an importable 'package.module.Class'") from None
-    if not (inspect.isclass(cls) and issubclass(cls, Strategy)):
-        raise ValueError(f"aggregator {path!r} is not a flwr.serverapp.strategy.Strategy subclass")
-    return cls

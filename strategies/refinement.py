@@ -11,13 +11,12 @@ A ``Refinement`` owns its rounds. The strategy generates the pool (stage 3) and 
 
 A method returns a ``Refined``: the population the final set is drawn from, which of it is
 kept, and that population's aggregated votes (if any). Built-ins are registered by name in
-``REFINEMENTS``; any other class is named by path, ``"package.module:Class"``. See
+``common.plugins.REFINEMENTS``; any other class is named by path, ``"package.module:Class"``. See
 ``docs/writing_a_refinement.md``.
 """
 
 from __future__ import annotations
 
-import importlib
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
@@ -28,6 +27,7 @@ import numpy as np
 from flwr.app import ArrayRecord
 
 from common.config import RunConfig
+from common.plugins import REFINEMENTS, load_class
 from strategies.allocation import allocate
 
 
@@ -140,31 +140,10 @@ def final_size(cfg: RunConfig) -> int:
     return max(1, math.floor(cfg.sampling_rate * cfg.num_synthetic))
 
 
-# Built-ins by name; resolved lazily so that e.g. POPri's training stack is imported only when used.
-REFINEMENTS: dict[str, str] = {
-    "knn-vote": "strategies.knn_vote:KnnVoteRefinement",
-    "uniform": "strategies.knn_vote:UniformRefinement",
-    "none": "strategies.knn_vote:NoRefinement",
-    "pe": "strategies.private_evolution:PrivateEvolution",
-    "popri": "strategies.popri:POPri",
-}
-
-
 def build_refinement(name: str) -> Refinement:
     """The refinement registered as ``name``, or the class at ``"package.module:Class"``.
 
     Raises ``ValueError`` naming the problem (unknown name, missing module or class, not a
     ``Refinement``) before any message is sent.
     """
-    path = REFINEMENTS.get(name, name)
-    if ":" not in path:
-        raise ValueError(f"refinement {name!r} is unknown; choose one of {sorted(REFINEMENTS)} "
-                         "or a class path 'package.module:Class'")
-    module_name, _, cls_name = path.partition(":")
-    try:
-        cls = getattr(importlib.import_module(module_name), cls_name)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(f"refinement {name!r}: cannot load {path} ({err})") from None
-    if not (isinstance(cls, type) and issubclass(cls, Refinement)):
-        raise ValueError(f"refinement {name!r}: {path} is not a subclass of strategies.refinement.Refinement")
-    return cls()
+    return load_class(name, REFINEMENTS, "refinement", Refinement)()

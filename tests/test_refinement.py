@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 
 from common import records as R
-from common.config import REFINEMENTS as CONFIG_NAMES, ConfigError, RunConfig
+from common.config import ConfigError, RunConfig
 from common.io import read_jsonl
 from fedsyn_client.histograms import VOTE_HISTOGRAMS
 from fedsyn_client.voting import knn_votes, similarity_scores
 from fedsyn_server.outputs import write_outputs
 from strategies.popri import preference_pairs
 from strategies.private_evolution import next_generation
-from strategies.refinement import REFINEMENTS, Refinement, build_refinement, final_size
+from strategies.refinement import Refinement, build_refinement, final_size
 from strategies.resampling import resample_by_code
 from tests.test_strategy import dataset, nodes_for, run, run_config  # noqa: F401 - dataset is a fixture
 
@@ -93,15 +93,35 @@ def test_similarity_scores_clip_each_record_and_ignore_other_codes():
 
 
 # --------------------------------------------------------------------------- the registry
-def test_built_in_names_match_the_run_config_and_class_paths_load():
-    assert set(REFINEMENTS) == set(CONFIG_NAMES)
+def test_one_registry_per_plug_in_point_and_one_class_path_syntax(caplog):
+    """Every built-in name builds; a class path loads in the ``pkg.module:Class`` form and in
+    the older dotted form (with a note giving the new one); bad names fail with the fix."""
+    from flwr.serverapp.strategy import FedAvgM, FedMedian
+
+    from common.plugins import AGGREGATORS, REFINEMENTS
+    from strategies.aggregators import build_aggregator
+
+    assert {build_refinement(n).name for n in REFINEMENTS if n != "popri"} >= {"knn-vote", "uniform", "none", "pe"}
+    for name in AGGREGATORS:
+        assert build_aggregator(name, 1.0, 1) is not None
+        RunConfig(aggregator=name).validate()
     assert build_refinement("examples.top_voted:TopVoted").name == "top-voted"
+    with caplog.at_level("INFO"):
+        assert build_refinement("examples.top_voted.TopVoted").name == "top-voted"
+    assert "'package.module:Class' (examples.top_voted:TopVoted)" in caplog.text
+    assert isinstance(build_aggregator("flwr.serverapp.strategy:FedMedian", 1.0, 1), FedMedian)
+    assert isinstance(build_aggregator("flwr.serverapp.strategy.FedMedian", 1.0, 1), FedMedian)
+    assert isinstance(build_aggregator("fedavg", 0.5, 1), FedAvgM)  # eta != 1: theta + eta * Delta
     for bad, why in [("nope", "unknown"), ("examples.top_voted:Missing", "cannot load"),
                      ("strategies.resampling:sample_size", "not a subclass")]:
         with pytest.raises(ValueError, match=why):
             build_refinement(bad)
-    with pytest.raises(ConfigError, match="refinement"):
-        RunConfig(refinement="nope").validate()
+    with pytest.raises(ValueError, match="not a subclass of flwr"):
+        build_aggregator("examples.top_voted:TopVoted", 1.0, 1)
+    for key, bad in (("refinement", "nope"), ("aggregator", "fed avg"), ("refinement", "pkg.module:not a name")):
+        with pytest.raises(ConfigError, match=f"{key}.*'package.module:Class'"):
+            RunConfig(**{key: bad}).validate()
+    RunConfig(refinement="examples.top_voted.TopVoted", aggregator="mypkg.mod:Strategy").validate()  # shape only
     with pytest.raises(ConfigError, match="popri-rejected-rank"):
         RunConfig(popri_samples_per_prompt=4, popri_rejected_rank=5).validate()
 

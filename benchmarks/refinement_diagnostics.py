@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("runs_dir", type=Path)
     ap.add_argument("--out", type=Path, default=None, help="CSV file (default: <runs-dir>/../refinement_diagnostics.csv)")
     args = ap.parse_args(argv)
-    runs = sorted(p for p in args.runs_dir.iterdir() if (p / "pool.jsonl").exists() and (p / "heldout.jsonl").exists())
+    runs = sorted(p for p in args.runs_dir.iterdir() if not p.is_symlink() and (p / "pool.jsonl").exists() and (p / "heldout.jsonl").exists())
     if not runs:
         print(f"no finished runs (with pool.jsonl and heldout.jsonl) under {args.runs_dir}", file=sys.stderr)
         return 1

@@ -6,8 +6,10 @@ import csv
 import io
 import json
 import os
+import shutil
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
@@ -33,6 +35,24 @@ def _atomic_write(path: str | Path, write: Callable[[IO[Any]], Any], binary: boo
 def atomic_write_text(path: str | Path, text: str) -> Path:
     """Write ``text`` to ``path`` via a temp file in the same folder and ``os.replace``."""
     return _atomic_write(path, lambda fh: fh.write(text))
+
+
+@contextmanager
+def atomic_folder(target: str | Path) -> Iterator[Path]:
+    """Yield an empty temp folder beside ``target``; when the block ends, it replaces ``target``
+    whole (an older one is removed just before the rename). On any failure the temp folder is
+    removed and ``target`` is untouched, so a reader never finds a half-written folder."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
+    try:
+        yield tmp
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def atomic_symlink(link: str | Path, target: str | Path) -> Path:

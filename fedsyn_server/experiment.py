@@ -54,6 +54,8 @@ from strategies.checkpoint import FOLDER as CHECKPOINT, STATE as CHECKPOINT_STAT
 
 log = get_logger(__name__)
 EVALUATION_FILE = "evaluation.json"
+GRID_SECTIONS = ("experiment", "base", "grid", "methods")
+EXPERIMENT_KEYS = ("out-dir", "seeds", "num-supernodes", "metric")
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,13 @@ def load_grid(path: str | Path) -> Grid:
     any simulation starts, so a typo fails in a second rather than after an hour."""
     path = Path(path)
     spec = tomllib.loads(path.read_text())
+    # a misspelt section or key would silently run the wrong grid for hours: refuse it now
+    for where, keys, allowed in ((path.name, spec, GRID_SECTIONS), ("[experiment]", spec.get("experiment", {}),
+                                                                  EXPERIMENT_KEYS)):
+        unknown = sorted(set(keys) - set(allowed))
+        if unknown:
+            raise ValueError(f"{path}: unknown {'section' if where == path.name else 'key'}(s) {unknown} in {where}; "
+                             f"allowed: {list(allowed)}")
     exp = spec.get("experiment", {})
     base = spec.get("base", {})
     grid = spec.get("grid", {})

@@ -16,8 +16,6 @@
 from __future__ import annotations
 
 import math
-import shutil
-import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -27,7 +25,7 @@ import numpy as np
 from common.codes import parse_code
 from common.config import RunConfig
 from common.dp import composed_epsilon, phase_epsilon
-from common.io import atomic_write_json, atomic_write_jsonl
+from common.io import atomic_folder, atomic_write_json, atomic_write_jsonl
 from strategies.result import FedSynResult
 
 
@@ -35,8 +33,8 @@ def write_outputs(run_dir: Path, cfg: RunConfig, vocabulary: list[str], res: Fed
     """Write all run outputs under ``run_dir``; returns the written paths by name."""
     run_dir.mkdir(parents=True, exist_ok=True)
     selected = set(int(i) for i in (res.selected if res.selected is not None else []))
-    final = [_row(res.pool_texts[i], res.pool_codes[i]) for i in sorted(selected)]
-    pool = [{**_row(t, c), "votes": (float(res.votes[i]) if res.votes is not None else None),
+    final = [text_row(res.pool_texts[i], res.pool_codes[i]) for i in sorted(selected)]
+    pool = [{**text_row(t, c), "votes": (float(res.votes[i]) if res.votes is not None else None),
              "selected": i in selected} for i, (t, c) in enumerate(zip(res.pool_texts, res.pool_codes))]
     final_counts = Counter(r["control_code"] for r in final)
     paths = {
@@ -62,14 +60,16 @@ def write_outputs(run_dir: Path, cfg: RunConfig, vocabulary: list[str], res: Fed
     }
     if res.refinement_history:
         paths["refinement_rounds"] = atomic_write_jsonl(run_dir / "refinement_rounds.jsonl", [
-            {"round": r["round"], **_row(r["text"], r["control_code"]),
+            {"round": r["round"], **text_row(r["text"], r["control_code"]),
              **{k: v for k, v in r.items() if k not in ("round", "text", "control_code")}}
             for r in res.refinement_history])
     paths.update(write_plots(run_dir / "plots", vocabulary, res, final_counts))
     return paths
 
 
-def _row(text: str, code: str) -> dict[str, str]:
+def text_row(text: str, code: str) -> dict[str, str]:
+    """One output row: ``text``, ``control_code`` and one field per control column (every text file
+    a run writes, synthetic or held-out, has these columns)."""
     return {"text": text, "control_code": code, **parse_code(code)}
 
 
@@ -171,17 +171,9 @@ def _release_view(r: dict[str, Any]) -> dict[str, Any]:
 
 def save_model(model: Any, run_dir: Path) -> Path:
     """Save the finetuned model (a peft adapter saves only the adapter) atomically to ``model/``."""
-    target = run_dir / "model"
-    tmp = Path(tempfile.mkdtemp(dir=run_dir, prefix=".model."))
-    try:
+    with atomic_folder(run_dir / "model") as tmp:
         model.save_pretrained(tmp)
-        if target.exists():
-            shutil.rmtree(target)
-        tmp.rename(target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
+    return run_dir / "model"
 
 
 def write_plots(plot_dir: Path, vocabulary: list[str], res: FedSynResult, final_counts: Counter) -> dict[str, Path]:

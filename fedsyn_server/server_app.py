@@ -14,7 +14,7 @@ from common.tables import DatasetFileError, DatasetLoadError
 from common.federation import Benchmark, benchmark
 from common.io import atomic_symlink, atomic_write_json, atomic_write_jsonl, atomic_write_text
 from fedsyn_server.experiment import EVALUATION_FILE
-from fedsyn_server.outputs import save_model, write_outputs
+from fedsyn_server.outputs import save_model, text_row, write_outputs
 from fedsyn_server.synthesis import ServerModel
 from strategies.aggregators import build_aggregator
 from strategies.checkpoint import Checkpoint, load_checkpoint
@@ -165,7 +165,7 @@ def _main(grid: Grid, context: Context) -> None:
     if result.arrays is not None and (result.train_metrics or result.generator_refined):
         save_model(server_model.load(result.arrays), run_dir)
     if len(bench.test):  # public benchmark records no node trained on, for `fedsyn evaluate`
-        atomic_write_jsonl(run_dir / "heldout.jsonl", bench.test.to_records())
+        atomic_write_jsonl(run_dir / "heldout.jsonl", [text_row(t, c) for t, c in zip(bench.test.texts, bench.test.codes)])
         evaluate_run(run_dir, cfg, result, bench)
     log.info("fedsyn run %s finished in %.0fs: %d synthetic texts in %s", context.run_id,
              result.timings.get("total", 0.0), len(result.selected), paths["synthetic"])

@@ -357,7 +357,7 @@ def test_evaluate_files_errors(tmp_path, capsys):
     make_texts(3, seed=0).to_csv(tmp_path / "syn.csv", index=False)
     pd.DataFrame({"text": ["x", "y"], "label": ["a", "b"]}).to_csv(tmp_path / "real.csv", index=False)
     # No control_code anywhere and no columns given: cannot guess.
-    with pytest.raises(ValueError, match="pass control_columns"):
+    with pytest.raises(ValueError, match="pass --control-columns"):
         E.evaluate_files(tmp_path / "syn.csv", tmp_path / "real.csv")
     # A missing control column: the file, the column and the available columns are named.
     with pytest.raises(ValueError, match=r"real\.csv: no control column 'topic'.*'label'"):

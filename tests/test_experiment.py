@@ -46,6 +46,12 @@ def test_grid_with_a_bad_value_fails_before_any_run(tmp_path):
     path.write_text(GRID.replace('refinement = "knn-vote"', 'refinement = "magic"'))
     with pytest.raises(ConfigError, match="refinement"):
         load_grid(path)
+    path.write_text(GRID.replace("[experiment]", "[experimnt]"))
+    with pytest.raises(ValueError, match=r"unknown section\(s\) \['experimnt'\]"):
+        load_grid(path)
+    path.write_text(GRID.replace("[experiment]", "[experiment]\nsed = [1]"))
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['sed'\] in \[experiment\]"):
+        load_grid(path)
 
 
 def test_summary_resumes_from_finished_cells_and_writes_tables_and_plots(tmp_path):

@@ -8,6 +8,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 from common.io import atomic_symlink
 from fedsyn_server.flwr_args import app_dir, effective_run_config, with_absolute_paths
 
@@ -79,3 +81,107 @@ def test_server_resolves_relative_paths_in_its_working_directory_and_links_lates
         atomic_symlink(tmp_path / "outputs" / LATEST, name)
         assert (tmp_path / "outputs" / LATEST).resolve() == tmp_path / "outputs" / name
     assert sorted(p.name for p in (tmp_path / "outputs").iterdir()) == ["first", "latest", "second"]  # no temp left
+
+
+# --------------------------------------------------------------------------- after a run
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A whole run (real ServerApp and ClientApp logic, tiny model, fake Grid) with its outputs."""
+    from flwr.app import Context, RecordDict
+
+    from fedsyn_client.client_app import app as client_app
+    from fedsyn_server import server_app
+    from tests.fakes import FakeGrid, client_node, set_task_identity
+    from tests.test_strategy import TOPICS, run_config, write_topic_csv
+
+    root = tmp_path_factory.mktemp("run")
+    rc = {**run_config(write_topic_csv(root / "news.csv", TOPICS, 30)), "out-dir": str(root / "out"), "run-name": "r"}
+    nodes = {100 + p: client_node(client_app, 100 + p, {"partition-id": p, "num-partitions": 3,
+                                                         "state-dir": str(root / "state" / f"node{p}")}, rc, run_id=5)
+             for p in range(3)}
+    set_task_identity()
+    server_app._main(FakeGrid(nodes), Context(run_id=5, node_id=0, node_config={}, state=RecordDict(), run_config=rc))
+    return root / "out" / "r"
+
+
+def _ledgers(run_dir: Path) -> list[str]:
+    return [p.read_text() for p in sorted((run_dir.parent.parent / "state").glob("node*/ledger.json"))]
+
+
+def test_outputs_latest_and_the_held_out_split_has_the_synthetic_columns(finished_run):
+    import json
+
+    assert (finished_run.parent / "latest").resolve() == finished_run
+    synthetic = [json.loads(line) for line in (finished_run / "synthetic.jsonl").read_text().splitlines()]
+    heldout = [json.loads(line) for line in (finished_run / "heldout.jsonl").read_text().splitlines()]
+    assert synthetic and heldout and set(heldout[0]) == set(synthetic[0]) == {"text", "control_code", "topic"}
+    assert all(r["control_code"] == f"topic={r['topic']}" for r in heldout)
+
+
+def test_generate_more_spends_nothing_and_carries_the_privacy_report(finished_run, tmp_path, capsys):
+    import json
+
+    from fedsyn_server.cli import main
+
+    before = _ledgers(finished_run)
+    assert main(["generate", str(finished_run), "-n", "9", "--seed", "3", "--out", str(tmp_path / "more.jsonl")]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "more.jsonl").read_text().splitlines()]
+    vocabulary = json.loads((finished_run / "profile.json").read_text())["vocabulary"]
+    assert 0 < len(rows) <= 9 and all(r["control_code"] in vocabulary and r["text"].strip() for r in rows)
+    meta = json.loads((tmp_path / "more.privacy.json").read_text())
+    assert meta["epsilon_spent"] == 0 and meta["nodes_asked"] == 0 and meta["seed"] == 3
+    assert sum(meta["allocation"].values()) in range(7, 12)  # the run's noisy profile scaled to 9 (rounding)
+    assert meta["run_privacy_report"] == json.loads((finished_run / "privacy_report.json").read_text())
+    assert _ledgers(finished_run) == before  # no node was asked for anything
+    code = vocabulary[0]
+    assert main(["generate", str(finished_run), "--allocation", f"{code}:4", "--out", str(tmp_path / "a.jsonl")]) == 0
+    assert {json.loads(line)["control_code"] for line in (tmp_path / "a.jsonl").read_text().splitlines()} <= {code}
+    capsys.readouterr()
+    for argv, says in ((["-n", "0"], "below 1"), (["--allocation", "topic=nope:3"], "CODE one of"), ([], "-n N")):
+        with pytest.raises(SystemExit) if argv[:2] == ["-n", "0"] else _nothing():
+            assert main(["generate", str(finished_run), *argv]) == 2
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert main(["generate", str(tmp_path), "-n", "3"]) == 2
+    assert "not a finished fedsyn run" in capsys.readouterr().err
+
+
+def test_export_is_a_loadable_dataset_with_a_card_that_states_the_privacy(finished_run, tmp_path):
+    import json
+
+    import pandas as pd
+    from datasets import load_from_disk
+
+    from fedsyn_server.cli import main
+
+    assert main(["export", str(finished_run), "--out", str(tmp_path / "ds")]) == 0
+    ds = load_from_disk(str(tmp_path / "ds"))["train"]
+    synthetic = [json.loads(line) for line in (finished_run / "synthetic.jsonl").read_text().splitlines()]
+    assert ds.to_list() == synthetic
+    assert pd.read_parquet(tmp_path / "ds" / "data" / "train-00000-of-00001.parquet").to_dict("records") == synthetic
+    card = (tmp_path / "ds" / "README.md").read_text()
+    report = json.loads((finished_run / "privacy_report.json").read_text())
+    for node in report["nodes"]:
+        assert f"| {node['node_id']} | {node['tier']} | {node['epsilon_spent']:.4g} |" in card
+    assert "differential-privacy" in card and "tiny-gpt2" in card and f"**Rows:** {len(synthetic)}" in card
+    assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no half-written folder left
+
+
+def test_cli_arguments_are_checked_with_one_line_each(tmp_path, capsys):
+    from fedsyn_server.cli import main
+
+    for argv in (["evaluate", "--synthetic", "s.jsonl", "--real", "r.jsonl", "--epochs", "-1"],
+                 ["experiment", "grid.toml", "--timeout", "0"]):
+        with pytest.raises(SystemExit) as stop:
+            main(argv)
+        assert stop.value.code == 2
+        err = capsys.readouterr().err
+        assert "give a value >=" in err and len(err.strip().splitlines()) == 1
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

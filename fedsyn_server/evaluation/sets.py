@@ -147,13 +147,13 @@ def evaluate_sets(
 def _columns_from_codes(df: pd.DataFrame, path: str) -> list[str]:
     codes = df[CODE_FIELD].dropna().astype(str)
     if codes.empty:
-        raise ValueError(f"{path}: column {CODE_FIELD!r} is empty; pass control_columns")
+        raise ValueError(f"{path}: column {CODE_FIELD!r} is empty; pass --control-columns (Python: control_columns=)")
     columns = list(parse_code(codes.iloc[0]))
     for code in codes:
         if list(parse_code(code)) != columns:
             raise ValueError(
                 f"{path}: control codes do not all have the same columns ({codes.iloc[0]!r} vs "
-                f"{code!r}); pass control_columns"
+                f"{code!r}); pass --control-columns (Python: control_columns=)"
             )
     return columns
 
@@ -227,7 +227,7 @@ def evaluate_files(
             if CODE_FIELD not in real_df.columns:
                 raise ValueError(
                     f"cannot tell the control columns: neither {synthetic} nor {real} has a "
-                    f"{CODE_FIELD!r} column; pass control_columns (available in {synthetic}: "
+                    f"{CODE_FIELD!r} column; pass --control-columns (Python: control_columns=) (available in {synthetic}: "
                     f"{[str(c) for c in syn_df.columns]})"
                 )
             control_columns = _columns_from_codes(real_df, real)

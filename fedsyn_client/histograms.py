@@ -9,6 +9,8 @@ that needs another statistic registers it in ``VOTE_HISTOGRAMS`` with its sensit
 from __future__ import annotations
 
 import math
+import sys
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -16,9 +18,11 @@ import numpy as np
 
 from common.config import ConfigError, RunConfig
 from common.data import TextData, dataset_fingerprint
+from common.logs import get_logger
 from fedsyn_client.voting import finite_rows, knn_votes, similarity_scores
 
 Compute = Callable[[], np.ndarray]
+log = get_logger(__name__)
 
 
 def knn_vote_histogram(records: TextData, texts: list[str], codes: list[str], params: Mapping[str, Any],
@@ -89,7 +93,11 @@ def local_embeddings(records: TextData, embedder_name: str, max_tokens: int | No
     if key not in cache:
         from common.models import embed, load_embedder
 
-        cache[key] = embed(load_embedder(embedder_name), records.texts, progress=True, max_tokens=max_tokens)
+        t0 = time.time()
+        # a bar on a terminal; in a log file (a SuperNode's, Ray's) one line when done, not one per batch
+        cache[key] = embed(load_embedder(embedder_name), records.texts, progress=sys.stderr.isatty(),
+                           max_tokens=max_tokens)
+        log.info("embedded the node's %d records in %.0f s", len(records), time.time() - t0)
     return cache[key]
 
 

@@ -10,6 +10,8 @@ Subcommands:
   absolute against the user's directory and the ClientApps given the machine's GPUs in
   simulation (everything else passed through).
 - ``fedsyn generate RUN_DIR -n N``: more texts from a run's released DP model (no budget spent).
+- ``fedsyn plan [APP] [flwr run options]``: validate a run and print what each phase will cost
+  (epsilon, delta, noise, expected time), spending nothing.
 - ``fedsyn export RUN_DIR``: the synthetic set as a Hugging Face dataset folder with a dataset card.
 - ``fedsyn ledger STATE_DIR`` and ``fedsyn node-check``: the node operator's commands, from
   ``fedsyn_client.cli`` (registered as ``fedsyn.commands`` entry points).
@@ -158,6 +160,30 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_plan(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "plan", help="check a run (config, data, vocabulary) and print each phase's cost; spends nothing",
+        description="Takes the arguments of `fedsyn run`. Prints, per node and phase, epsilon, delta, the noise "
+                    "(Gaussian sigma, DP-SGD noise multiplier) and the expected time from this machine's benchmark; "
+                    "one line per problem and exit 1 when there is any.",
+    )
+    p.add_argument("flwr_args", nargs=argparse.REMAINDER, help="the arguments you would give `fedsyn run`")
+    p.set_defaults(handler=_run_plan)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from fedsyn_server.plan import plan_run
+
+    plan = plan_run(list(args.flwr_args), Path.cwd())
+    for line in plan.lines:
+        print(line)
+    for problem in plan.problems:
+        print(f"fedsyn plan: {problem}", file=sys.stderr)
+    if not plan.problems:
+        print("ok: nothing was spent; `fedsyn run` with the same arguments runs it")
+    return 1 if plan.problems else 0
+
+
 def _add_export(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "export", help="a run's synthetic set as a Hugging Face dataset folder (+ Parquet) with a dataset card",
@@ -273,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_experiment(subparsers)
     _add_export(subparsers)
     _add_generate(subparsers)
+    _add_plan(subparsers)
     _add_run(subparsers)
     # The node operator's commands (ledger, node-check) live with the node's code and are found
     # through the package's entry points, so the server's code never imports the node's.

@@ -22,6 +22,7 @@ from pathlib import Path
 APP_DIR = Path(__file__).resolve().parents[1]  # the project root (this app)
 _RUN_DIR = re.compile(r"outputs go to (\S+)")
 _STARTED = re.compile(r"Successfully started run (\d+)")
+_ANSI = re.compile(rb"\x1b\[[0-9;]*[A-Za-z]")
 
 
 @dataclass
@@ -92,10 +93,7 @@ def run_app(run_config: dict[str, object], federation_config: str | None = None,
             out.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
             out.flush()
             start = out.tell()
-            try:
-                code = subprocess.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout).returncode
-            except subprocess.TimeoutExpired:
-                code, timed_out = -1, True
+            code, timed_out = _run_to(cmd, env, out, timeout)
         with open(sink, "rb") as written:
             written.seek(start)
             output = written.read().decode("utf-8", errors="replace")
@@ -107,6 +105,29 @@ def run_app(run_config: dict[str, object], federation_config: str | None = None,
         stop_processes_of(flwr_home)
     match = _RUN_DIR.findall(output)
     return FlwrRun(code, output, Path(match[-1]) if match else None, time.time() - t0, status)
+
+
+def _run_to(cmd: list[str], env: dict[str, str], out, timeout: float) -> tuple[int, bool]:
+    """Run ``cmd`` with its output, without ANSI escape codes, appended to ``out`` as it comes;
+    (exit code, timed out). `flwr run` colours its own lines whatever it writes to."""
+    import threading
+
+    fired = threading.Event()
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
+        def stop() -> None:  # a silent command must time out too, so not checked between lines
+            fired.set()
+            proc.kill()
+
+        timer = threading.Timer(timeout, stop)
+        timer.start()
+        try:
+            for line in proc.stdout:  # type: ignore[union-attr]
+                out.write(_ANSI.sub(b"", line))
+                out.flush()
+            code = proc.wait()
+        finally:
+            timer.cancel()
+    return (-1, True) if fired.is_set() else (code, False)
 
 
 def run_status(output: str, env: dict[str, str], connection: str | None = None) -> str:

@@ -114,3 +114,18 @@ def test_run_app_appends_the_commands_output_to_the_cells_log(tmp_path):
     assert "Failed to load Flower App" in first.output  # flwr's own error, read back from the file
     text = log_path.read_text()
     assert text.count("=== ") == 2 and first.output in text and text.endswith(second.output)
+    assert "\x1b[" not in text  # flwr colours its lines; a log file gets them plain
+
+
+def test_run_app_times_out_a_silent_command(tmp_path, monkeypatch):
+    import time
+
+    from fedsyn_server import flwr_runner
+
+    with open(tmp_path / "log", "wb") as out:
+        t0 = time.time()
+        code, timed_out = flwr_runner._run_to(["sleep", "30"], {}, out, timeout=1)
+    assert timed_out and code == -1 and time.time() - t0 < 10
+    with open(tmp_path / "log", "wb") as out:
+        assert flwr_runner._run_to(["printf", "\x1b[92mINFO\x1b[0m: hi\\n"], {}, out, timeout=30) == (0, False)
+    assert (tmp_path / "log").read_bytes() == b"INFO: hi\n"

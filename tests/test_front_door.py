@@ -185,3 +185,18 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_plan_prints_each_phases_cost_and_one_line_per_problem(tmp_path, capsys):
+    from fedsyn_server.cli import main
+
+    assert main(["plan", str(APP), "--run-config", "epsilon=4.0 epsilon-profile=1.0"]) == 0
+    out = capsys.readouterr().out
+    assert "node 0 (strong, 1001 records)" in out and "node 1 (weak, 1001 records)" in out
+    assert "train: epsilon 3, delta 1e-05, DP-SGD noise multiplier" in out and "q = 0.032" in out
+    assert "vote: epsilon 3 in 1 round(s)" in out and "profile: epsilon 1" in out and "nothing was spent" in out
+    for override, says in (('partitioning="strong-codes:sport,nope"', "control code 'nope' is not in the vocabulary"),
+                           ('dataset="missing.csv"', "does not exist"), ("epsilon=-1", "epsilon = -1.0")):
+        assert main(["plan", str(APP), "--run-config", override]) == 1
+        captured = capsys.readouterr()
+        assert says in captured.err and len(captured.err.strip().splitlines()) == 1 and "Traceback" not in captured.err

@@ -1,0 +1,129 @@
+"""``fedsyn plan [flwr run arguments]``: check a run and say what it will cost, spending nothing.
+
+It reads the run config exactly as ``flwr run`` would send it (the app's defaults plus the
+command line's overrides), validates it, loads the dataset, its vocabulary and (in simulation)
+the partitions the ClientApps would get, then prints per phase the ε, δ and noise each node
+will use and the time this machine's benchmark (``benchmarks/throughput_cpu.json``) predicts.
+Every problem is one line; the exit code is 1 when there is any.
+
+Noise is computed as the nodes compute it (``common.dp``): the analytic Gaussian σ of the
+profile and the votes, and DP-SGD's noise multiplier at q = B / |D_i|. In simulation the
+partition sizes are known to whoever holds the whole dataset, i.e. the person planning; in a
+deployment they are each node's secret, and the plan cannot (and does not) say them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from common.config import ConfigError, RunConfig
+from common.dp import PROFILE, STRONG, TRAIN, VOTE, analytic_gaussian_sigma, dpsgd_noise_multiplier, phase_epsilon
+
+BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "throughput_cpu.json"
+VOTE_SENSITIVITY = {"knn-vote": "sqrt(K)", "pe": "1", "popri": "1"}
+DEFAULT_SIMULATED_NODES = 2  # Flower's simulation default since 1.32
+
+
+@dataclass
+class Plan:
+    """What ``fedsyn plan`` found: problems (one line each) and the lines of the cost table."""
+
+    problems: list[str] = field(default_factory=list)
+    lines: list[str] = field(default_factory=list)
+
+
+def num_supernodes(flwr_args: list[str]) -> int:
+    """``num-supernodes`` from ``--federation-config`` (else Flower's default of 2)."""
+    from flwr.common.config import parse_config_args
+
+    values = [flwr_args[i + 1] for i, a in enumerate(flwr_args[:-1]) if a == "--federation-config"]
+    values += [a.split("=", 1)[1] for a in flwr_args if a.startswith("--federation-config=")]
+    try:
+        return int(parse_config_args(values).get("num-supernodes", DEFAULT_SIMULATED_NODES)) if values else \
+            DEFAULT_SIMULATED_NODES
+    except ValueError:
+        return DEFAULT_SIMULATED_NODES
+
+
+def plan_run(flwr_args: list[str], cwd: Path) -> Plan:
+    """Validate the run ``flwr_args`` describe and compute its cost table (simulation)."""
+    from fedsyn_server.flwr_args import effective_run_config, relative_paths
+
+    out = Plan()
+    try:
+        raw = effective_run_config(flwr_args)
+        raw.update(relative_paths(raw, cwd))
+        cfg = RunConfig.from_flower(raw)
+    except (ConfigError, ValueError, OSError) as err:
+        out.problems.append(f"run config: {err}")
+        return out
+    nodes = num_supernodes(flwr_args)
+    try:
+        from common.federation import benchmark, simulation_node_data
+
+        bench = benchmark(cfg)
+        parts = [simulation_node_data(cfg, p, nodes) for p in range(nodes)]
+    except Exception as err:  # noqa: BLE001 - every data problem becomes one line of the plan
+        out.problems.append(f"data: {err}")
+        return out
+    out.lines.append(f"dataset {cfg.dataset}: {len(bench.train)} training records, {len(bench.test)} held out, "
+                     f"vocabulary {len(bench.vocabulary)} codes; {nodes} simulated nodes "
+                     f"({sum(t == STRONG for t, _ in parts)} strong)")
+    speed = _speeds()
+    for pid, (tier, data) in enumerate(parts):
+        if len(data) == 0:
+            out.problems.append(f"node {pid} ({tier}) gets no records: use fewer nodes or another partitioning")
+            continue
+        out.lines.append(f"node {pid} ({tier}, {len(data)} records):")
+        out.lines += ["  " + line for line in _phase_lines(cfg, tier, len(data), cfg.resolve_delta(len(bench.train)),
+                                                            speed)]
+    out.lines += _server_lines(cfg, parts, speed)
+    return out
+
+
+def _phase_lines(cfg: RunConfig, tier: str, records: int, delta: float, speed: dict[str, Any]) -> list[str]:
+    lines = []
+    eps_profile = phase_epsilon(cfg.epsilon, cfg.epsilon_profile, tier, cfg.voters, PROFILE)
+    lines.append(f"profile: epsilon {eps_profile:g}, delta {delta:g}, Gaussian sigma "
+                 f"{analytic_gaussian_sigma(eps_profile, delta, 1.0):.3g} (sensitivity 1)")
+    eps_train = phase_epsilon(cfg.epsilon, cfg.epsilon_profile, tier, cfg.voters, TRAIN)
+    if eps_train and cfg.prompt != "zero-shot" and cfg.num_server_rounds > 0:
+        q, steps = min(1.0, cfg.batch_size / records), cfg.num_server_rounds * cfg.local_steps
+        nm = dpsgd_noise_multiplier(eps_train, delta, q, steps)
+        tokens = steps * cfg.batch_size * cfg.max_length
+        rate = speed.get(f"train_{cfg.finetune}_dp_tokens_per_s")
+        lines.append(f"train: epsilon {eps_train:g}, delta {delta:g}, DP-SGD noise multiplier {nm:.3g} "
+                     f"(q = {q:.3g}, {steps} steps, C = {cfg.max_grad_norm:g}); {tokens:,} tokens"
+                     + (f", about {tokens / rate:.0f} s" if rate else ""))
+    eps_vote = phase_epsilon(cfg.epsilon, cfg.epsilon_profile, tier, cfg.voters, VOTE)
+    if eps_vote and cfg.refinement in VOTE_SENSITIVITY:
+        rounds = cfg.refinement_rounds if cfg.refinement in ("pe", "popri") else 1
+        sens = math.sqrt(cfg.num_votes) if cfg.refinement == "knn-vote" else 1.0
+        rate = speed.get("embedding_texts_per_s")
+        lines.append(f"vote: epsilon {eps_vote:g} in {rounds} round(s), delta {delta:g}, Gaussian sigma "
+                     f"{analytic_gaussian_sigma(eps_vote / rounds, delta / rounds, sens):.3g} per round (sensitivity "
+                     f"{VOTE_SENSITIVITY[cfg.refinement]})"
+                     + (f"; embedding {records} records, about {records / rate:.0f} s" if rate else ""))
+    elif eps_vote:
+        lines.append(f"vote: epsilon {eps_vote:g} in the rounds refinement {cfg.refinement!r} asks for (never more)")
+    return lines
+
+
+def _server_lines(cfg: RunConfig, parts: list[tuple[str, Any]], speed: dict[str, Any]) -> list[str]:
+    rate = speed.get("generation_tokens_per_s")
+    tokens = cfg.num_synthetic * (cfg.max_new_tokens or cfg.max_length)
+    return [f"server: generates {cfg.num_synthetic} texts of at most {cfg.max_new_tokens or cfg.max_length} tokens"
+            + (f", about {tokens / rate:.0f} s" if rate else "")
+            + (f" (times from {BENCHMARK.name}: {speed.get('device')}, {speed.get('model')})" if speed else
+               " (no benchmark of this machine: `python -m benchmarks.throughput` writes one)")]
+
+
+def _speeds() -> dict[str, Any]:
+    try:
+        return json.loads(BENCHMARK.read_text())
+    except (OSError, ValueError):
+        return {}

@@ -6,7 +6,7 @@
 | ``pool.jsonl`` | the refinement's final population (for knn-vote: the generated pool) with its aggregated noisy votes and whether it was kept |
 | ``refinement_rounds.jsonl`` | for methods with several rounds (``pe``, ``popri``): every text each round saw, with its aggregated noisy score and the method's columns (PE: ``survived``, ``children``; POPri: ``role`` chosen / rejected) |
 | ``profile.json`` | vocabulary, each node's noisy profile, the global profile, the allocation |
-| ``privacy_report.json`` | per node: budget, spent, every release, basic and PLD totals |
+| ``privacy_report.json`` | per node: budget, spent, every release, basic and PLD totals (``fedsyn_server.privacy_report``) |
 | ``metrics.json`` | held-out loss per round, phase timings, failures, degradations, sizes, generation (texts asked again, dropped, written per code against the allocation) |
 | ``config.json`` | the validated run config |
 | ``model/`` | the finetuned trainable weights (a peft adapter or a full model folder) |
@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -24,8 +23,8 @@ import numpy as np
 
 from common.codes import parse_code
 from common.config import RunConfig
-from common.dp import composed_epsilon, phase_epsilon
 from common.io import atomic_folder, atomic_write_json, atomic_write_jsonl
+from fedsyn_server.privacy_report import privacy_report
 from strategies.result import FedSynResult
 
 
@@ -71,102 +70,6 @@ def text_row(text: str, code: str) -> dict[str, str]:
     """One output row: ``text``, ``control_code`` and one field per control column (every text file
     a run writes, synthetic or held-out, has these columns)."""
     return {"text": text, "control_code": code, **parse_code(code)}
-
-
-def privacy_report(cfg: RunConfig, res: FedSynResult) -> dict[str, Any]:
-    """Per node: budget, this run's releases as the node stated them, and their totals.
-
-    Each node's releases come from its own ledger (the end-of-run ``query.ledger``), or,
-    if it did not answer, from the statements in its replies plus every request whose
-    reply never came, counted as spent at what the request asked (``unknown_releases``).
-    The basic total sums the
-    stated epsilons (as the paper), delta sums the stated deltas. The PLD total composes
-    the Gaussian releases (their sigma and sensitivity are data-independent) with a PLD
-    accountant and adds DP-SGD's stated epsilon by basic composition: a node never tells
-    the server DP-SGD's sampling rate, which would reveal its record count.
-    """
-    nodes = []
-    ids = sorted(set(res.tiers) | set(res.releases) | set(res.ledgers))
-    for nid, same in _by_ledger(ids, res).items():
-        book = res.ledgers.get(nid)
-        statements = book["releases"] if book else [_release_view(r) for r in res.releases.get(nid, [])]
-        failures = [f for f in res.failures if f["node_id"] in same]
-        if not book:
-            statements += unknown_releases(cfg, res.tiers.get(nid, ""), statements, failures)
-        basic = float(sum(float(r["epsilon"]) for r in statements))
-        total_delta = float(sum(float(r["delta"]) for r in statements))
-        last = res.releases.get(nid, [{}])[-1]
-        budget = (book or {}).get("epsilon-budget", res.budgets.get(nid, last.get("epsilon-budget", math.nan)))
-        nodes.append({
-            "node_id": nid, "node_ids": same, "ledger_ref": res.ledger_refs.get(nid, ""),
-            "tier": res.tiers.get(nid, "unknown"),
-            "source": "node ledger" if book else ("replies (the node did not confirm its ledger); requests without "
-                                                  "a reply are counted as spent"),
-            "epsilon_budget": float(budget),
-            "epsilon_spent": basic,
-            "epsilon_spent_all_runs": float((book or {}).get("epsilon-spent", last.get("epsilon-spent", basic))),
-            "delta": total_delta,
-            "epsilon_basic_composition": basic, "epsilon_pld": composed_epsilon(statements),
-            "releases": statements,
-            "failures": failures,
-        })
-    return {
-        "private": cfg.private,
-        "warning": None if cfg.private else "NO DIFFERENTIAL PRIVACY: epsilon = inf, no noise was added anywhere",
-        "unit": "one record of one node (sample-level DP, add/remove)",
-        "mechanisms": {"train": "DP-SGD (Opacus, Poisson sampling, RDP accountant over all rounds; the whole "
-                                "phase's epsilon is reserved at round 1)",
-                       "profile": "analytic Gaussian, L2 sensitivity 1",
-                       "vote": "analytic Gaussian at the named histogram's L2 sensitivity (knn-vote sqrt(K), "
-                               "nearest-neighbour 1, similarity 1); a refinement's vote rounds split epsilon_vote"},
-        "epsilon_split": {"epsilon": cfg.epsilon, "epsilon_profile": cfg.epsilon_profile,
-                          "voters": cfg.voters},
-        "nodes": nodes,
-    }
-
-
-def _by_ledger(ids: list[int], res: FedSynResult) -> dict[int, list[int]]:
-    """Each report entry's node id -> every node id it covers. A SuperNode restarted after a
-    crash gets a new node id from Flower but keeps its ledger (same ``ledger_refs``); when the
-    new id answered the ledger query, its book holds the old id's releases too, so the old id
-    is folded into it rather than counted twice."""
-    refs = res.ledger_refs
-    booked = {refs[n]: n for n in ids if n in res.ledgers and refs.get(n)}
-    entries: dict[int, list[int]] = {}
-    for nid in ids:
-        owner = booked.get(refs.get(nid, ""), nid) if nid not in res.ledgers else nid
-        entries.setdefault(owner, []).append(nid)
-    return {owner: sorted(same) for owner, same in sorted(entries.items())}
-
-
-def unknown_releases(cfg: RunConfig, tier: str, stated: list[dict[str, Any]],
-                     failures: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Statements for the release requests of a node that failed without saying what it spent.
-
-    The node may have released and lost the reply, so each counts as spent at the epsilon and
-    delta the request asked, capped so that a phase never counts more than this run's epsilon
-    for it (DP-SGD reserves its whole phase at round 1: later rounds add nothing). Marked
-    ``"status": "unknown, counted as spent"``; never 0, never more than the node could spend.
-    """
-    out: list[dict[str, Any]] = []
-    for f in failures:
-        if f.get("spent") != "unknown":
-            continue
-        phase = f["phase"]
-        cap = phase_epsilon(cfg.epsilon, cfg.epsilon_profile, tier, cfg.voters, phase) if tier else math.inf
-        counted = sum(float(r["epsilon"]) for r in stated + out if r["phase"] == phase)
-        epsilon = min(float(f["epsilon_requested"]), max(cap - counted, 0.0))
-        if epsilon > 0 or not cfg.private:
-            out.append({"phase": phase, "mechanism": "unknown", "epsilon": epsilon,
-                        "delta": float(f["delta_requested"]), "round": f.get("round", 0),
-                        "status": "unknown, counted as spent", "reason": f["reason"]})
-    return out
-
-
-def _release_view(r: dict[str, Any]) -> dict[str, Any]:
-    view = {k: v for k, v in r.items() if k not in ("epsilon-spent", "epsilon-budget")}
-    view["epsilon"] = float(view["epsilon"])
-    return view
 
 
 def save_model(model: Any, run_dir: Path) -> Path:

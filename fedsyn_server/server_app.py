@@ -18,7 +18,8 @@ from fedsyn_server.outputs import save_model, text_row, write_outputs
 from fedsyn_server.synthesis import ServerModel
 from strategies.aggregators import build_aggregator
 from strategies.checkpoint import Checkpoint, load_checkpoint
-from strategies.fedsyn import FedSynStrategy, RunRefused
+from strategies.fedsyn import FedSynStrategy
+from strategies.membership import RunRefused
 from strategies.result import FedSynResult
 from strategies.refinement import build_refinement
 

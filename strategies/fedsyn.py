@@ -14,11 +14,11 @@
                  round is ``_vote``, one federated round on the voters
 5. ledgers    -- every node states this run's releases from its own ledger (free), for the report
 
-Nodes that connect later (a new site, or a restarted SuperNode: Flower gives it a new node id)
-are asked the tier query before every phase-1 round, the profile and every vote round
-(``_admit``) and take part from there; a restarted one is recognised by its ledger's random
-``ledger-ref`` and asked in place of its old id. The pre-flight *holds* each node's epsilon for
-this run until stage 5 (or a refusal) ends it, so a run started beside it is refused at stage 0.
+Who takes part, and as what, is ``strategies.membership.Membership``: stage 0 (``discover``)
+and the nodes that connect later (a new site, or a restarted SuperNode: Flower gives it a new
+node id), asked the tier query before every phase-1 round, the profile and every vote round
+(``admit``). The pre-flight *holds* each node's epsilon for this run until stage 5 (or a
+refusal) ends it, so a run started beside it is refused at stage 0.
 
 After every stage and phase-1 round and vote round the run is checkpointed (``strategies.
 checkpoint``); a resumed run skips the stages it finished and takes finished vote rounds
@@ -49,18 +49,15 @@ from flwr.serverapp.strategy import Strategy
 from common.logs import get_logger
 from common import records as R
 from common.config import RunConfig
-from common.dp import PHASES, PROFILE, STRONG, TRAIN, VOTE, WEAK
+from common.dp import PHASES, PROFILE, TRAIN, VOTE
 from strategies.allocation import aggregate_profiles, allocate
 from strategies.checkpoint import Checkpoint, Progress, save_checkpoint
+from strategies.membership import Membership
 from strategies.messaging import Courier, SubGrid
 from strategies.refinement import Generator, Refinement, RefinementContext
 from strategies.result import FedSynResult
 
 log = get_logger("fedsyn")
-
-
-class RunRefused(RuntimeError):
-    """The run cannot be finished by some node (stage 0); nothing was spent."""
 
 
 # (round, arrays) -> metrics of the global model on held-out data, or None.
@@ -95,16 +92,17 @@ class FedSynStrategy(Strategy):
         self._vote_round = 0
         self.result = FedSynResult()
         self.courier = Courier(cfg, delta, self.result)
-        self._strong: list[int] = []
-        self._voters: list[int] = []
-        self._asked: set[int] = set()  # every node id the tier query went to
-        self._replaced: set[int] = set()  # node ids whose ledger came back under a new id (restarts)
+        self.members = self._membership()
         self._grid: Grid | None = None
+
+    def _membership(self) -> Membership:
+        return Membership(self.cfg, self.courier, self.result, request=self._request, plan=self._plan,
+                          hold_token=lambda: self.progress.hold_token, end_holds=self.end_holds)
 
     # ------------------------------------------------------------ Strategy API
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
         """Phase-1 messages for strong nodes, built by the aggregator."""
-        return self.aggregator.configure_train(server_round, arrays, config, SubGrid(grid, self._strong))
+        return self.aggregator.configure_train(server_round, arrays, config, SubGrid(grid, self.members.strong))
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Aggregate phase-1 replies with the aggregator."""
@@ -137,11 +135,8 @@ class FedSynStrategy(Strategy):
             self._restore(resume)
         self.progress.resume_key = self.resume_key
         res, done, t0, self._grid = self.result, self.progress.completed, time.time(), grid
-        nodes = self._discover(grid)                                   # stage 0
-        res.tiers = nodes
-        self._strong = sorted(n for n, t in nodes.items() if t == STRONG)
-        self._voters = sorted(nodes) if self.cfg.voters == "all" else sorted(n for n, t in nodes.items() if t == WEAK)
-        self.aggregator = self.make_aggregator(len(self._strong))
+        res.tiers = self.members.discover(grid, self.stable_seconds)   # stage 0
+        self.aggregator = self.make_aggregator(len(self.members.strong))
         res.timings["tiers"] = time.time() - t0
 
         t = time.time()                                                 # stage 1
@@ -151,8 +146,8 @@ class FedSynStrategy(Strategy):
             res.timings["finetune"] = time.time() - t
 
         if "profile" not in done:
-            self._admit(grid, "before the profile")
-            self._profile(grid, self._active())                         # stage 2
+            self.members.admit(grid, "before the profile")
+            self._profile(grid, self.members.active())                  # stage 2
             self._checkpoint("profile")
 
         t = time.time()                                                 # stage 3
@@ -181,13 +176,9 @@ class FedSynStrategy(Strategy):
         log.info("final synthetic set: %d of %d texts (%s, %d vote rounds)", len(res.selected), len(res.pool_texts),
                  self.refinement.name, len(res.vote_rounds))
 
-        self._ledgers(grid, sorted((set(res.tiers) | set(res.releases)) - self._replaced))  # stage 5
+        self._ledgers(grid, sorted((set(res.tiers) | set(res.releases)) - self.members.replaced))  # stage 5
         res.timings["total"] = time.time() - t0
         return res
-
-    def _active(self) -> dict[int, str]:
-        """The nodes taking part now: stage 0's, those admitted since, less the replaced ids."""
-        return {n: t for n, t in self.result.tiers.items() if n not in self._replaced}
 
     def _profile(self, grid: Grid, nodes: dict[int, str]) -> None:
         """Stage 2: every node's noisy per-code counts; their sum allocates the pool (stage 3)."""
@@ -215,6 +206,7 @@ class FedSynStrategy(Strategy):
         """Continue from ``ck``: its results, progress and run key; tiers are asked again."""
         self.result, self.progress, self.resume_key = ck.result, ck.progress, ck.progress.resume_key
         self.courier = Courier(self.cfg, self.delta, self.result)
+        self.members = self._membership()
         self.result.arrays, self.result.tiers, self.result.budgets = ck.arrays, {}, {}
         log.info("resuming run %s: done %s, phase-1 round %d, %d vote rounds", self.resume_key,
                  ck.progress.completed or "nothing", ck.progress.train_round, len(ck.progress.vote_totals))
@@ -237,18 +229,19 @@ class FedSynStrategy(Strategy):
         if rnd <= len(self.progress.vote_totals):  # finished before the run was resumed: not asked again
             log.info("vote round %d: taken from the checkpoint", rnd)
             return np.asarray(self.progress.vote_totals[rnd - 1], dtype=np.float64)
-        self._admit(self._grid, f"before vote round {rnd}")
-        if not self._voters:
+        self.members.admit(self._grid, f"before vote round {rnd}")
+        voters = self.members.voters
+        if not voters:
             self.courier.degrade(f"vote round {rnd}: no voters (voters={self.cfg.voters} and no weak node); votes are all zero",
                           skipped=True)
-        replies = self.courier.ask(self._grid, self._voters, R.MSG_VOTE, VOTE, RecordDict({
+        replies = self.courier.ask(self._grid, voters, R.MSG_VOTE, VOTE, RecordDict({
             R.CANDIDATES: ConfigRecord({"texts": list(texts), "codes": list(codes)}),
             R.CONFIG: self._request(**params, **{"histogram": histogram, "epsilon-share": float(epsilon_share),
                                                  "server-round": rnd}),
         }))
         res.node_votes = self.courier.vectors(replies, R.VOTES, len(texts), VOTE)
-        self.courier.coverage(f"vote round {rnd}", res.node_votes, self._voters)
-        if self._voters and not res.node_votes:
+        self.courier.coverage(f"vote round {rnd}", res.node_votes, voters)
+        if voters and not res.node_votes:
             self.result.skipped.append(f"vote round {rnd}: no voter answered")
         total = (np.sum([np.asarray(v) for v in res.node_votes.values()], axis=0)
                  if res.node_votes else np.zeros(len(texts)))
@@ -268,137 +261,21 @@ class FedSynStrategy(Strategy):
         key = {"resume-key": self.resume_key} if self.resume_key else {}
         return ConfigRecord({"codes": self.vocabulary, "delta": self.delta, **key, **extra})
 
-    # ------------------------------------------------------------ stage 0
-    def _discover(self, grid: Grid) -> dict[int, str]:
-        """Stage 0: tiers, budgets and the pre-flight check. Raises ``RunRefused`` when a node
-        that answered cannot finish the run (and ``on-node-shortfall`` is "refuse")."""
-        node_ids = self._wait_for_nodes(grid)
-        self._asked = set(node_ids)
-        nodes, cannot = self._ask_tiers(grid, node_ids)
-        if cannot:
-            why = "; ".join(f"node {nid}: {reason}" for nid, reason in sorted(cannot.items()))
-            if self.cfg.on_node_shortfall == "refuse":
-                self._refuse(grid, nodes, f"{len(cannot)} node(s) cannot finish it ({why}). Fix: run with a smaller "
-                             "epsilon, or within the node's policy; an institution may reset its ledger "
-                             "(`fedsyn ledger STATE_DIR --reset`)")
-            for nid, reason in sorted(cannot.items()):
-                self.courier.degrade(f"node {nid} left out (on-node-shortfall=continue-without): {reason}")
-        self.courier.coverage("tiers", nodes, set(node_ids) - set(cannot))
-        if not nodes:
-            raise RuntimeError("no usable node answered the tier query (see failures above)")
-        uncovered = self._uncovered(nodes)
-        if uncovered and self.cfg.on_node_shortfall == "refuse":
-            failed = "; ".join(f"node {f['node_id']}: {f['reason']}" for f in self.result.failures if f["phase"] == "tiers")
-            self._refuse(grid, nodes, f"{' and '.join(uncovered)} among the nodes that can take part"
-                         + (f" (failed: {failed})" if failed else "") + ". Fix: repair the failed nodes or add a node "
-                         "of that tier; a run that goes on without the phase ends failed (with its outputs)")
-        log.info("nodes: %d strong, %d weak", sum(t == STRONG for t in nodes.values()),
-                 sum(t == WEAK for t in nodes.values()))
-        return nodes
-
-    def _uncovered(self, nodes: dict[int, str]) -> list[str]:
-        """The planned phases no usable node can do: phase 1 needs a strong node, votes a voter."""
-        plan, tiers = self._plan(), set(nodes.values())
-        return (["phase 1 has no strong node"] if TRAIN in plan and STRONG not in tiers else []) + (
-            ["the votes have no weak node (voters=\"weak\")"] if VOTE in plan and self.cfg.voters != "all"
-            and WEAK not in tiers else [])
-
     def end_holds(self, grid: Grid, node_ids: Iterable[int] | None = None) -> None:
         """Ask ``node_ids`` (default: the nodes taking part) for their ledger (free), which ends
         the epsilon they hold for this run: for a run that is refused or broke off."""
         try:
-            self._ledgers(grid, sorted(self._active() if node_ids is None else node_ids))
+            self._ledgers(grid, sorted(self.members.active() if node_ids is None else node_ids))
         except Exception as err:  # noqa: BLE001 - best effort: holds lapse on their own
             log.warning("could not end the nodes' holds for this run (%s); they lapse on their own", err)
-
-    def _refuse(self, grid: Grid, holding: dict[int, str], why: str) -> None:
-        """Raise ``RunRefused`` at stage 0, after ending the holds of the nodes that could
-        finish the run: a refused run keeps no epsilon held."""
-        self.end_holds(grid, holding)
-        raise RunRefused(f"run refused before anything was spent: {why}; or leave such nodes out with "
-                         "--run-config 'on-node-shortfall=\"continue-without\"'")
-
-    def _ask_tiers(self, grid: Grid, node_ids: list[int]) -> tuple[dict[int, str], dict[int, str]]:
-        """The tier query to ``node_ids``: returns (tier of each node that can finish the run,
-        why each node that answered cannot). Budgets and ledger refs are kept in the result."""
-        replies = self.courier.ask(grid, node_ids, R.MSG_TIER, "tiers", RecordDict({R.CONFIG: self._request(
-            phases=self._plan(), **{"hold-token": self.progress.hold_token})}))
-        nodes: dict[int, str] = {}
-        cannot = {f["node_id"]: f["reason"] for f in self.result.failures
-                  if f["phase"] == "tiers" and f.get("code") in R.ERR_REFUSED and f["node_id"] in node_ids}
-        for nid, msg in replies.items():
-            try:
-                rec = msg.content.config_records[R.TIER]
-                tier, budget, short = str(rec["tier"]), float(rec["epsilon-budget"]), float(rec["epsilon-shortfall"])
-            except (KeyError, TypeError, ValueError) as err:
-                self.courier.fail(nid, "tiers", f"malformed reply ({type(err).__name__})")
-                continue
-            self.result.budgets[nid] = budget
-            if rec.get("ledger-ref"):
-                self.result.ledger_refs[nid] = str(rec["ledger-ref"])
-            if short > 0:
-                held = float(rec.get("epsilon-held", 0.0))
-                cannot[nid] = (f"its ledger lacks epsilon = {short:.4g}: this run needs {float(rec['epsilon-needed']):.4g} "
-                               f"of it and {max(float(rec['epsilon-remaining']), 0.0):.4g} of its budget {budget:g} is left"
-                               + (f" ({held:.4g} is held for another run under way: it is freed when that run ends, "
-                                  "lapses 6 h after its last request, or `fedsyn ledger STATE_DIR --release-holds` "
-                                  "on the node frees it)" if held > 0 else ""))
-                continue
-            nodes[nid] = tier
-        return nodes, cannot
-
-    def _admit(self, grid: Grid, when: str) -> None:
-        """Nodes that connected after stage 0 take part from here on, once the tier query
-        (free) says they can finish the run: a new site, or a SuperNode restarted after a
-        crash, to which Flower gives a new node id. Its ledger ref tells the server (and the
-        report) that it is the same institution; its ledger already holds what it spent in
-        this run, so it pays nothing twice. One that cannot finish is left out, named."""
-        new = sorted(set(grid.get_node_ids()) - self._asked)
-        if not new:
-            return
-        self._asked |= set(new)
-        nodes, cannot = self._ask_tiers(grid, new)
-        for nid, reason in sorted(cannot.items()):
-            self.courier.degrade(f"node {nid} connected {when} and was left out: {reason}")
-        refs = self.result.ledger_refs
-        for nid, tier in sorted(nodes.items()):
-            same = [o for o in sorted(self.result.tiers) if refs.get(nid) and refs.get(o) == refs[nid]]
-            log.info("node %d (%s) joined %s%s", nid, tier, when,
-                     f", on the ledger of node {same[-1]}: a restarted SuperNode, asked in its place" if same else "")
-            self._replaced |= set(same)  # the old id's process is gone; its ledger answers under the new id
-            self._strong = [n for n in self._strong if n not in same]
-            self._voters = [n for n in self._voters if n not in same]
-            self.result.tiers[nid] = tier
-            if tier == STRONG:
-                self._strong.append(nid)
-            if self.cfg.voters == "all" or tier == WEAK:
-                self._voters.append(nid)
-
-    def _wait_for_nodes(self, grid: Grid) -> list[int]:
-        """Wait for ``min-nodes`` nodes, or (0) for a non-empty node count that stays stable.
-
-        Flower's ``get_node_ids()`` can be empty right after start while SuperNodes connect.
-        """
-        want, deadline = self.cfg.min_nodes, time.time() + self.cfg.node_timeout
-        last: list[int] = []
-        stable_since = time.time()
-        while time.time() < deadline:
-            ids = sorted(grid.get_node_ids())
-            if ids != last:
-                last, stable_since = ids, time.time()
-            if ids and (len(ids) >= want if want else time.time() - stable_since >= self.stable_seconds):
-                return ids
-            time.sleep(0.5)
-        raise RuntimeError(f"timed out after {self.cfg.node_timeout:g}s waiting for nodes "
-                           f"(have {len(last)}, min-nodes={want})")
 
     # ------------------------------------------------------------ stage 1
     def _finetune(self, grid: Grid, arrays: ArrayRecord | None) -> ArrayRecord | None:
         rounds = self.cfg.num_server_rounds
         skip = ("prompt = zero-shot (pretrained baseline)" if self.cfg.prompt == "zero-shot"
-                else "no strong node" if not self._strong else "num-server-rounds = 0" if rounds == 0 else "")
+                else "no strong node" if not self.members.strong else "num-server-rounds = 0" if rounds == 0 else "")
         if arrays is None or skip:
-            if not self._strong and TRAIN in self._plan():  # the run asked for training and gets none
+            if not self.members.strong and TRAIN in self._plan():  # the run asked for training and gets none
                 self.courier.degrade("phase 1 skipped: no strong node in the run; generating with the pretrained model",
                               skipped=True)
             else:
@@ -409,8 +286,8 @@ class FedSynStrategy(Strategy):
         if self.evaluate_fn and start == 1:
             self._evaluate(0, arrays)
         for rnd in range(start, rounds + 1):
-            self._admit(grid, f"before phase-1 round {rnd}")
-            log.info("[phase 1] round %d/%d on %d strong nodes", rnd, rounds, len(self._strong))
+            self.members.admit(grid, f"before phase-1 round {rnd}")
+            log.info("[phase 1] round %d/%d on %d strong nodes", rnd, rounds, len(self.members.strong))
             messages = list(self.configure_train(rnd, arrays, self._request(), grid))
             replies = list(grid.send_and_receive(messages, timeout=self.cfg.node_timeout))
             good = self.courier.collect(replies, messages, TRAIN, rnd)

@@ -210,7 +210,7 @@ def test_no_free_yes_no_about_which_codes_occur(tmp_path, caplog):
 # --------------------------------------------------------------------------- findings 6 and 7
 def _run_strategy(tmp_path, nodes_cfg: dict[int, tuple[str, str]], rc: dict, drop_vote_reply: int | None = None):
     """The real strategy over a fake Grid with real ClientApp nodes (deployment-style configs)."""
-    from fedsyn_server.outputs import privacy_report
+    from fedsyn_server.privacy_report import privacy_report
     from fedsyn_server.server_app import build_strategy
 
     nodes = {}

@@ -14,7 +14,7 @@ from common import records as R
 from common.config import RunConfig
 from fedsyn_client.client_app import app as client_app
 from fedsyn_server.server_app import build_strategy
-from strategies.fedsyn import RunRefused
+from strategies.membership import RunRefused
 from strategies.resampling import sample_size
 from tests.fakes import FakeGrid, client_node, set_task_identity, write_topic_csv
 
@@ -192,7 +192,7 @@ def test_a_malformed_profile_reply_is_a_node_failure(dataset, tmp_path):
 
 
 def test_failures_are_recorded_under_the_node_that_failed_and_its_lost_releases_counted(dataset, tmp_path):
-    from fedsyn_server.outputs import privacy_report
+    from fedsyn_server.privacy_report import privacy_report
 
     rc = run_config(dataset, **{"num-server-rounds": 1})
     nodes = nodes_for(rc, 4, tmp_path)  # 100 strong; 101, 102, 103 weak
@@ -275,7 +275,7 @@ def test_a_strong_node_killed_mid_round_rejoins_with_a_new_node_id_and_pays_noth
     node id. It is admitted before round 2 (tier query), trains on, and the report counts its
     one ledger once, under both ids."""
     from fedsyn_client.ledger import PrivacyLedger
-    from fedsyn_server.outputs import privacy_report
+    from fedsyn_server.privacy_report import privacy_report
 
     rc = run_config(dataset, **{"num-server-rounds": 3})
     nodes = nodes_for(rc, 3, tmp_path)  # 100 strong; 101, 102 weak

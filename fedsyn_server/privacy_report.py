@@ -1,0 +1,112 @@
+"""The privacy report of a run (``privacy_report.json``): per node, what it spent, from its own ledger.
+
+The maths of the report lives here, apart from the file writing in ``outputs``: which node
+ids are one ledger (a restarted SuperNode), what a node that never confirmed its ledger is
+counted as having spent, and the basic and PLD totals (``common.dp.composed_epsilon``, the
+same composition the node's ledger uses).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from common.config import RunConfig
+from common.dp import composed_epsilon, phase_epsilon
+from strategies.result import FedSynResult
+
+
+def privacy_report(cfg: RunConfig, res: FedSynResult) -> dict[str, Any]:
+    """Per node: budget, this run's releases as the node stated them, and their totals.
+
+    Each node's releases come from its own ledger (the end-of-run ``query.ledger``), or,
+    if it did not answer, from the statements in its replies plus every request whose
+    reply never came, counted as spent at what the request asked (``unknown_releases``).
+    The basic total sums the
+    stated epsilons (as the paper), delta sums the stated deltas. The PLD total composes
+    the Gaussian releases (their sigma and sensitivity are data-independent) with a PLD
+    accountant and adds DP-SGD's stated epsilon by basic composition: a node never tells
+    the server DP-SGD's sampling rate, which would reveal its record count.
+    """
+    nodes = []
+    ids = sorted(set(res.tiers) | set(res.releases) | set(res.ledgers))
+    for nid, same in _by_ledger(ids, res).items():
+        book = res.ledgers.get(nid)
+        statements = book["releases"] if book else [_release_view(r) for r in res.releases.get(nid, [])]
+        failures = [f for f in res.failures if f["node_id"] in same]
+        if not book:
+            statements += unknown_releases(cfg, res.tiers.get(nid, ""), statements, failures)
+        basic = float(sum(float(r["epsilon"]) for r in statements))
+        total_delta = float(sum(float(r["delta"]) for r in statements))
+        last = res.releases.get(nid, [{}])[-1]
+        budget = (book or {}).get("epsilon-budget", res.budgets.get(nid, last.get("epsilon-budget", math.nan)))
+        nodes.append({
+            "node_id": nid, "node_ids": same, "ledger_ref": res.ledger_refs.get(nid, ""),
+            "tier": res.tiers.get(nid, "unknown"),
+            "source": "node ledger" if book else ("replies (the node did not confirm its ledger); requests without "
+                                                  "a reply are counted as spent"),
+            "epsilon_budget": float(budget),
+            "epsilon_spent": basic,
+            "epsilon_spent_all_runs": float((book or {}).get("epsilon-spent", last.get("epsilon-spent", basic))),
+            "delta": total_delta,
+            "epsilon_basic_composition": basic, "epsilon_pld": composed_epsilon(statements),
+            "releases": statements,
+            "failures": failures,
+        })
+    return {
+        "private": cfg.private,
+        "warning": None if cfg.private else "NO DIFFERENTIAL PRIVACY: epsilon = inf, no noise was added anywhere",
+        "unit": "one record of one node (sample-level DP, add/remove)",
+        "mechanisms": {"train": "DP-SGD (Opacus, Poisson sampling, RDP accountant over all rounds; the whole "
+                                "phase's epsilon is reserved at round 1)",
+                       "profile": "analytic Gaussian, L2 sensitivity 1",
+                       "vote": "analytic Gaussian at the named histogram's L2 sensitivity (knn-vote sqrt(K), "
+                               "nearest-neighbour 1, similarity 1); a refinement's vote rounds split epsilon_vote"},
+        "epsilon_split": {"epsilon": cfg.epsilon, "epsilon_profile": cfg.epsilon_profile,
+                          "voters": cfg.voters},
+        "nodes": nodes,
+    }
+
+
+def _by_ledger(ids: list[int], res: FedSynResult) -> dict[int, list[int]]:
+    """Each report entry's node id -> every node id it covers. A SuperNode restarted after a
+    crash gets a new node id from Flower but keeps its ledger (same ``ledger_refs``); when the
+    new id answered the ledger query, its book holds the old id's releases too, so the old id
+    is folded into it rather than counted twice."""
+    refs = res.ledger_refs
+    booked = {refs[n]: n for n in ids if n in res.ledgers and refs.get(n)}
+    entries: dict[int, list[int]] = {}
+    for nid in ids:
+        owner = booked.get(refs.get(nid, ""), nid) if nid not in res.ledgers else nid
+        entries.setdefault(owner, []).append(nid)
+    return {owner: sorted(same) for owner, same in sorted(entries.items())}
+
+
+def unknown_releases(cfg: RunConfig, tier: str, stated: list[dict[str, Any]],
+                     failures: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Statements for the release requests of a node that failed without saying what it spent.
+
+    The node may have released and lost the reply, so each counts as spent at the epsilon and
+    delta the request asked, capped so that a phase never counts more than this run's epsilon
+    for it (DP-SGD reserves its whole phase at round 1: later rounds add nothing). Marked
+    ``"status": "unknown, counted as spent"``; never 0, never more than the node could spend.
+    """
+    out: list[dict[str, Any]] = []
+    for f in failures:
+        if f.get("spent") != "unknown":
+            continue
+        phase = f["phase"]
+        cap = phase_epsilon(cfg.epsilon, cfg.epsilon_profile, tier, cfg.voters, phase) if tier else math.inf
+        counted = sum(float(r["epsilon"]) for r in stated + out if r["phase"] == phase)
+        epsilon = min(float(f["epsilon_requested"]), max(cap - counted, 0.0))
+        if epsilon > 0 or not cfg.private:
+            out.append({"phase": phase, "mechanism": "unknown", "epsilon": epsilon,
+                        "delta": float(f["delta_requested"]), "round": f.get("round", 0),
+                        "status": "unknown, counted as spent", "reason": f["reason"]})
+    return out
+
+
+def _release_view(r: dict[str, Any]) -> dict[str, Any]:
+    view = {k: v for k, v in r.items() if k not in ("epsilon-spent", "epsilon-budget")}
+    view["epsilon"] = float(view["epsilon"])
+    return view

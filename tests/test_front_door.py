@@ -200,3 +200,50 @@ def test_plan_prints_each_phases_cost_and_one_line_per_problem(tmp_path, capsys)
         assert main(["plan", str(APP), "--run-config", override]) == 1
         captured = capsys.readouterr()
         assert says in captured.err and len(captured.err.strip().splitlines()) == 1 and "Traceback" not in captured.err
+
+
+# --------------------------------------------------------------------------- the README, walked
+TINY_RUN = ('model="tiny-gpt2" num-server-rounds=1 local-steps=2 batch-size=4 max-length=32 num-synthetic=20 '
+            'max-new-tokens=8')
+FIRST_SCREEN = ("fedsyn plan .", "fedsyn run . --stream", "fedsyn generate outputs/latest -n",
+                "fedsyn export outputs/latest", 'datasets.load_from_disk("outputs/latest/export")')
+
+
+@pytest.mark.flwr
+def test_a_new_user_walks_the_readme(tmp_path):
+    """As the README says, from an empty directory: plan, run (the tiny model instead of SmolLM2),
+    find the outputs under ./outputs/latest, generate more, export, load the export."""
+    import json
+    import shlex
+    import tempfile
+
+    from datasets import load_from_disk
+
+    from fedsyn_server.flwr_runner import flwr_env, stop_processes_of
+
+    readme = (APP / "README.md").read_text()
+    for command in FIRST_SCREEN:
+        assert command in readme, f"the README no longer says {command!r}"
+    home = Path(tempfile.mkdtemp(prefix="fedsyn-flwr-home-"))
+    env = flwr_env(home)
+    fedsyn = str(Path(sys.executable).with_name("fedsyn"))
+
+    def run(command: str, *extra: str, timeout: int = 900) -> subprocess.CompletedProcess:
+        argv = [fedsyn] + [str(APP) if a == "." else a for a in shlex.split(command)[1:]] + list(extra)
+        done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+        assert done.returncode == 0, f"{command}: {(done.stdout + done.stderr)[-3000:]}"
+        return done
+
+    try:
+        assert "nothing was spent" in run("fedsyn plan .", "--run-config", TINY_RUN).stdout
+        run("fedsyn run . --stream", "--run-config", TINY_RUN)
+    finally:
+        stop_processes_of(home)
+    latest = tmp_path / "outputs" / "latest"
+    assert latest.is_symlink() and (latest / "synthetic.jsonl").is_file() and (latest / "privacy_report.json").is_file()
+    synthetic = [json.loads(line) for line in (latest / "synthetic.jsonl").read_text().splitlines()]
+    assert "texts written to" in run("fedsyn generate outputs/latest -n 6").stdout
+    [more] = list((latest / "more").glob("*.jsonl"))
+    assert json.loads((latest / "more" / f"{more.stem}.privacy.json").read_text())["epsilon_spent"] == 0
+    run("fedsyn export outputs/latest")
+    assert load_from_disk(str(latest / "export"))["train"].to_list() == synthetic

@@ -11,6 +11,9 @@ keyword arguments it accepts among the ones below are passed. The names live in
 from __future__ import annotations
 
 import inspect
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from flwr.serverapp.strategy import FedAvg, FedAvgM, Strategy
@@ -36,5 +39,27 @@ def build_aggregator(name: str, server_learning_rate: float, num_strong: int) ->
         "configrecord_key": CONFIG, "server_learning_rate": server_learning_rate, "eta": server_learning_rate,
     }
     params = inspect.signature(cls.__init__).parameters
-    return cls(**{k: v for k, v in kwargs.items() if k in params})
+    with _without(_NO_EVALUATION):
+        return cls(**{k: v for k, v in kwargs.items() if k in params})
+
+
+# Flower warns that federated evaluation is off each time a strategy is built; fedsyn turns it
+# off on purpose (a loss on private data would be an un-noised statistic), so the warning is
+# one a user cannot act on, and it came three times per run.
+_NO_EVALUATION = "fraction_evaluate is set to 0.0"
+
+
+@contextmanager
+def _without(message: str) -> Iterator[None]:
+    """Drop Flower log records that start with ``message`` while the block runs."""
+    flwr_logger = logging.getLogger("flwr")
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(message)
+
+    flwr_logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        flwr_logger.removeFilter(keep)
 

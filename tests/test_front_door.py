@@ -247,3 +247,22 @@ def test_a_new_user_walks_the_readme(tmp_path):
     assert json.loads((latest / "more" / f"{more.stem}.privacy.json").read_text())["epsilon_spent"] == 0
     run("fedsyn export outputs/latest")
     assert load_from_disk(str(latest / "export"))["train"].to_list() == synthetic
+
+
+def test_loose_edges_unknown_embedder_and_flowers_evaluation_warning(tmp_path, capsys, caplog):
+    """An unknown embedder is one line (was a 20-line traceback); building the phase-1 aggregator
+    no longer repeats Flower's `fraction_evaluate` warning a user cannot act on."""
+    from fedsyn_server.cli import main
+    from strategies.aggregators import build_aggregator
+
+    rows = "\n".join('{"text": "a match was won %d", "control_code": "topic=sport"}' % i for i in range(6))
+    (tmp_path / "s.jsonl").write_text(rows + "\n")
+    assert main(["evaluate", "--synthetic", str(tmp_path / "s.jsonl"), "--real", str(tmp_path / "s.jsonl"),
+                 "--embedder", "no-such-owner/no-such-embedder", "--no-mauve"]) == 2
+    err = capsys.readouterr().err
+    assert "could not load embedder 'no-such-owner/no-such-embedder'" in err and "all-MiniLM-L6-v2" in err
+    assert len(err.strip().splitlines()) == 1
+    with caplog.at_level("WARNING", logger="flwr"):
+        for name in ("fedavg", "fedadam"):
+            build_aggregator(name, 1.0, 2)
+    assert "fraction_evaluate" not in caplog.text

@@ -132,15 +132,16 @@ def generation_throughput(model_name: str, prompts: int, max_new_tokens: int) ->
     return produced / seconds, batch
 
 
-def embedding_throughput(n: int) -> float:
-    """MiniLM texts/s on ``n`` BBC articles (after a warm-up batch)."""
+def embedding_throughput(n: int, max_tokens: int | None = None) -> float:
+    """MiniLM texts/s on ``n`` BBC articles (after a warm-up batch), each cut to its first
+    ``max_tokens`` tokens (the vote's window, ``max-length``) or whole (MiniLM's 256)."""
     from common.models import embed, load_embedder
 
     texts, _ = bbc_records(n)
     embedder = load_embedder()
-    embed(embedder, texts[:16])
+    embed(embedder, texts[:16], max_tokens=max_tokens)
     t0 = time.perf_counter()
-    embed(embedder, texts)
+    embed(embedder, texts, max_tokens=max_tokens)
     return n / (time.perf_counter() - t0)
 
 
@@ -216,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     out.update(generation_tokens_per_s=round(tps, 1), generation_batch_size=batch,
                generation_of_fp32_peak=of_peak(tps, 1))
     out["embedding_texts_per_s"] = round(embedding_throughput(args.embed), 1)
+    out["embedding_vote_window_texts_per_s"] = round(embedding_throughput(args.embed, 64), 1)  # max-length 64
     if args.default_run:
         out["default_run_phases_s"] = default_run_phases()
     print(f"\nthroughput on {device} ({default_device()}):")

@@ -103,7 +103,7 @@ def _phase_lines(cfg: RunConfig, tier: str, records: int, delta: float, speed: d
     if eps_vote and cfg.refinement in VOTE_SENSITIVITY:
         rounds = cfg.refinement_rounds if cfg.refinement in ("pe", "popri") else 1
         sens = math.sqrt(cfg.num_votes) if cfg.refinement == "knn-vote" else 1.0
-        rate = speed.get("embedding_texts_per_s")
+        rate = speed.get("embedding_vote_window_texts_per_s") or speed.get("embedding_texts_per_s")
         lines.append(f"vote: epsilon {eps_vote:g} in {rounds} round(s), delta {delta:g}, Gaussian sigma "
                      f"{analytic_gaussian_sigma(eps_vote / rounds, delta / rounds, sens):.3g} per round (sensitivity "
                      f"{VOTE_SENSITIVITY[cfg.refinement]})"

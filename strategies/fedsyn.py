@@ -60,6 +60,10 @@ from strategies.result import FedSynResult
 log = get_logger("fedsyn")
 
 
+class RoundUnanswered(RuntimeError):
+    """A vote round no voter answered: the run stops before it, with its checkpoint, to be resumed."""
+
+
 # (round, arrays) -> metrics of the global model on held-out data, or None.
 EvaluateFn = Callable[[int, ArrayRecord], dict[str, float] | None]
 
@@ -176,7 +180,10 @@ class FedSynStrategy(Strategy):
         log.info("final synthetic set: %d of %d texts (%s, %d vote rounds)", len(res.selected), len(res.pool_texts),
                  self.refinement.name, len(res.vote_rounds))
 
-        self._ledgers(grid, sorted((set(res.tiers) | set(res.releases)) - self.members.replaced))  # stage 5
+        # stage 5: every ledger this run touched, under the ids its nodes have now (a resumed simulation's
+        # nodes are new processes with new ids; the old ids' ledgers answer under them, by ledger ref)
+        live = set(grid.get_node_ids())
+        self._ledgers(grid, sorted(((set(res.tiers) | set(res.releases)) - self.members.replaced) & live))
         res.timings["total"] = time.time() - t0
         return res
 
@@ -242,7 +249,12 @@ class FedSynStrategy(Strategy):
         res.node_votes = self.courier.vectors(replies, R.VOTES, len(texts), VOTE)
         self.courier.coverage(f"vote round {rnd}", res.node_votes, voters)
         if voters and not res.node_votes:
-            self.result.skipped.append(f"vote round {rnd}: no voter answered")
+            # Not a round done with zero votes: later rounds would build on it and a resume could not
+            # ask it again. The checkpoint stands before this round; a resume asks it anew (a voter
+            # that released and lost its reply answers with the stored one, at no cost).
+            raise RoundUnanswered(f"vote round {rnd}: no voter answered (see failures above); the run stops "
+                                  "before this round with its checkpoint: resume it when the voters are back "
+                                  "(flwr run . --run-config <run-dir>/resume.toml)")
         total = (np.sum([np.asarray(v) for v in res.node_votes.values()], axis=0)
                  if res.node_votes else np.zeros(len(texts)))
         res.vote_rounds.append({"round": rnd, "histogram": histogram, "epsilon_share": float(epsilon_share),

@@ -170,3 +170,38 @@ def test_the_checkpoint_round_trips_and_a_crash_while_saving_leaves_a_consistent
     assert ck.result.node_votes == {101: [0.5, 1.0]} and ck.result.pool_texts == ["a", "b"]
     save_checkpoint(tmp_path, progress, res, first)  # a complete save removes stray weights
     assert len(list((tmp_path / FOLDER).glob("weights-*.npz"))) == 1
+
+
+def test_a_vote_round_no_voter_answered_is_not_done_and_a_resume_under_new_node_ids_finishes(dataset, tmp_path):
+    """Issue 24: the voters' processes died during the vote (no answer at all). The run stops
+    before that round instead of checkpointing it as done with zero votes; the resumed run (a new
+    simulation: new node ids, same ledgers) asks the new ids only, asks the round again, and every
+    ledger ends with one release per phase and round."""
+    rc = {**run_config(dataset, **{"num-server-rounds": 1}), "out-dir": str(tmp_path / "out"), "run-name": "r"}
+    state, run_dir = tmp_path / "state", tmp_path / "out" / "r"
+    nodes = _nodes(rc, state, 7)
+    for nid in (101, 102):  # the weak nodes: their votes never come back
+        answer = nodes[nid]
+        nodes[nid] = lambda m, answer=answer: None if m.metadata.message_type == R.MSG_VOTE else answer(m)
+    with pytest.raises(server_app.RunFailed, match="RoundUnanswered: vote round 1: no voter answered"):
+        set_task_identity()
+        server_app.main(FakeGrid(nodes), Context(run_id=7, node_id=0, node_config={}, state=RecordDict(),
+                                                 run_config=rc))
+    progress = json.loads((run_dir / "checkpoint" / "state.json").read_text())["progress"]
+    assert "generate" in progress["completed"] and "refine" not in progress["completed"]
+    assert progress["vote_totals"] == []
+    resumed = {**rc, "resume": str(run_dir)}
+    new = {200 + p: client_node(client_app, 200 + p, {"partition-id": p, "num-partitions": 3,
+                                                       "state-dir": str(state / f"node{p}")}, resumed, run_id=9)
+           for p in range(3)}
+    grid = FakeGrid(new)
+    _serve(resumed, grid, run_id=9)
+    assert {m.metadata.dst_node_id for m in grid.sent} <= set(new)  # never the dead simulation's ids
+    assert _kinds(grid)[R.MSG_VOTE] == 2 and _kinds(grid)[R.MSG_TRAIN] == 0 and _kinds(grid)[R.MSG_PROFILE] == 0
+    assert (run_dir / "synthetic.jsonl").exists()
+    assert sorted((r["phase"], r["round"]) for r in _ledger(state, 0)) == [("profile", 0), ("train", 1)]
+    for p in (1, 2):
+        assert sorted((r["phase"], r["round"]) for r in _ledger(state, p)) == [("profile", 0), ("vote", 1)]
+    report = json.loads((run_dir / "privacy_report.json").read_text())
+    assert sorted(n["node_id"] for n in report["nodes"]) == [200, 201, 202]
+    assert all(n["source"] == "node ledger" and n["epsilon_spent"] == pytest.approx(8.0) for n in report["nodes"])

@@ -20,7 +20,6 @@ longer than ``max-length``, so nearly every row runs to the token limit.
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -101,18 +100,13 @@ def bytes_per_row(model: PreTrainedModel, tokens: int) -> float:
 
 
 def free_memory(device: torch.device) -> float:
-    """Free bytes on ``device``: CUDA's own count, else the kernel's MemAvailable (Linux), else
-    the available physical pages."""
+    """Free bytes on ``device``: CUDA's own count, else the memory the OS can give without swapping
+    (psutil's ``available``, the kernel's MemAvailable on Linux)."""
     if device.type == "cuda":
         return float(torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    import psutil
+
+    return float(psutil.virtual_memory().available)
 
 
 def auto_batch_size(model: PreTrainedModel, prompts: int, tokens: int) -> int:

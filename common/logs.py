@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 
 
 def get_logger(name: str) -> logging.Logger:
@@ -22,6 +23,7 @@ def plain_console() -> bool:
     files (``flwr-run.log``, the experiment's cell logs, a SuperNode's journal), where escape
     codes are noise. Opacus configures the root logger when imported (``logging.basicConfig``),
     so every line of Flower's logger, which propagates to the root, was printed a second time.
+    Warnings a user cannot act on are dropped.
     """
     from flwr.common.logger import update_console_handler
 
@@ -30,4 +32,6 @@ def plain_console() -> bool:
     if not colored:
         os.environ["RAY_COLOR_PREFIX"] = "0"  # read by Ray's driver for each actor line it prints
     logging.getLogger("flwr").propagate = False  # Flower's own handler prints it; the root's would repeat it
+    # Ray's tip about a future default for GPU visibility: fedsyn sets the resources itself (`fedsyn run`)
+    warnings.filterwarnings("ignore", message="Tip: In future versions of Ray", category=FutureWarning)
     return colored

@@ -38,3 +38,16 @@ def test_each_line_once_and_no_ray_colours_off_a_terminal(monkeypatch):
     plain_console()
     assert flwr_logger.propagate is False
     assert __import__("os").environ["RAY_COLOR_PREFIX"] == "0"
+
+
+def test_a_warning_nobody_can_act_on_is_dropped(monkeypatch):
+    import warnings
+
+    monkeypatch.setenv("RAY_COLOR_PREFIX", "1")
+    monkeypatch.setattr(logging.getLogger("flwr"), "propagate", True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plain_console()
+        warnings.warn("Tip: In future versions of Ray, Ray will no longer override ...", FutureWarning)
+        warnings.warn("a warning someone can act on", UserWarning)
+    assert [str(w.message) for w in caught] == ["a warning someone can act on"]

@@ -74,6 +74,7 @@ class RunConfig:
     run_name: str = ""
     resume: str = ""  # a run directory: continue that run from its checkpoint
     seed: int = 0
+    plan_only: bool = False  # stage 0 alone (`fedsyn plan` on a deployment): the free tier query, then stop
 
     # ------------------------------------------------------------------ parsing
     @classmethod
@@ -192,7 +193,7 @@ def _message(key: str, value: Any, allowed: str) -> str:
 def _coerce(key: str, raw: Any, typ: Any) -> Any:
     """Convert a TOML value to the field's type, with an error naming the key."""
     conv: dict[str, Callable[[Any], Any]] = {
-        "int": _to_int, "float": _to_float, "str": str, "tuple[str, ...]": _to_tuple,
+        "int": _to_int, "float": _to_float, "str": str, "tuple[str, ...]": _to_tuple, "bool": _to_bool,
     }
     try:
         return conv[str(typ)](raw)
@@ -210,6 +211,14 @@ def _to_float(raw: Any) -> float:
     if isinstance(raw, bool):
         raise ValueError(raw)
     return float(raw)  # float("inf") accepts "inf" as well as TOML's inf
+
+
+def _to_bool(raw: Any) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    if str(raw).lower() in ("true", "false"):
+        return str(raw).lower() == "true"
+    raise ValueError(raw)
 
 
 def _to_tuple(raw: Any) -> tuple[str, ...]:

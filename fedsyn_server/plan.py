@@ -10,6 +10,12 @@ Noise is computed as the nodes compute it (``common.dp``): the analytic Gaussian
 profile and the votes, and DP-SGD's noise multiplier at q = B / |D_i|. In simulation the
 partition sizes are known to whoever holds the whole dataset, i.e. the person planning; in a
 deployment they are each node's secret, and the plan cannot (and does not) say them.
+
+For a deployment (a SuperLink connection with an address), ``fedsyn plan`` submits the run
+with ``plan-only = true``: the ServerApp asks the nodes the tier query (free: it reads their
+policies and ledgers, spends nothing, and the holds it takes are ended at once) and logs one
+``plan:`` line per fact, which this command picks out of the stream. A node's refusal (its
+policy forbids the model, a column, the epsilon) is a problem line naming the node.
 """
 
 from __future__ import annotations
@@ -18,14 +24,20 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from common.config import ConfigError, RunConfig
 from common.dp import PROFILE, STRONG, TRAIN, VOTE, analytic_gaussian_sigma, dpsgd_noise_multiplier, phase_epsilon
 
+if TYPE_CHECKING:
+    from strategies.result import FedSynResult
+
 BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "throughput_cpu.json"
 VOTE_SENSITIVITY = {"knn-vote": "sqrt(K)", "pe": "1", "popri": "1"}
 DEFAULT_SIMULATED_NODES = 2  # Flower's simulation default since 1.32
+PLAN_LINE = "plan: "  # the ServerApp's plan-only log lines start with it
+VALUE_OPTIONS = ("--federation", "--run-config", "-c", "--federation-config", "--format")  # `flwr run`'s
+LOCAL_SUPERLINK = ":local:"  # Flower's address of the SuperLink `flwr run` starts itself (simulation)
 
 
 @dataclass
@@ -49,8 +61,30 @@ def num_supernodes(flwr_args: list[str]) -> int:
         return DEFAULT_SIMULATED_NODES
 
 
+def connection_address(flwr_args: list[str]) -> str | None:
+    """The address of the SuperLink connection ``flwr run`` would use with ``flwr_args`` (the
+    positional after the app folder, else the default in ``$FLWR_HOME/config.toml``); None when
+    there is no such connection (``flwr run`` then fails and says so)."""
+    import click
+    from flwr.cli.flower_config import read_superlink_connection
+
+    positional, skip = [], False
+    for arg in flwr_args:
+        if skip:
+            skip = False
+        elif arg in VALUE_OPTIONS:
+            skip = True  # its value follows
+        elif not arg.startswith("-"):
+            positional.append(arg)
+    try:
+        return read_superlink_connection(positional[1] if len(positional) > 1 else None).address
+    except (click.ClickException, OSError, ValueError):
+        return None
+
+
 def plan_run(flwr_args: list[str], cwd: Path) -> Plan:
-    """Validate the run ``flwr_args`` describe and compute its cost table (simulation)."""
+    """Validate the run ``flwr_args`` describe and compute its cost table: locally for a
+    simulation, through the nodes' tier query for a deployment."""
     from fedsyn_server.flwr_args import effective_run_config, relative_paths
 
     out = Plan()
@@ -61,6 +95,9 @@ def plan_run(flwr_args: list[str], cwd: Path) -> Plan:
     except (ConfigError, ValueError, OSError) as err:
         out.problems.append(f"run config: {err}")
         return out
+    address = connection_address(flwr_args)
+    if address and address != LOCAL_SUPERLINK:
+        return plan_deployment(flwr_args, cwd, address)
     nodes = num_supernodes(flwr_args)
     try:
         from common.federation import benchmark, simulation_node_data
@@ -85,13 +122,64 @@ def plan_run(flwr_args: list[str], cwd: Path) -> Plan:
     return out
 
 
-def _phase_lines(cfg: RunConfig, tier: str, records: int, delta: float, speed: dict[str, Any]) -> list[str]:
+def plan_deployment(flwr_args: list[str], cwd: Path, address: str) -> Plan:
+    """Submit the run with ``plan-only = true`` to the SuperLink at ``address`` and collect the
+    ServerApp's ``plan:`` lines (and its one-line failure, as a problem)."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    from fedsyn_server.flwr_args import with_absolute_paths
+    from fedsyn_server.flwr_runner import run_status
+
+    out = Plan(lines=[f"deployment at {address}: asking the nodes' tier query (free; nothing is spent)"])
+    with tempfile.TemporaryDirectory(prefix="fedsyn-plan-") as scratch:
+        args = with_absolute_paths(flwr_args, cwd, Path(scratch)) + ["--run-config", "plan-only=true"]
+        flwr = Path(sys.executable).with_name("flwr")
+        command = [str(flwr) if flwr.exists() else "flwr", "run", *args] + ([] if "--stream" in args else ["--stream"])
+        proc = subprocess.run(command, capture_output=True, text=True, check=False)
+    output = proc.stdout + proc.stderr
+    for line in output.splitlines():
+        if PLAN_LINE in line:
+            out.lines.append(line.split(PLAN_LINE, 1)[1])
+        elif " failed: " in line and "fedsyn run" in line and line.split(" failed: ", 1)[1] not in out.problems:
+            out.problems.append(line.split(" failed: ", 1)[1])
+    status = run_status(output, dict(os.environ)) if proc.returncode == 0 else ""
+    if proc.returncode != 0:
+        out.problems.append(f"`flwr run` exited {proc.returncode}: {output.strip().splitlines()[-1:] or ''}")
+    elif not out.problems and status != "finished:completed":
+        out.problems.append(f"the plan run ended {status or 'without a status'} (`flwr ls` for details)")
+    return out
+
+
+def deployment_lines(cfg: RunConfig, answered: dict[int, str], result: FedSynResult, delta: float) -> list[str]:
+    """The plan of a deployment from stage 0: per node that answered, its tier, budget and each
+    phase's epsilon and noise; per node that refused or failed the tier query, why. Record
+    counts are each node's secret, so the DP-SGD noise multiplier is the node's to set."""
+    tiers = list(answered.values())
+    lines = [f"{len(answered)} node(s) answered the tier query: {tiers.count(STRONG)} strong, "
+             f"{len(tiers) - tiers.count(STRONG)} weak"]
+    for nid, tier in sorted(answered.items()):
+        lines.append(f"node {nid} ({tier}, epsilon budget {result.budgets.get(nid, float('nan')):g}):")
+        lines += ["  " + line for line in _phase_lines(cfg, tier, None, delta, {})]
+    lines += [f"node {f['node_id']} cannot take part: {f['reason']}" for f in result.failures
+              if f["phase"] == "tiers" and f["node_id"] not in answered]
+    return lines
+
+
+def _phase_lines(cfg: RunConfig, tier: str, records: int | None, delta: float, speed: dict[str, Any]) -> list[str]:
     lines = []
     eps_profile = phase_epsilon(cfg.epsilon, cfg.epsilon_profile, tier, cfg.voters, PROFILE)
     lines.append(f"profile: epsilon {eps_profile:g}, delta {delta:g}, Gaussian sigma "
                  f"{analytic_gaussian_sigma(eps_profile, delta, 1.0):.3g} (sensitivity 1)")
     eps_train = phase_epsilon(cfg.epsilon, cfg.epsilon_profile, tier, cfg.voters, TRAIN)
-    if eps_train and cfg.prompt != "zero-shot" and cfg.num_server_rounds > 0:
+    if eps_train and cfg.prompt != "zero-shot" and cfg.num_server_rounds > 0 and records is None:
+        steps = cfg.num_server_rounds * cfg.local_steps
+        lines.append(f"train: epsilon {eps_train:g}, delta {delta:g} (or the node's cap), {steps} DP-SGD steps of "
+                     f"batch {cfg.batch_size}, C = {cfg.max_grad_norm:g}; the noise multiplier is set on the node "
+                     "from q = B / |D| (its record count is never sent)")
+    elif eps_train and cfg.prompt != "zero-shot" and cfg.num_server_rounds > 0:
         q, steps = min(1.0, cfg.batch_size / records), cfg.num_server_rounds * cfg.local_steps
         nm = dpsgd_noise_multiplier(eps_train, delta, q, steps)
         tokens = steps * cfg.batch_size * cfg.max_length
@@ -107,7 +195,7 @@ def _phase_lines(cfg: RunConfig, tier: str, records: int, delta: float, speed: d
         lines.append(f"vote: epsilon {eps_vote:g} in {rounds} round(s), delta {delta:g}, Gaussian sigma "
                      f"{analytic_gaussian_sigma(eps_vote / rounds, delta / rounds, sens):.3g} per round (sensitivity "
                      f"{VOTE_SENSITIVITY[cfg.refinement]})"
-                     + (f"; embedding {records} records, about {records / rate:.0f} s" if rate else ""))
+                     + (f"; embedding {records} records, about {records / rate:.0f} s" if rate and records else ""))
     elif eps_vote:
         lines.append(f"vote: epsilon {eps_vote:g} in the rounds refinement {cfg.refinement!r} asks for (never more)")
     return lines

@@ -52,7 +52,7 @@ def run_directory(cfg: RunConfig, run_id: int) -> Path:
 
 
 # Keys a resumed run may change: where and how long to wait, not what is computed.
-RESUME_MAY_CHANGE = ("resume", "node-timeout", "min-nodes", "on-node-shortfall", "out-dir", "run-name")
+RESUME_MAY_CHANGE = ("resume", "node-timeout", "min-nodes", "on-node-shortfall", "out-dir", "run-name", "plan-only")
 
 
 def check_resumable(checkpoint: Checkpoint, cfg: RunConfig, run_dir: Path) -> None:
@@ -76,24 +76,45 @@ def write_resume_config(cfg: RunConfig, run_dir: Path) -> Path:
     return atomic_write_text(run_dir / RESUME_CONFIG, tomli_w.dumps({**values, "resume": str(run_dir)}))
 
 
-def build_strategy(cfg: RunConfig) -> tuple[FedSynStrategy, Benchmark, ServerModel]:
-    """Everything the server needs for a run: the strategy, the public data, the model.
+def build_strategy(cfg: RunConfig, load_model: bool = True) -> tuple[FedSynStrategy, Benchmark, ServerModel | None]:
+    """Everything the server needs for a run: the strategy, the public data, the model
+    (``load_model=False``: none, for stage 0 alone).
 
     Raises (before any message is sent) on a bad aggregator or refinement name.
     """
     build_aggregator(cfg.aggregator, cfg.server_learning_rate, 1)  # fail early on a bad class path
     refinement = build_refinement(cfg.refinement)
     bench = benchmark(cfg)
-    server_model = ServerModel(cfg)
+    server_model = ServerModel(cfg) if load_model else None
     strategy = FedSynStrategy(
         cfg, bench.vocabulary,
         make_aggregator=lambda n: build_aggregator(cfg.aggregator, cfg.server_learning_rate, n),
-        refinement=refinement, generator=server_model,
+        refinement=refinement, generator=server_model,  # type: ignore[arg-type]  # None only for plan-only
         # 'paper' delta: N = the run dataset's training records (public); nodes cap delta themselves
         delta=cfg.resolve_delta(len(bench.train)),
-        evaluate_fn=lambda rnd, arrays: server_model.heldout_loss(arrays, bench.test),
+        evaluate_fn=(lambda rnd, arrays: server_model.heldout_loss(arrays, bench.test)) if server_model else None,
     )
     return strategy, bench, server_model
+
+
+def plan_only(grid: Grid, cfg: RunConfig) -> None:
+    """Run config ``plan-only``: stage 0 alone, then each answering node's tier, budget and the
+    noise of each phase as ``plan:`` log lines, which ``fedsyn plan`` reads from the stream.
+    No model is loaded, nothing is spent, nothing is written. Raises ``RunRefused`` (after its
+    lines) when some node cannot finish the run."""
+    from fedsyn_server.plan import deployment_lines
+
+    strategy, _, _ = build_strategy(cfg, load_model=False)
+    refused: RunRefused | None = None
+    try:
+        strategy.preflight(grid)
+    except RunRefused as err:
+        refused = err
+    for line in deployment_lines(cfg, strategy.members.answered, strategy.result, strategy.delta):
+        log.info("plan: %s", line)
+    if refused is not None:
+        raise refused
+    log.info("plan: ok: every node that answered can finish this run; nothing was spent")
 
 
 def evaluate_run(run_dir: Path, cfg: RunConfig, result: FedSynResult, bench: Benchmark) -> None:
@@ -144,6 +165,9 @@ def main(grid: Grid, context: Context) -> None:
 
 def _main(grid: Grid, context: Context) -> None:
     cfg = RunConfig.from_flower(context.run_config)  # before anything is sent to a node
+    if cfg.plan_only:
+        plan_only(grid, cfg)
+        return
     run_dir = run_directory(cfg, context.run_id)
     checkpoint = load_checkpoint(run_dir, FedSynResult) if cfg.resume else None
     if checkpoint is not None:

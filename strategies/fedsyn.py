@@ -187,6 +187,15 @@ class FedSynStrategy(Strategy):
         res.timings["total"] = time.time() - t0
         return res
 
+    def preflight(self, grid: Grid) -> FedSynResult:
+        """Stage 0 alone (run config ``plan-only``, for ``fedsyn plan``): every node's tier and
+        budget and whether its ledger and policy cover this run, then every hold is ended;
+        nothing is spent. Raises ``RunRefused`` as ``run`` would (its holds ended too)."""
+        self.summary()
+        self.result.tiers = self.members.discover(grid, self.stable_seconds)
+        self.end_holds(grid)
+        return self.result
+
     def _profile(self, grid: Grid, nodes: dict[int, str]) -> None:
         """Stage 2: every node's noisy per-code counts; their sum allocates the pool (stage 3)."""
         res, t = self.result, time.time()

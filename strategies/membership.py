@@ -46,6 +46,7 @@ class Membership:
         self.strong: list[int] = []
         self.voters: list[int] = []
         self.asked: set[int] = set()  # every node id the tier query went to
+        self.answered: dict[int, str] = {}  # the tier of every node that answered, able to finish the run or not
         self.replaced: set[int] = set()  # node ids whose ledger came back under a new id (restarts)
 
     def active(self) -> dict[int, str]:
@@ -112,7 +113,7 @@ class Membership:
             except (KeyError, TypeError, ValueError) as err:
                 self.courier.fail(nid, "tiers", f"malformed reply ({type(err).__name__})")
                 continue
-            self.result.budgets[nid] = budget
+            self.result.budgets[nid], self.answered[nid] = budget, tier
             if rec.get("ledger-ref"):
                 self.result.ledger_refs[nid] = str(rec["ledger-ref"])
             if short > 0:

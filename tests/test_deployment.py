@@ -155,6 +155,13 @@ class Deployment:
             output += f"\nTIMEOUT after {RUN_TIMEOUT}s"
         return code, output, self.status(output)
 
+    def plan(self, run_config: dict[str, object]) -> tuple[int, str, str]:
+        """``fedsyn plan APP deploy-test --run-config ...``; returns (exit code, stdout, stderr)."""
+        res = subprocess.run([str(BIN / "fedsyn"), "plan", str(APP_DIR), CONNECTION, "--run-config",
+                              _overrides(run_config)], env=self.env(self.cli_home), capture_output=True, text=True,
+                             timeout=RUN_TIMEOUT, check=False, cwd=self.root)
+        return res.returncode, res.stdout, res.stderr
+
     def diagnostics(self) -> str:
         return "\n".join(f"--- {n}.log (tail)\n{self.log(n)[-3000:]}" for n in self.procs)
 
@@ -279,9 +286,21 @@ def test_deployment_two_supernodes_then_budget_refusal(deployment):
     out = dep.root / "out"
     public = dep.root / "public.csv"
 
+    # ---- `fedsyn plan`: the nodes' tier query through the SuperLink (free), from the operator's folder
+    run_config = {**TINY, "dataset": str(public), "out-dir": str(out), "run-name": "deploy"}
+    code, plan_out, plan_err = dep.plan(run_config)
+    assert code == 0, plan_out + plan_err + dep.diagnostics()
+    assert "2 node(s) answered the tier query: 1 strong, 1 weak" in plan_out, plan_out
+    assert plan_out.count(f"epsilon budget {EPSILON:g}") == 2 and "the noise multiplier is set on the node" in plan_out
+    assert "profile: epsilon" in plan_out and "vote: epsilon" in plan_out, plan_out
+    for node in dep.nodes.values():  # nothing spent, nothing held, nothing written
+        planned = _ledger(node["state"])
+        assert planned["releases"] == [] and not planned.get("holds"), planned
+    assert not (out / "deploy").exists()
+
     # ---- run 1: a full fedsyn run over the real Fleet/Control/Runtime APIs
     t0 = time.time()
-    code, output, status = dep.run({**TINY, "dataset": str(public), "out-dir": str(out), "run-name": "deploy"})
+    code, output, status = dep.run(run_config)
     print(f"run 1: {time.time() - t0:.1f}s, status {status.get('status')}")
     diag = output[-4000:] + "\n" + dep.diagnostics()
     assert code == 0, diag
@@ -330,6 +349,13 @@ def test_deployment_two_supernodes_then_budget_refusal(deployment):
     for name in dep.nodes:
         assert "refused" in dep.log(name), f"{name} did not log a refusal\n{diag2}"
     assert not (out / "deploy-again" / "synthetic.jsonl").exists()
+    # the plan of that run says so first, one line per problem, and exits 1
+    code, plan_out, plan_err = dep.plan({**TINY, "dataset": str(public), "out-dir": str(out), "epsilon": EPSILON})
+    assert code == 1, plan_out + plan_err
+    problems = [line for line in plan_err.splitlines() if line.startswith("fedsyn plan: ")]
+    assert len(problems) == 1, plan_err  # one line for the run, naming both nodes
+    assert "RunRefused: run refused before anything was spent: 2 node(s) cannot finish it" in problems[0]
+    assert problems[0].count("its ledger lacks epsilon") == 2
 
     for name, node in dep.nodes.items():
         after = _ledger(node["state"])

@@ -202,6 +202,33 @@ def test_plan_prints_each_phases_cost_and_one_line_per_problem(tmp_path, capsys)
         assert says in captured.err and len(captured.err.strip().splitlines()) == 1 and "Traceback" not in captured.err
 
 
+def test_plan_asks_a_deployment_and_reads_its_connection_like_flwr(tmp_path, monkeypatch):
+    from common.config import ConfigError, RunConfig
+    from fedsyn_server.plan import connection_address, deployment_lines
+    from strategies.result import FedSynResult
+
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path))
+    (tmp_path / "config.toml").write_text('[superlink]\ndefault = "local"\n\n[superlink.local]\naddress = ":local:"\n\n'
+                                          '[superlink.site]\naddress = "10.0.0.5:9093"\n')
+    assert connection_address(["."]) == ":local:"  # the default: a simulation, planned here
+    assert connection_address([".", "site", "--stream"]) == "10.0.0.5:9093"
+    assert connection_address(["--run-config", "a=1", ".", "--federation-config", "x=2", "site"]) == "10.0.0.5:9093"
+    assert connection_address([".", "nowhere"]) is None  # flwr run says what is wrong
+
+    assert RunConfig.from_flower({"plan-only": "true"}).plan_only and not RunConfig().plan_only
+    with pytest.raises(ConfigError, match="plan-only"):
+        RunConfig.from_flower({"plan-only": 1})
+    result = FedSynResult()
+    result.budgets = {7: 8.0, 9: 4.0}
+    result.failures = [{"node_id": 11, "phase": "tiers", "reason": "refused: policy: model 'x' is not allowed"}]
+    lines = deployment_lines(RunConfig(), {7: "strong", 9: "weak"}, result, 1e-5)
+    assert lines[0] == "2 node(s) answered the tier query: 1 strong, 1 weak"
+    assert "node 7 (strong, epsilon budget 8):" in lines and "node 9 (weak, epsilon budget 4):" in lines
+    train = [line for line in lines if "train:" in line]
+    assert len(train) == 1 and "never sent" in train[0]  # |D| is the node's secret: no noise multiplier here
+    assert lines[-1] == "node 11 cannot take part: refused: policy: model 'x' is not allowed"
+
+
 # --------------------------------------------------------------------------- the README, walked
 TINY_RUN = ('model="tiny-gpt2" num-server-rounds=1 local-steps=2 batch-size=4 max-length=32 num-synthetic=20 '
             'max-new-tokens=8')

@@ -3,7 +3,7 @@
 Subcommands:
 
 - ``fedsyn evaluate --synthetic S --real R``: utility, alignment and allocation metrics of
-  a synthetic set against real data; prints a table and writes ``<synthetic-stem>.metrics.json``.
+  a synthetic set against real data; prints a table and writes ``<synthetic-stem>.evaluation.json``.
 - ``fedsyn experiment grid.toml``: a grid of simulations (``fedsyn_server.experiment``),
   resumable, with results.csv, results.md and plots.
 - ``fedsyn run [APP] [FEDERATION] [flwr run options]``: ``flwr run`` with relative paths made
@@ -69,9 +69,9 @@ def _add_evaluate(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--embedder", default=DEFAULT_EMBEDDER, help=f"sentence embedder (default: {DEFAULT_EMBEDDER})")
     p.add_argument(
         "--out", default=None,
-        help="metrics file (default: <synthetic-stem>.metrics.json next to the synthetic file, so two "
-             "evaluations never overwrite each other; results go under the key 'evaluation', other keys of "
-             "an existing file are kept)",
+        help="evaluation file (default: <synthetic-stem>.evaluation.json next to the synthetic file, so two "
+             "evaluations never overwrite each other; the same shape as a run's evaluation.json; only an "
+             "earlier evaluation is ever replaced)",
     )
     p.add_argument("--no-mauve", action="store_true", help="skip MAUVE")
     p.add_argument(
@@ -89,23 +89,23 @@ def _add_evaluate(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_run_evaluate)
 
 
-def default_metrics_path(synthetic: str) -> Path:
-    """``<dir>/<stem>.metrics.json`` for the synthetic file ``<dir>/<stem>.<ext>``."""
+def default_evaluation_path(synthetic: str) -> Path:
+    """``<dir>/<stem>.evaluation.json`` for the synthetic file ``<dir>/<stem>.<ext>``."""
     path = Path(synthetic).expanduser()
-    return path.with_name(f"{path.stem}.metrics.json")
+    return path.with_name(f"{path.stem}.evaluation.json")
 
 
 def _run_evaluate(args: argparse.Namespace) -> int:
     from fedsyn_server.evaluation import evaluate_files, format_report
 
-    out = Path(args.out) if args.out else default_metrics_path(args.synthetic)
+    out = Path(args.out) if args.out else default_evaluation_path(args.synthetic)
     result = evaluate_files(
         args.synthetic, args.real, text_column=args.text_column, control_columns=args.control_columns,
         out=out, embedder=args.embedder, seed=args.seed, mauve=not args.no_mauve,
         classifier=args.classifier, classifier_model=args.classifier_model, classifier_epochs=args.epochs,
     )
     print(format_report(result))
-    print(f"\nmetrics written to {out} (key 'evaluation')")
+    print(f"\nevaluation written to {out}")
     return 0
 
 

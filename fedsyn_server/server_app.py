@@ -120,7 +120,7 @@ def plan_only(grid: Grid, cfg: RunConfig) -> None:
 def evaluate_run(run_dir: Path, cfg: RunConfig, result: FedSynResult, bench: Benchmark) -> None:
     """Score the final synthetic set against the held-out split (utility, alignment,
     allocation) and write ``evaluation.json``; an evaluation error never loses the run."""
-    from fedsyn_server.evaluation import evaluate_sets, format_report, mauve_available
+    from fedsyn_server.evaluation import evaluate_sets, format_report, mauve_available, write_evaluation
 
     final = [int(i) for i in result.selected]
     try:
@@ -130,7 +130,7 @@ def evaluate_run(run_dir: Path, cfg: RunConfig, result: FedSynResult, bench: Ben
     except Exception as err:  # noqa: BLE001 - the synthetic set is written already
         log.error("evaluation against the held-out split failed: %s", err)
         return
-    atomic_write_json(run_dir / EVALUATION_FILE, scores)
+    write_evaluation(run_dir / EVALUATION_FILE, scores)
     log.info("evaluation against %d held-out records:\n%s", len(bench.test), format_report(scores))
 
 

@@ -309,7 +309,7 @@ def write_run_files(folder: Path) -> tuple[Path, Path]:
 def test_cli_evaluate_run_outputs(tmp_path, capsys):
     syn_path, real_path = write_run_files(tmp_path)
     # The run's own metrics.json sits next to it and is left alone; two evaluations of two files in
-    # one folder each get their own <stem>.metrics.json
+    # one folder each get their own <stem>.evaluation.json, shaped as a run's evaluation.json
     (tmp_path / "metrics.json").write_text(json.dumps({"heldout_loss": {"1": 2.5}}))
     other = tmp_path / "other.jsonl"
     other.write_text(syn_path.read_text())
@@ -318,15 +318,15 @@ def test_cli_evaluate_run_outputs(tmp_path, capsys):
         assert main(args if E.mauve_available() else [*args, "--no-mauve"]) == 0
     printed = capsys.readouterr().out
     assert json.loads((tmp_path / "metrics.json").read_text()) == {"heldout_loss": {"1": 2.5}}
-    assert json.loads((tmp_path / "other.metrics.json").read_text())["evaluation"]["synthetic_path"] == str(other)
-    ev = json.loads((tmp_path / "synthetic.metrics.json").read_text())["evaluation"]
+    assert json.loads((tmp_path / "other.evaluation.json").read_text())["synthetic_path"] == str(other)
+    ev = json.loads((tmp_path / "synthetic.evaluation.json").read_text())
     assert ev["synthetic_path"] == str(syn_path)
     assert ev["control_columns"] == ["topic"]  # derived from control_code
     assert ev["utility"]["topic"]["accuracy"] >= 0.9 and ev["utility"]["topic"]["warnings"] == []
     assert ev["real_path"] == str(real_path) and ev["n_real"] == 60
     assert set(ev["allocation"]["per_code"]) == {f"topic={t}" for t in TOPICS}
     for text in ("Downstream utility", "Frechet distance", "k-NN precision (k=5)", "MAUVE",
-                 "topic=sport", "total variation", str(tmp_path / "synthetic.metrics.json")):
+                 "topic=sport", "total variation", str(tmp_path / "synthetic.evaluation.json")):
         assert text in printed
     utility_row = next(line for line in printed.splitlines() if line.strip().startswith("topic "))
     assert f"{ev['utility']['topic']['accuracy']:.3f}" in utility_row
@@ -344,7 +344,7 @@ def test_cli_evaluate_csv_two_columns(tmp_path, capsys):
                  "--text-column", "body", "--control-columns", "topic,mood", "--out", str(out), "--no-mauve",
                  "--seed", "3"])
     assert code == 0
-    ev = json.loads(out.read_text())["evaluation"]
+    ev = json.loads(out.read_text())
     assert list(ev["utility"]) == ["topic", "mood", "control_code"]
     assert ev["seed"] == 3 and ev["text_column"] == "body"
     assert "topic=food|mood=neg" in ev["allocation"]["per_code"]
@@ -370,10 +370,14 @@ def test_evaluate_files_errors(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "fedsyn evaluate: error:" in err and "real.csv" in err and "'topic'" in err
     assert main(["evaluate", "--synthetic", str(tmp_path / "nope.jsonl"), "--real", str(tmp_path / "real.csv")]) == 2
-    # An existing output that is not a JSON object is never overwritten.
-    (tmp_path / "bad.json").write_text("[1, 2]")
-    with pytest.raises(ValueError, match="not a JSON object"):
-        E.write_metrics(tmp_path / "bad.json", {})
+    # An existing file that is not an evaluation (a run's metrics.json, a list) is never overwritten.
+    for name, text in (("bad.json", "[1, 2]"), ("metrics.json", '{"heldout_loss": {"1": 2.5}}')):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError, match="is not an evaluation"):
+            E.write_evaluation(tmp_path / name, {"utility": {}})
+        assert (tmp_path / name).read_text() == text
+    assert json.loads(E.write_evaluation(tmp_path / "other.evaluation.json", {"utility": {}}).read_text()) == {
+        "utility": {}}  # an earlier evaluation is replaced
 
 
 def test_control_code_column_without_the_code(tmp_path):

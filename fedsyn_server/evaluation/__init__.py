@@ -15,7 +15,7 @@ Three families of metrics, each a pure function on arrays or lists:
 
 ``evaluate_sets`` embeds both sets once and computes all of them; ``evaluate_files`` does
 the same from two CSV / JSONL / Parquet files (``fedsyn evaluate`` on the command line);
-``format_report`` renders the result as a plain-text table; ``write_metrics`` stores it.
+``format_report`` renders the result as a plain-text table; ``write_evaluation`` stores it.
 
 One module per family: ``utility``, ``alignment`` (embeddings and allocation), ``sets`` (the
 whole evaluation of one set, from memory or files) and ``report``; this package re-exports
@@ -28,13 +28,13 @@ that need them, so importing this module is cheap.
 from fedsyn_server.evaluation.alignment import (MAUVE_MISSING, allocation_error, frechet_distance,
                                                  knn_precision_recall, mauve_available, mauve_score)
 from fedsyn_server.evaluation.report import format_report
-from fedsyn_server.evaluation.sets import DEFAULT_EMBEDDER, JOINT_LABEL, METRICS_KEY, evaluate_files, evaluate_sets, write_metrics
+from fedsyn_server.evaluation.sets import DEFAULT_EMBEDDER, JOINT_LABEL, evaluate_files, evaluate_sets, write_evaluation
 from fedsyn_server.evaluation.utility import (CLASSIFIERS, MIN_TEST_ROWS, downstream_utility, label_agreement,
                                                transformer_utility, utility_warnings)
 
 __all__ = [
-    "CLASSIFIERS", "DEFAULT_EMBEDDER", "JOINT_LABEL", "MAUVE_MISSING", "METRICS_KEY", "MIN_TEST_ROWS",
+    "CLASSIFIERS", "DEFAULT_EMBEDDER", "JOINT_LABEL", "MAUVE_MISSING", "MIN_TEST_ROWS",
     "allocation_error", "downstream_utility", "evaluate_files", "evaluate_sets", "format_report",
     "frechet_distance", "knn_precision_recall", "label_agreement", "mauve_available", "mauve_score",
-    "transformer_utility", "utility_warnings", "write_metrics",
+    "transformer_utility", "utility_warnings", "write_evaluation",
 ]

@@ -1,7 +1,8 @@
 """Evaluate one synthetic set against real data: embed both once, compute every metric.
 
 ``evaluate_sets`` takes texts and codes, ``evaluate_files`` two CSV / JSONL / Parquet files
-(``fedsyn evaluate`` on the command line); ``write_metrics`` stores a result in metrics.json.
+(``fedsyn evaluate`` on the command line); ``write_evaluation`` stores a result as a run's
+``evaluation.json`` is stored: the same shape, so one reader reads both.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ if TYPE_CHECKING:
 
 DEFAULT_EMBEDDER = "all-MiniLM-L6-v2"
 JOINT_LABEL = CODE_FIELD  # utility key for the full code when there are several columns
-METRICS_KEY = "evaluation"  # where evaluation results live inside metrics.json
 
 
 def _column_labels(codes: Sequence[str], column: str, what: str) -> list[str]:
@@ -214,7 +214,7 @@ def evaluate_files(
     no ``control_code`` gets codes built from them. Raises ValueError naming the file and
     the missing column, FileNotFoundError for a missing file. ``options`` go to
     ``evaluate_sets`` (``embedder``, ``seed``, ``mauve``, ``classifier``, ...). With
-    ``out``, the result is also written there (see ``write_metrics``).
+    ``out``, the result is also written there (see ``write_evaluation``).
     """
     synthetic, real = str(synthetic), str(real)
     if isinstance(control_columns, str):
@@ -240,17 +240,15 @@ def evaluate_files(
         **evaluate_sets(syn.texts, syn.codes, ref.texts, ref.codes, control_columns, **options),
     }
     if out is not None:
-        write_metrics(out, result)
+        write_evaluation(out, result)
     return result
 
 
-def write_metrics(path: str | Path, result: dict[str, Any]) -> Path:
-    """Store ``result`` under the key ``"evaluation"`` of the JSON file ``path``, atomically.
+def write_evaluation(path: str | Path, result: dict[str, Any]) -> Path:
+    """Write ``result`` (an evaluation) to ``path`` atomically and return the path.
 
-    An existing JSON object there keeps its other keys: a run's own ``metrics.json``
-    (held-out loss, timings, failures) sits next to ``synthetic.jsonl``, where
-    ``fedsyn evaluate`` writes by default, and must not be overwritten. Raises ValueError
-    for an existing file that is not a JSON object.
+    Only an earlier evaluation is replaced: any other existing file (a run's ``metrics.json``,
+    someone's data) raises ValueError naming it, and is left as it was.
     """
     path = Path(path).expanduser()
     current: dict[str, Any] = {}
@@ -258,8 +256,7 @@ def write_metrics(path: str | Path, result: dict[str, Any]) -> Path:
         try:
             current = json.loads(path.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ValueError(f"{path} exists and is not JSON; choose another output file") from err
-        if not isinstance(current, dict):
-            raise ValueError(f"{path} exists and is not a JSON object; choose another output file")
-    current[METRICS_KEY] = result
-    return atomic_write_json(path, current)
+            raise ValueError(f"{path} exists and is not an evaluation; choose another output file") from err
+        if not isinstance(current, dict) or "utility" not in current:
+            raise ValueError(f"{path} exists and is not an evaluation; choose another output file")
+    return atomic_write_json(path, result)

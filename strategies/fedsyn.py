@@ -250,6 +250,7 @@ class FedSynStrategy(Strategy):
         if not voters:
             self.courier.degrade(f"vote round {rnd}: no voters (voters={self.cfg.voters} and no weak node); votes are all zero",
                           skipped=True)
+        failed_before = len(res.failures)
         replies = self.courier.ask(self._grid, voters, R.MSG_VOTE, VOTE, RecordDict({
             R.CANDIDATES: ConfigRecord({"texts": list(texts), "codes": list(codes)}),
             R.CONFIG: self._request(**params, **{"histogram": histogram, "epsilon-share": float(epsilon_share),
@@ -257,10 +258,12 @@ class FedSynStrategy(Strategy):
         }))
         res.node_votes = self.courier.vectors(replies, R.VOTES, len(texts), VOTE)
         self.courier.coverage(f"vote round {rnd}", res.node_votes, voters)
-        if voters and not res.node_votes:
+        refused = {f["node_id"] for f in res.failures[failed_before:] if f.get("code") in R.ERR_REFUSED}
+        if voters and not res.node_votes and not set(voters) <= refused:
             # Not a round done with zero votes: later rounds would build on it and a resume could not
             # ask it again. The checkpoint stands before this round; a resume asks it anew (a voter
-            # that released and lost its reply answers with the stored one, at no cost).
+            # that released and lost its reply answers with the stored one, at no cost). A round every
+            # voter refused (budget, policy) is answered: a resume would be refused the same way.
             raise RoundUnanswered(f"vote round {rnd}: no voter answered (see failures above); the run stops "
                                   "before this round with its checkpoint: resume it when the voters are back "
                                   "(flwr run . --run-config <run-dir>/resume.toml)")

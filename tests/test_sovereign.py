@@ -258,7 +258,9 @@ def test_a_release_whose_reply_was_lost_is_in_the_report(tmp_path):
     public = _csv(tmp_path / "public.csv", n=30)
     rc = _rc(public, epsilon=8.0, **{"num-server-rounds": 0, "control-codes": ",".join(VOCAB), "num-synthetic": 8,
                                      "max-new-tokens": 4, "num-votes": 2})
-    res, report, _ = _run_strategy(tmp_path, {1: ("strong", public), 2: ("weak", public)}, rc, drop_vote_reply=2)
+    # node 3 answers, so the round is done; node 2 released its votes but the server never got them
+    res, report, _ = _run_strategy(tmp_path, {1: ("strong", public), 2: ("weak", public), 3: ("weak", public)}, rc,
+                                   drop_vote_reply=2)
     weak = next(n for n in report["nodes"] if n["node_id"] == 2)
     assert (2, "vote") in {(f["node_id"], f["phase"]) for f in res.failures}
     assert weak["source"] == "node ledger"

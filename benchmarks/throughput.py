@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from common.codes import code_prompt
+from common.config import RunConfig
 from common.devices import client_resources, default_device, native_bf16
 
 
@@ -217,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     out.update(generation_tokens_per_s=round(tps, 1), generation_batch_size=batch,
                generation_of_fp32_peak=of_peak(tps, 1))
     out["embedding_texts_per_s"] = round(embedding_throughput(args.embed), 1)
-    out["embedding_vote_window_texts_per_s"] = round(embedding_throughput(args.embed, 64), 1)  # max-length 64
+    out["embedding_vote_window_texts_per_s"] = round(embedding_throughput(args.embed, RunConfig().vote_window), 1)
     if args.default_run:
         out["default_run_phases_s"] = default_run_phases()
     print(f"\nthroughput on {device} ({default_device()}):")

@@ -1,6 +1,6 @@
 """Does the vote's embedding window change what kNN-vote keeps? A paired comparison on finished runs.
 
-Usage: python -m benchmarks.vote_window <out-dir>/runs/<cell> [...] [--draws 20]
+Usage: python -m benchmarks.vote_window <out-dir>/runs/<cell> [...] [--draws 20] [--window TOKENS]
 
 For each finished simulation (a grid cell of ``fedsyn experiment``) it takes the run's own pool
 (``pool.jsonl``) and the weak nodes' records (the same simulated partitions), computes the kNN
@@ -33,8 +33,9 @@ from fedsyn_server.evaluation.utility import downstream_utility
 from strategies.resampling import resample_by_code
 
 
-def compare(run_dir: Path, draws: int) -> dict[str, dict[str, float]]:
-    """Mean scores of the kept sets, whole-text votes vs window votes, over ``draws`` noise/A.4 draws."""
+def compare(run_dir: Path, draws: int, window: int = 0) -> dict[str, dict[str, float]]:
+    """Mean scores of the kept sets, whole-text votes vs window votes (``window`` tokens; 0: the run's
+    vote window), over ``draws`` noise/A.4 draws."""
     cfg = RunConfig.from_flower(json.loads((run_dir / "config.json").read_text()))
     nodes = len(json.loads((run_dir / "metrics.json").read_text())["nodes"])
     pool = read_jsonl(run_dir / "pool.jsonl")
@@ -50,9 +51,9 @@ def compare(run_dir: Path, draws: int) -> dict[str, dict[str, float]]:
     sigma = analytic_gaussian_sigma(phase_epsilon(cfg.epsilon, cfg.epsilon_profile, WEAK, cfg.voters, VOTE), delta,
                                     math.sqrt(cfg.num_votes))
     votes = {}
-    for name, window in (("whole", None), ("window", cfg.max_length)):
-        syn = embed(model, texts, max_tokens=window)
-        votes[name] = sum(knn_votes(embed(model, d.texts, max_tokens=window), d.codes, syn, codes, cfg.num_votes)
+    for name, tokens in (("whole", None), ("window", window or cfg.vote_window)):
+        syn = embed(model, texts, max_tokens=tokens)
+        votes[name] = sum(knn_votes(embed(model, d.texts, max_tokens=tokens), d.codes, syn, codes, cfg.num_votes)
                           for d in weak)
     out: dict[str, dict[str, list[float]]] = {name: {} for name in votes}
     for draw in range(draws):
@@ -74,10 +75,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("runs", nargs="+", type=Path)
     ap.add_argument("--draws", type=int, default=20)
+    ap.add_argument("--window", type=int, default=0, help="tokens of the window (default: the run's vote window, 2 x max-length)")
     args = ap.parse_args()
     diffs: dict[str, list[float]] = {}
     for run in args.runs:
-        res = compare(run, args.draws)
+        res = compare(run, args.draws, args.window)
         print(run.name, {n: {k: round(v, 3) for k, v in m.items()} for n, m in res.items()}, flush=True)
         for k in res["whole"]:
             diffs.setdefault(k, []).append(res["window"][k] - res["whole"][k])

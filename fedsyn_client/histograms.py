@@ -55,12 +55,11 @@ def _on_embeddings(records: TextData, texts: list[str], codes: list[str], cfg: R
     def compute() -> np.ndarray:
         from common.models import embed, load_embedder
 
-        # Records and candidates are compared within the window the generator learned and writes
-        # (``max-length`` tokens, paper A.3): a candidate can only imitate a record's first
-        # max-length tokens, so embedding the rest of a long record compares unlike things, and
-        # costs the vote 4x its time at BBC's 256-token articles. Non-finite rows become zero
-        # rows before any statistic is computed from them.
-        window = cfg.max_length
+        # Records and candidates are compared within a window around what the generator learned
+        # and writes (``RunConfig.vote_window``: a candidate can only imitate a record's opening),
+        # which also halves the vote's time at BBC's 256-token articles. Non-finite rows become
+        # zero rows before any statistic is computed from them.
+        window = cfg.vote_window
         return fn(finite_rows(local_embeddings(records, cfg.embedder, window)), records.codes,
                   finite_rows(embed(load_embedder(cfg.embedder), texts, max_tokens=window)), codes)
 

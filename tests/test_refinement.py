@@ -147,10 +147,10 @@ def test_knn_vote_gives_the_papers_selection_exactly(dataset, tmp_path):
     cfg = RunConfig.from_flower(rc)
     exact = np.zeros(len(res.pool_texts))
     emb = load_embedder(cfg.embedder)
-    syn = embed(emb, res.pool_texts, max_tokens=cfg.max_length)  # compared within the generator's window
+    syn = embed(emb, res.pool_texts, max_tokens=cfg.vote_window)  # compared within 2 x the generator's window
     for pid in (1, 2):  # the weak nodes
         part = simulation_node_data(cfg, pid, 3)[1]
-        exact += knn_votes(embed(emb, part.texts, max_tokens=cfg.max_length), part.codes, syn, res.pool_codes,
+        exact += knn_votes(embed(emb, part.texts, max_tokens=cfg.vote_window), part.codes, syn, res.pool_codes,
                            cfg.num_votes)
     assert np.array_equal(res.votes, exact)
     assert np.array_equal(res.selected, resample_by_code(res.pool_codes, exact, cfg.sampling_rate, cfg.seed))

@@ -196,27 +196,30 @@ def main(argv: list[str] | None = None) -> int:
         print(f"peak matmul {name}: {out[f'peak_matmul_{name}_gflops']} GFLOP/s; forward {name}: "
               f"{out[f'forward_{name}_tokens_per_s']} tokens/s", flush=True)
     flops = flops_per_token(args.model)
-    peak = out["peak_matmul_fp32_gflops"] * 1e9
+    # Training and generation run in bf16 where the device computes it natively (precision = auto):
+    # their fraction is of that dtype's peak; each forward's of its own dtype's.
+    used = "bf16" if out["native_bf16"] else "fp32"
+    out["peak_used"] = used
 
-    def of_peak(tokens_per_s: float, factor: float) -> float:
-        return round(tokens_per_s * flops * factor / peak, 3)
+    def of_peak(tokens_per_s: float, factor: float, dtype: str = used) -> float:
+        return round(tokens_per_s * flops * factor / (out[f"peak_matmul_{dtype}_gflops"] * 1e9), 3)
 
     for name in ("fp32", "bf16"):
         if f"forward_{name}_tokens_per_s" in out:
-            out[f"forward_{name}_of_fp32_peak"] = of_peak(out[f"forward_{name}_tokens_per_s"], 1)
+            out[f"forward_{name}_of_peak"] = of_peak(out[f"forward_{name}_tokens_per_s"], 1, name)
     for finetune in ("lora", "full"):
         for private in (True, False):
             key = f"train_{finetune}_{'dp' if private else 'nondp'}_tokens_per_s"
             out[key] = round(train_throughput(args.model, finetune, private, args.batch_size, args.steps,
                                               args.max_length), 1)
-            out[key.replace("_tokens_per_s", "_of_fp32_peak")] = of_peak(out[key], 2 if finetune == "lora" else 3)
-            print(f"{key}: {out[key]} ({out[key.replace('_tokens_per_s', '_of_fp32_peak')]:.1%} of the fp32 peak)",
+            out[key.replace("_tokens_per_s", "_of_peak")] = of_peak(out[key], 2 if finetune == "lora" else 3)
+            print(f"{key}: {out[key]} ({out[key.replace('_tokens_per_s', '_of_peak')]:.1%} of the {used} peak)",
                   flush=True)
         out[f"dp_over_nondp_{finetune}"] = round(out[f"train_{finetune}_nondp_tokens_per_s"]
                                                  / out[f"train_{finetune}_dp_tokens_per_s"], 2)
     tps, batch = generation_throughput(args.model, args.generate, 64)
     out.update(generation_tokens_per_s=round(tps, 1), generation_batch_size=batch,
-               generation_of_fp32_peak=of_peak(tps, 1))
+               generation_of_peak=of_peak(tps, 1))
     out["embedding_texts_per_s"] = round(embedding_throughput(args.embed), 1)
     out["embedding_vote_window_texts_per_s"] = round(embedding_throughput(args.embed, RunConfig().vote_window), 1)
     if args.default_run:

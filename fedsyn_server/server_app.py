@@ -19,7 +19,7 @@ from fedsyn_server.synthesis import ServerModel
 from strategies.aggregators import build_aggregator
 from strategies.checkpoint import Checkpoint, load_checkpoint
 from strategies.fedsyn import FedSynStrategy, RoundUnanswered
-from strategies.membership import RunRefused
+from strategies.membership import NodesMissing, RunRefused
 from strategies.result import FedSynResult
 from strategies.refinement import build_refinement
 
@@ -144,8 +144,8 @@ class RunSkipped(RunFailed):
 
 # Errors whose message already names the key or file, the value and the fix: the operator
 # needs that line, not a traceback through Flower. Anything else keeps its traceback (a bug).
-INPUT_ERRORS = (ConfigError, RunRefused, RunSkipped, RoundUnanswered, FileNotFoundError, DatasetLoadError,
-                DatasetFileError)
+INPUT_ERRORS = (ConfigError, RunRefused, NodesMissing, RunSkipped, RoundUnanswered, FileNotFoundError,
+                DatasetLoadError, DatasetFileError)
 
 
 @app.main()

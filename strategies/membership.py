@@ -34,6 +34,10 @@ class RunRefused(RuntimeError):
     """The run cannot be finished by some node (stage 0); nothing was spent."""
 
 
+class NodesMissing(RuntimeError):
+    """Stage 0 found no usable node in time; nothing was spent."""
+
+
 class Membership:
     """The run's nodes: their tiers (in ``result.tiers``), budgets and ledger refs, the strong
     nodes and voters now, every id asked, and the ids a restarted node replaced."""
@@ -71,7 +75,7 @@ class Membership:
                 self.courier.degrade(f"node {nid} left out (on-node-shortfall=continue-without): {reason}")
         self.courier.coverage("tiers", nodes, set(node_ids) - set(cannot))
         if not nodes:
-            raise RuntimeError("no usable node answered the tier query (see failures above)")
+            raise NodesMissing("no usable node answered the tier query (see failures above)")
         uncovered = self._uncovered(nodes)
         if uncovered and self.cfg.on_node_shortfall == "refuse":
             failed = "; ".join(f"node {f['node_id']}: {f['reason']}" for f in self.result.failures if f["phase"] == "tiers")
@@ -170,5 +174,5 @@ class Membership:
             if ids and (len(ids) >= want if want else time.time() - stable_since >= stable_seconds):
                 return ids
             time.sleep(0.5)
-        raise RuntimeError(f"timed out after {self.cfg.node_timeout:g}s waiting for nodes "
-                           f"(have {len(last)}, min-nodes={want})")
+        raise NodesMissing(f"timed out after {self.cfg.node_timeout:g}s waiting for nodes (have {len(last)}, "
+                           f"min-nodes={want}); nothing was spent. Fix: start the SuperNodes, or lower min-nodes")

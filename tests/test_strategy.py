@@ -357,3 +357,15 @@ def test_non_finite_weights_from_a_node_or_an_aggregator_never_reach_the_global_
     assert [(f["node_id"], f["phase"], f["reason"]) for f in res.failures] == [
         (100, "train", "malformed reply: non-finite weights")] * 2
     assert all(np.isfinite(a).all() for a in res.arrays.to_numpy_ndarrays())
+
+
+def test_no_node_in_time_is_one_line_naming_the_fix_and_nothing_is_asked(dataset):
+    from fedsyn_server.server_app import INPUT_ERRORS
+    from strategies.membership import NodesMissing
+
+    rc = run_config(dataset, **{"node-timeout": 0.6, "min-nodes": 2})
+    strategy, _, _ = build_strategy(RunConfig.from_flower(rc), load_model=False)
+    grid = FakeGrid({})
+    with pytest.raises(NodesMissing, match=r"timed out after 0.6s waiting for nodes \(have 0, min-nodes=2\).*lower min-nodes"):
+        strategy.preflight(grid)
+    assert not grid.sent and NodesMissing in INPUT_ERRORS  # the ServerApp logs it as one line, no traceback

@@ -45,8 +45,8 @@ def compare(run_dir: Path, draws: int, window: int = 0) -> dict[str, dict[str, f
     real = embed(model, [r["text"] for r in heldout])
     real_labels = [r["control_code"] for r in heldout]
     scored = embed(model, texts)  # what the evaluation sees: the texts whole, as fedsyn evaluate embeds them
-    weak = [simulation_node_data(cfg, p, nodes)[1] for p in range(nodes)
-            if simulation_node_data(cfg, p, nodes)[0] == WEAK]
+    parts = [simulation_node_data(cfg, p, nodes) for p in range(nodes)]
+    weak = [data for tier, data in parts if tier == WEAK]
     delta = cfg.resolve_delta(len(benchmark(cfg).train))  # as the server resolves it
     sigma = analytic_gaussian_sigma(phase_epsilon(cfg.epsilon, cfg.epsilon_profile, WEAK, cfg.voters, VOTE), delta,
                                     math.sqrt(cfg.num_votes))

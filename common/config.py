@@ -173,6 +173,11 @@ class RunConfig:
         return split_budget(self.epsilon, self.epsilon_profile)
 
     @property
+    def trains(self) -> bool:
+        """Whether the run has phase 1 (DP finetuning on the strong nodes)."""
+        return self.prompt != "zero-shot" and self.num_server_rounds > 0
+
+    @property
     def vote_window(self) -> int:
         """Tokens of each text the vote embeds, records and candidates alike: 2 x max-length.
 

@@ -235,8 +235,9 @@ def flwr_run_command(args: list[str], num_gpus: int, num_cpus: int) -> list[str]
     else:
         if extra:
             args += ["--federation-config", " ".join(f"{k}={v}" for k, v in extra.items())]
-    flwr = Path(sys.executable).with_name("flwr")
-    return [str(flwr) if flwr.exists() else "flwr", "run", *args]
+    from fedsyn_server.flwr_runner import flwr_cli
+
+    return [flwr_cli(), "run", *args]
 
 
 def _run_flwr(args: argparse.Namespace) -> int:
@@ -247,7 +248,7 @@ def _run_flwr(args: argparse.Namespace) -> int:
     import torch
 
     from common.devices import gpu_on_machine
-    from fedsyn_server.flwr_args import with_absolute_paths
+    from fedsyn_server.flwr_args import connection_name, with_absolute_paths
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else gpu_on_machine()
     # argparse hands everything after the app folder to flwr; `--dry-run` is ours wherever it stands
@@ -267,16 +268,17 @@ def _run_flwr(args: argparse.Namespace) -> int:
             for line in proc.stdout or []:
                 sys.stdout.write(line)
                 lines.append(line)
-    return exit_code_of_run(proc.returncode, "".join(lines), dict(os.environ))
+    return exit_code_of_run(proc.returncode, "".join(lines), dict(os.environ), connection_name(flwr_args))
 
 
-def exit_code_of_run(code: int, output: str, env: dict[str, str]) -> int:
-    """``flwr run``'s exit code, or 1 when the run it streamed ended other than completed."""
+def exit_code_of_run(code: int, output: str, env: dict[str, str], connection: str | None = None) -> int:
+    """``flwr run``'s exit code, or 1 when the run it streamed (on ``connection``, else the
+    default one) ended other than completed."""
     from fedsyn_server.flwr_runner import run_status
 
     if code != 0:
         return code
-    status = run_status(output, env)  # "" when no run was started; not finished without --stream
+    status = run_status(output, env, connection)  # "" when no run was started; not finished without --stream
     if status.startswith("finished:") and status != "finished:completed":
         print(f"fedsyn run: the run ended {status} (see the log above; `flwr ls` for details)", file=sys.stderr)
         return 1

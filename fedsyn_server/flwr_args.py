@@ -20,17 +20,29 @@ OPTIONS_WITH_VALUE = ("--federation", "--federation-config", "--format", *RUN_CO
 PATH_KEYS = ("out-dir", "resume", "dataset")
 
 
-def app_dir(args: list[str]) -> Path:
-    """The app folder ``flwr run`` would use: its first positional argument, else ``.``."""
-    skip = False
+def positionals(args: list[str]) -> list[str]:
+    """``flwr run``'s positional arguments in ``args`` (APP, then SUPERLINK): options and their values left out."""
+    out, skip = [], False
     for arg in args:
         if skip:
             skip = False
         elif arg in OPTIONS_WITH_VALUE:
-            skip = True
+            skip = True  # its value follows
         elif not arg.startswith("-"):
-            return Path(arg)
-    return Path(".")
+            out.append(arg)
+    return out
+
+
+def app_dir(args: list[str]) -> Path:
+    """The app folder ``flwr run`` would use: its first positional argument, else ``.``."""
+    return Path(positionals(args)[0]) if positionals(args) else Path(".")
+
+
+def connection_name(args: list[str]) -> str | None:
+    """The SuperLink connection ``args`` name (the positional after the app folder), else None:
+    ``flwr`` then uses the default one of ``$FLWR_HOME/config.toml``."""
+    named = positionals(args)
+    return named[1] if len(named) > 1 else None
 
 
 def app_defaults(app: Path) -> dict[str, Any]:

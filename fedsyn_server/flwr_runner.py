@@ -43,6 +43,12 @@ class FlwrRun:
         return self.returncode == 0 and self.status == "finished:completed"
 
 
+def flwr_cli() -> str:
+    """The ``flwr`` command beside this Python (the venv's), else the one on PATH."""
+    flwr = Path(sys.executable).with_name("flwr")
+    return str(flwr) if flwr.exists() else "flwr"
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket() as s:
@@ -80,7 +86,7 @@ def run_app(run_config: dict[str, object], federation_config: str | None = None,
     """
     flwr_home = Path(tempfile.mkdtemp(prefix="fedsyn-flwr-home-"))
     overrides = " ".join(f"{k}={toml_value(v)}" for k, v in run_config.items())
-    cmd = [str(Path(sys.executable).with_name("flwr")), "run", str(app_dir), "--stream"]
+    cmd = [flwr_cli(), "run", str(app_dir), "--stream"]
     if overrides:
         cmd += ["--run-config", overrides]
     if federation_config:
@@ -135,7 +141,7 @@ def run_status(output: str, env: dict[str, str], connection: str | None = None) 
     match = _STARTED.search(output)
     if not match:
         return ""
-    cmd = [str(Path(sys.executable).with_name("flwr")), "list"] + ([connection] if connection else [])
+    cmd = [flwr_cli(), "list"] + ([connection] if connection else [])
     listed = subprocess.run(cmd + ["--run-id", match.group(1), "--format", "json"],
                             env=env, capture_output=True, text=True, timeout=60)
     try:

@@ -36,7 +36,6 @@ BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "throughput_cpu
 VOTE_SENSITIVITY = {"knn-vote": "sqrt(K)", "pe": "1", "popri": "1"}
 DEFAULT_SIMULATED_NODES = 2  # Flower's simulation default since 1.32
 PLAN_LINE = "plan: "  # the ServerApp's plan-only log lines start with it
-VALUE_OPTIONS = ("--federation", "--run-config", "-c", "--federation-config", "--format")  # `flwr run`'s
 LOCAL_SUPERLINK = ":local:"  # Flower's address of the SuperLink `flwr run` starts itself (simulation)
 
 
@@ -68,16 +67,10 @@ def connection_address(flwr_args: list[str]) -> str | None:
     import click
     from flwr.cli.flower_config import read_superlink_connection
 
-    positional, skip = [], False
-    for arg in flwr_args:
-        if skip:
-            skip = False
-        elif arg in VALUE_OPTIONS:
-            skip = True  # its value follows
-        elif not arg.startswith("-"):
-            positional.append(arg)
+    from fedsyn_server.flwr_args import connection_name
+
     try:
-        return read_superlink_connection(positional[1] if len(positional) > 1 else None).address
+        return read_superlink_connection(connection_name(flwr_args)).address
     except (click.ClickException, OSError, ValueError):
         return None
 
@@ -127,25 +120,25 @@ def plan_deployment(flwr_args: list[str], cwd: Path, address: str) -> Plan:
     ServerApp's ``plan:`` lines (and its one-line failure, as a problem)."""
     import os
     import subprocess
-    import sys
     import tempfile
 
-    from fedsyn_server.flwr_args import with_absolute_paths
-    from fedsyn_server.flwr_runner import run_status
+    from fedsyn_server.flwr_args import connection_name, with_absolute_paths
+    from fedsyn_server.flwr_runner import flwr_cli, run_status
 
     out = Plan(lines=[f"deployment at {address}: asking the nodes' tier query (free; nothing is spent)"])
     with tempfile.TemporaryDirectory(prefix="fedsyn-plan-") as scratch:
         args = with_absolute_paths(flwr_args, cwd, Path(scratch)) + ["--run-config", "plan-only=true"]
-        flwr = Path(sys.executable).with_name("flwr")
-        command = [str(flwr) if flwr.exists() else "flwr", "run", *args] + ([] if "--stream" in args else ["--stream"])
+        command = [flwr_cli(), "run", *args] + ([] if "--stream" in args else ["--stream"])
         proc = subprocess.run(command, capture_output=True, text=True, check=False)
     output = proc.stdout + proc.stderr
     for line in output.splitlines():
         if PLAN_LINE in line:
             out.lines.append(line.split(PLAN_LINE, 1)[1])
-        elif " failed: " in line and "fedsyn run" in line and line.split(" failed: ", 1)[1] not in out.problems:
-            out.problems.append(line.split(" failed: ", 1)[1])
-    status = run_status(output, dict(os.environ)) if proc.returncode == 0 else ""
+        elif " failed: " in line and "fedsyn run" in line:
+            problem = line.split(" failed: ", 1)[1]
+            out.problems += [] if problem in out.problems else [problem]
+    # the run's status from the SuperLink it was submitted to, not the default connection's
+    status = run_status(output, dict(os.environ), connection_name(flwr_args)) if proc.returncode == 0 else ""
     if proc.returncode != 0:
         out.problems.append(f"`flwr run` exited {proc.returncode}: {output.strip().splitlines()[-1:] or ''}")
     elif not out.problems and status != "finished:completed":
@@ -174,13 +167,13 @@ def _phase_lines(cfg: RunConfig, tier: str, records: int | None, delta: float, s
     lines.append(f"profile: epsilon {eps_profile:g}, delta {delta:g}, Gaussian sigma "
                  f"{analytic_gaussian_sigma(eps_profile, delta, 1.0):.3g} (sensitivity 1)")
     eps_train = phase_epsilon(cfg.epsilon, cfg.epsilon_profile, tier, cfg.voters, TRAIN)
-    if eps_train and cfg.prompt != "zero-shot" and cfg.num_server_rounds > 0 and records is None:
-        steps = cfg.num_server_rounds * cfg.local_steps
+    steps = cfg.num_server_rounds * cfg.local_steps
+    if eps_train and cfg.trains and records is None:
         lines.append(f"train: epsilon {eps_train:g}, delta {delta:g} (or the node's cap), {steps} DP-SGD steps of "
                      f"batch {cfg.batch_size}, C = {cfg.max_grad_norm:g}; the noise multiplier is set on the node "
                      "from q = B / |D| (its record count is never sent)")
-    elif eps_train and cfg.prompt != "zero-shot" and cfg.num_server_rounds > 0:
-        q, steps = min(1.0, cfg.batch_size / records), cfg.num_server_rounds * cfg.local_steps
+    elif eps_train and cfg.trains:
+        q = min(1.0, cfg.batch_size / records)
         nm = dpsgd_noise_multiplier(eps_train, delta, q, steps)
         tokens = steps * cfg.batch_size * cfg.max_length
         rate = speed.get(f"train_{cfg.finetune}_dp_tokens_per_s")

@@ -277,8 +277,7 @@ class FedSynStrategy(Strategy):
 
     def _plan(self) -> list[str]:
         """The phases this run will ask of nodes (each node takes those of its tier)."""
-        trains = self.cfg.prompt != "zero-shot" and self.cfg.num_server_rounds > 0
-        return [p for p in PHASES if (p != TRAIN or trains) and (p != VOTE or self.refinement.asks_votes)]
+        return [p for p in PHASES if (p != TRAIN or self.cfg.trains) and (p != VOTE or self.refinement.asks_votes)]
 
     def _request(self, **extra: Any) -> ConfigRecord:
         """The part every request carries: the public vocabulary, the delta per release, the run key."""

@@ -237,8 +237,10 @@ def _deploy(tmp_path: Path, tiers: dict[str, str], policies: dict[str, str] | No
     dep = Deployment(root=root, port=free_port(), cli_home=root / "home-cli", nodes=nodes,
                      public_texts=_write_csv(public, 900, n=30), node_texts=node_texts)
     dep.cli_home.mkdir()
+    # The operator's default stays Flower's local simulation: every command must name the deployment
+    # (and fedsyn must ask that SuperLink, not the default one, how a run ended).
     (dep.cli_home / "config.toml").write_text(
-        f'[superlink]\ndefault = "{CONNECTION}"\n\n'
+        '[superlink]\ndefault = "local"\n\n[superlink.local]\naddress = ":local:"\n\n'
         f'[superlink.{CONNECTION}]\naddress = "127.0.0.1:{dep.port}"\ninsecure = true\n'
     )
     t0 = time.time()

@@ -204,6 +204,7 @@ def test_plan_prints_each_phases_cost_and_one_line_per_problem(tmp_path, capsys)
 
 def test_plan_asks_a_deployment_and_reads_its_connection_like_flwr(tmp_path, monkeypatch):
     from common.config import ConfigError, RunConfig
+    from fedsyn_server.flwr_args import connection_name
     from fedsyn_server.plan import connection_address, deployment_lines
     from strategies.result import FedSynResult
 
@@ -214,6 +215,8 @@ def test_plan_asks_a_deployment_and_reads_its_connection_like_flwr(tmp_path, mon
     assert connection_address([".", "site", "--stream"]) == "10.0.0.5:9093"
     assert connection_address(["--run-config", "a=1", ".", "--federation-config", "x=2", "site"]) == "10.0.0.5:9093"
     assert connection_address([".", "nowhere"]) is None  # flwr run says what is wrong
+    assert connection_name([".", "--run-config", "site", "site"]) == "site" and connection_name(["."]) is None
+    assert app_dir(["-c", "x=1", "myapp", "site"]) == Path("myapp")
 
     assert RunConfig.from_flower({"plan-only": "true"}).plan_only and not RunConfig().plan_only
     with pytest.raises(ConfigError, match="plan-only"):

@@ -30,6 +30,7 @@ from fedsyn_client import refusals
 from fedsyn_client.audit import audit_mod
 from fedsyn_client.histograms import vote_histogram
 from fedsyn_client.node import Node, node_policy, open_node
+from fedsyn_client.placement import record_placement
 from fedsyn_client.refusals import NodeSetupError, Refusal, public_reason
 from fedsyn_client.release import LEDGER, TIER, GaussianHistogram, ReleaseFailed, Request, authorise, release, run_key
 
@@ -48,6 +49,8 @@ def _handler(kind: str) -> Callable[[Handler], Callable[[Message, Context], Mess
             try:
                 cfg = RunConfig.from_flower(context.run_config)
                 policy = node_policy(run_key(msg, context), dict(context.node_config), cfg)
+                if policy.simulated:
+                    record_placement(policy.state_dir, kind, policy.partition[0])
                 request = authorise(msg, context, policy, cfg, kind)
                 return Message(fn(msg, open_node(policy, cfg), cfg, request), reply_to=msg)
             except Refusal as err:  # the node's own set-up is an error for its operator; a refusal is a warning

@@ -11,6 +11,10 @@ check: epsilon is *reserved* under the lock before any work starts, then *confir
 with the mechanism's details, or marked *failed*. Once reserved, a release stays charged
 whatever happens: a failure that were free would let a server probe the records with
 inputs that fail on one condition and not on another. A crash leaves the reservation counted.
+A reservation whose process provably died before confirming (same machine and boot, the process
+gone) is *taken over* by the identical request (same digest) instead of being refused forever:
+confirmation precedes every reply, so nothing of the dead attempt left the node, and the
+round is released once, on the one charge (a Ray worker or an OOM-killed ClientApp mid-vote).
 
 The ledger is the node's memory of what its records lost, so the node refuses to serve when
 it is damaged, when it is missing from a state dir that has released before (its stored
@@ -263,7 +267,8 @@ class PrivacyLedger:
         return _held(self._load(), run_id)
 
     def reserve(self, release: Release, run_phase_budget: float, steps: tuple[int, int] | None = None,
-                cap: tuple[float, float] | None = None, binding: dict[str, Any] | None = None) -> str:
+                cap: tuple[float, float] | None = None, binding: dict[str, Any] | None = None,
+                digest: str = "") -> str:
         """Under the lock: check ``release`` against the total budget, this run's budget for its
         phase and the policy's cap for the phase, then record it as reserved. Returns the entry id.
 
@@ -273,9 +278,17 @@ class PrivacyLedger:
         life) counts every run's releases of the phase, whatever their run key.
         ``binding``: what the phase's noise was calibrated for; the phase's first reservation in
         the run stores it, and a later round of the run under other terms is refused.
+        ``digest``: the request's digest; a reservation of this run, phase and round made for
+        the same digest by a process that died before confirming is taken over (its id returned,
+        nothing charged again).
         Raises ``BudgetExceeded`` (nothing recorded) when it does not fit.
         """
         with self._locked() as data:
+            orphan = next((r for r in data["releases"] if r["status"] == RESERVED and r["run_id"] == release.run_id
+                           and r["phase"] == release.phase and int(r.get("round", 0)) == int(release.round)), None)
+            if orphan is not None and digest and _cut_off(orphan, digest) and _statement(orphan) == release.statement():
+                orphan.update(claim=_claim(digest), takeovers=int(orphan.get("takeovers", 0)) + 1)
+                return str(orphan["id"])
             _check(data, release.epsilon, release.phase, release.run_id)
             hold = data.get("holds", {}).get(release.run_id)
             if hold is not None:  # a release confirms its run's hold, which now lasts while the run releases
@@ -316,7 +329,7 @@ class PrivacyLedger:
                     f"{taken} are taken; {steps[0]} more would exceed its epsilon")
             entry_id = uuid.uuid4().hex
             data["releases"].append({"id": entry_id, "status": RESERVED, "time": time.time(), **release.statement(),
-                                     "public": dict(release.public),
+                                     "public": dict(release.public), **({"claim": _claim(digest)} if digest else {}),
                                      **({"binding": dict(binding)} if binding is not None and bound is None else {})})
         return entry_id
 
@@ -456,6 +469,36 @@ def _token_hash(token: str) -> str:
     import hashlib
 
     return hashlib.sha256(f"fedsyn-hold:{token}".encode()).hexdigest()
+
+
+def _process_start(pid: int) -> str:
+    """``pid``'s start time in clock ticks since boot ("" when unknown): with the boot id it names
+    one process for good, where a PID alone is recycled."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _claim(digest: str) -> dict[str, Any]:
+    """Who holds a reservation: the request's digest and this process (boot, PID, start time)."""
+    return {"digest": digest, "boot": _boot_id(), "pid": os.getpid(), "start": _process_start(os.getpid())}
+
+
+def _cut_off(entry: dict[str, Any], digest: str) -> bool:
+    """True when ``entry``'s reservation was made for ``digest`` by a process that is gone: on
+    this machine since its boot (a process elsewhere, or unknown, may still be computing)."""
+    claim = entry.get("claim") or {}
+    if claim.get("digest") != digest or not claim.get("boot") or claim["boot"] != _boot_id() or not claim.get("start"):
+        return False
+    return _process_start(int(claim["pid"])) != claim["start"]
 
 
 def _entry(data: dict[str, Any], entry_id: str) -> dict[str, Any]:

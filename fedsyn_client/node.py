@@ -3,8 +3,8 @@
 Deployment: ``flower-supernode --node-config 'tier="strong" data-path="/data/x.csv"
 state-dir="/var/lib/fedsyn" epsilon=8'`` (see ``fedsyn_client.policy`` for every key).
 Simulation: the policy is built from the run config (no institution exists), tier and
-records follow from ``partition-id`` / ``num-partitions``; the ledger lives in a temp dir
-per run and node unless node config sets ``state-dir``. After that the code path is the same.
+records follow from ``partition-id`` / ``num-partitions``; the ledger lives under
+``simulation_state_root()`` per run and partition. After that the code path is the same.
 
 The order is the point: ``node_policy`` reads the policy (no data), the request is
 authorised against it (``fedsyn_client.release.authorise``), and only then does ``open_node``
@@ -13,6 +13,7 @@ read the records and the ledger.
 
 from __future__ import annotations
 
+import os
 import tempfile
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -29,6 +30,22 @@ from fedsyn_client.refusals import NodeSetupError
 from fedsyn_client.replies import ReplyStore
 
 log = get_logger(__name__)
+STATE_ENV = "FEDSYN_STATE_DIR"
+
+
+def simulation_state_root() -> Path:
+    """Where simulated nodes keep their state: ``$FEDSYN_STATE_DIR``, else ``<tmp>/fedsyn-sim``.
+
+    Each node's ledger and reply store are under ``run-<run key>/node-<partition id>``, keyed by
+    the partition (the simulated institution), not by the process or machine that runs it. On a
+    Ray cluster Flower may run a node's next message on another machine, so every Ray node must
+    see one shared ``FEDSYN_STATE_DIR`` (set where ``ray start`` runs: actors inherit the raylet's
+    environment); with each machine's own temp directory a node that moved would start a second
+    ledger. The variable is the simulation operator's, like a deployed node's ``state-dir``: the
+    run config cannot move it.
+    """
+    value = os.environ.get(STATE_ENV)
+    return Path(value).expanduser() if value else Path(tempfile.gettempdir()) / "fedsyn-sim"
 
 
 @dataclass
@@ -107,7 +124,7 @@ def _policy(run_id: str, node_config_items: tuple[tuple[str, str], ...], cfg: Ru
 
     num, pid = int(node_config["num-partitions"]), int(node_config["partition-id"])
     bench = benchmark(cfg)
-    state = node_config.get("state-dir") or str(Path(tempfile.gettempdir()) / "fedsyn-sim" / f"run-{run_id}" / f"node-{pid}")
+    state = node_config.get("state-dir") or str(simulation_state_root() / f"run-{run_id}" / f"node-{pid}")
     return simulation_policy(
         tier=simulation_tiers(num, cfg.strong_fraction)[pid], epsilon=cfg.epsilon,
         delta=cfg.resolve_delta(len(bench.train)), text_column=cfg.text_column,

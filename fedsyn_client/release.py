@@ -185,7 +185,7 @@ def release(node: Node, request: Request, mechanism: Mechanism) -> tuple[Any, Co
     rel = Release(phase=request.phase, mechanism=mechanism.name, epsilon=epsilon, delta=delta,
                   run_id=request.run_id, round=request.round, public=mechanism.public(request))
     entry = node.ledger.reserve(rel, request.phase_budget, steps=mechanism.steps(request), cap=request.cap,
-                                binding=mechanism.binding(request))
+                                binding=mechanism.binding(request), digest=request.digest)
     try:
         out = mechanism.release(request)
         if not _finite(out.payload):  # never computed from a non-finite value, never released as one

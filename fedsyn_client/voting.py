@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
+
+# Similarities are computed for at most this many (record, text) pairs at a time: memory stays
+# O(texts) per block instead of O(records x texts), so a node of 10^5 records voting on 10^4
+# texts of one code needs ~100 MB, not 16 GB (docs/scale.md). Every pair is still scored once.
+BLOCK_PAIRS = 1 << 22
+
+
+def _blocks(n_rows: int, n_cols: int) -> Iterator[slice]:
+    step = max(1, BLOCK_PAIRS // max(1, n_cols))
+    for start in range(0, n_rows, step):
+        yield slice(start, min(n_rows, start + step))
 
 
 def finite_rows(emb: np.ndarray) -> np.ndarray:
@@ -41,11 +54,12 @@ def knn_votes(
     for code in set(local_codes) & set(syn_codes):
         loc = local_emb[local_codes_arr == code]
         syn_idx = np.flatnonzero(syn_codes_arr == code)
-        kk = min(k, syn_idx.size)
-        sims = loc @ syn_emb[syn_idx].T  # cosine: rows are unit vectors
-        # argpartition picks each row's kk largest (distinct columns by construction).
-        top = np.argpartition(-sims, kk - 1, axis=1)[:, :kk]
-        np.add.at(votes, syn_idx[top.ravel()], 1)
+        kk, syn = min(k, syn_idx.size), syn_emb[syn_idx]
+        for rows in _blocks(len(loc), syn_idx.size):
+            sims = loc[rows] @ syn.T  # cosine: rows are unit vectors
+            # argpartition picks each row's kk largest (distinct columns by construction).
+            top = np.argpartition(-sims, kk - 1, axis=1)[:, :kk]
+            votes += np.bincount(syn_idx[top.ravel()], minlength=votes.size)
     return votes
 
 
@@ -64,7 +78,9 @@ def similarity_scores(
     local_codes_arr, syn_codes_arr = np.asarray(local_codes), np.asarray(syn_codes)
     for code in set(local_codes) & set(syn_codes):
         syn_idx = np.flatnonzero(syn_codes_arr == code)
-        sims = local_emb[local_codes_arr == code] @ syn_emb[syn_idx].T
-        norms = np.linalg.norm(sims, axis=1, keepdims=True)
-        scores[syn_idx] += (sims / np.maximum(1.0, norms)).sum(axis=0)
+        loc, syn = local_emb[local_codes_arr == code], syn_emb[syn_idx]
+        for rows in _blocks(len(loc), syn_idx.size):
+            sims = loc[rows] @ syn.T
+            norms = np.linalg.norm(sims, axis=1, keepdims=True)
+            scores[syn_idx] += (sims / np.maximum(1.0, norms)).sum(axis=0)
     return scores

@@ -76,15 +76,19 @@ def flwr_env(flwr_home: Path) -> dict[str, str]:
 
 
 def run_app(run_config: dict[str, object], federation_config: str | None = None, timeout: float = 1800,
-            app_dir: Path = APP_DIR, log_path: Path | None = None) -> FlwrRun:
+            app_dir: Path = APP_DIR, log_path: Path | None = None, env: dict[str, str] | None = None,
+            flwr_home: Path | None = None) -> FlwrRun:
     """``flwr run <app_dir> --stream`` with ``run_config`` overrides; always cleans up.
 
     The command's output (stdout and stderr, in order) goes to ``log_path`` as it runs,
     appended after a header line, so a long run can be followed with ``tail -f`` and a
     failed one read afterwards; without ``log_path``, to a file in the run's FLWR_HOME.
-    ``FlwrRun.output`` is this call's part of it.
+    ``FlwrRun.output`` is this call's part of it. ``env`` adds to the environment of ``flwr``
+    and the SuperLink it starts (e.g. ``RAY_ADDRESS`` to simulate on an existing Ray cluster);
+    ``flwr_home`` is the run's FLWR_HOME (default: a new temporary folder; every process the run
+    starts names it, which is how they are found and stopped).
     """
-    flwr_home = Path(tempfile.mkdtemp(prefix="fedsyn-flwr-home-"))
+    flwr_home = flwr_home or Path(tempfile.mkdtemp(prefix="fedsyn-flwr-home-"))
     overrides = " ".join(f"{k}={toml_value(v)}" for k, v in run_config.items())
     cmd = [flwr_cli(), "run", str(app_dir), "--stream"]
     if overrides:
@@ -93,7 +97,7 @@ def run_app(run_config: dict[str, object], federation_config: str | None = None,
         cmd += ["--federation-config", federation_config]
     sink = log_path or flwr_home / "flwr-run.log"
     sink.parent.mkdir(parents=True, exist_ok=True)
-    t0, env, status, timed_out = time.time(), flwr_env(flwr_home), "", False
+    t0, env, status, timed_out = time.time(), {**flwr_env(flwr_home), **(env or {})}, "", False
     try:
         with open(sink, "ab") as out:
             out.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())

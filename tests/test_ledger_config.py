@@ -103,6 +103,49 @@ def test_reservations_stay_charged_whatever_happens(tmp_path):
     assert not hasattr(led, "cancel")
 
 
+def test_a_reservation_cut_off_by_a_dead_process_is_taken_over_by_the_identical_request_only(tmp_path):
+    """Issue 24: a ClientApp killed between reserve and confirm released nothing (confirmation
+    precedes the reply). The same request again takes the reservation over: one entry, one
+    charge, released once. Anything else stays refused: another request (a server probing with
+    other inputs), an owner still alive (a round in flight), an owner on another machine or boot
+    (unknown), other terms."""
+    import json
+    import subprocess
+    import sys
+
+    led = PrivacyLedger.open(tmp_path, budget=20.0)
+    _release(led, _rel(2.0))
+    # Reserve in a child process that then dies (an actor killed mid-vote).
+    code = ("import sys, math; from fedsyn_client.ledger import PrivacyLedger, Release; "
+            "led = PrivacyLedger.open(sys.argv[1], budget=20.0); "
+            "print(led.reserve(Release(phase='vote', mechanism='gaussian', epsilon=6.0, delta=1e-5, run_id='1', "
+            "round=1, public={'sigma': 1.0, 'sensitivity': 1.0}), math.inf, digest='D'))")
+    dead = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True)
+    orphan = dead.stdout.strip()
+    vote = dataclasses.replace(_rel(6.0, "vote"), round=1)
+    for other in (dataclasses.replace(vote, epsilon=5.0), dataclasses.replace(vote, public={"sigma": 0.5})):
+        with pytest.raises(BudgetExceeded, match="in progress or was cut off"):
+            led.reserve(other, math.inf, digest="D")  # other terms
+    with pytest.raises(BudgetExceeded, match="in progress or was cut off"):
+        led.reserve(vote, math.inf, digest="E")  # another request
+    with pytest.raises(BudgetExceeded, match="in progress or was cut off"):
+        led.reserve(vote, math.inf)  # no digest: no claim
+    assert led.reserve(vote, math.inf, digest="D") == orphan  # the same request: taken over, nothing charged twice
+    assert led.spent() == 8.0 and len(led.releases) == 2
+    with pytest.raises(BudgetExceeded, match="in progress or was cut off"):
+        led.reserve(vote, math.inf, digest="D")  # its new owner (this process) is alive: a round in flight
+    data = json.loads(led.path.read_text())
+    (entry,) = [r for r in data["releases"] if r["id"] == orphan]
+    assert entry["takeovers"] == 1 and entry["claim"]["pid"] == __import__("os").getpid()
+    entry["claim"].update(pid=999999999, boot="another-machine")  # owner elsewhere: unknown
+    led.path.write_text(json.dumps(data))
+    with pytest.raises(BudgetExceeded, match="in progress or was cut off"):
+        led.reserve(vote, math.inf, digest="D")
+    led.confirm(orphan)
+    assert [s["phase"] for s in led.run_statements("1")] == ["profile", "vote"]
+    assert all("claim" not in s and "takeovers" not in s for s in led.run_statements("1"))  # never sent
+
+
 def test_run_phase_and_step_budgets(tmp_path):
     led = PrivacyLedger.open(tmp_path, budget=10.0)
     _release(led, _rel(2.0), budget=2.0)

@@ -74,6 +74,28 @@ def test_vote_sensitivity_is_at_most_sqrt_k(k):
     assert base.sum() == 30 * k
 
 
+def test_votes_and_scores_in_blocks_equal_the_whole_similarity_matrix(monkeypatch):
+    """Issue 24: the node scores records in blocks so memory is O(texts), not O(records x texts);
+    the histograms must not change (brute force over the whole matrix is the reference)."""
+    from fedsyn_client import voting
+
+    rng = np.random.default_rng(3)
+    syn, syn_codes = _unit(rng.normal(size=(50, 6))), list(rng.choice(["a", "b"], size=50))
+    local, local_codes = _unit(rng.normal(size=(97, 6))), list(rng.choice(["a", "b", "c"], size=97))
+    want_votes, want_scores = np.zeros(50, dtype=np.int64), np.zeros(50)
+    for row, code in zip(local, local_codes):
+        same = [j for j, c in enumerate(syn_codes) if c == code]
+        if not same:
+            continue
+        sims = np.array([row @ syn[j] for j in same])
+        for j in np.argsort(-sims)[:3]:
+            want_votes[same[j]] += 1
+        want_scores[same] += sims / max(1.0, np.linalg.norm(sims))
+    monkeypatch.setattr(voting, "BLOCK_PAIRS", 7 * 25)  # blocks of 7 rows, the last one short
+    assert voting.knn_votes(local, local_codes, syn, syn_codes, 3).tolist() == want_votes.tolist()
+    assert np.allclose(voting.similarity_scores(local, local_codes, syn, syn_codes), want_scores)
+
+
 def test_profile_sensitivity_is_one():
     from common.data import TextData
 

@@ -53,15 +53,13 @@ def _on_embeddings(records: TextData, texts: list[str], codes: list[str], cfg: R
     (after the ledger reservation)."""
 
     def compute() -> np.ndarray:
-        from common.models import embed, load_embedder
-
         # Records and candidates are compared within a window around what the generator learned
         # and writes (``RunConfig.vote_window``: a candidate can only imitate a record's opening),
         # which also halves the vote's time at BBC's 256-token articles. Non-finite rows become
         # zero rows before any statistic is computed from them.
         window = cfg.vote_window
         return fn(finite_rows(local_embeddings(records, cfg.embedder, window)), records.codes,
-                  finite_rows(embed(load_embedder(cfg.embedder), texts, max_tokens=window)), codes)
+                  finite_rows(candidate_embeddings(texts, cfg.embedder, window)), codes)
 
     return compute
 
@@ -100,4 +98,21 @@ def local_embeddings(records: TextData, embedder_name: str, max_tokens: int | No
     return cache[key]
 
 
+def candidate_embeddings(texts: list[str], embedder_name: str, max_tokens: int | None) -> np.ndarray:
+    """Embeddings of a vote round's candidates (public texts from the server). The last round's
+    are kept: in simulation one worker process serves many nodes the same candidates, and each
+    would embed them again (10^4 texts x 50 weak nodes); a deployed node embeds them once anyway."""
+    import hashlib
+    import json
+
+    from common.models import embed, load_embedder
+
+    key = (embedder_name, max_tokens, hashlib.sha256(json.dumps(texts).encode()).hexdigest())
+    if _CANDIDATES.get("key") != key:
+        _CANDIDATES.clear()
+        _CANDIDATES.update(key=key, emb=embed(load_embedder(embedder_name), texts, max_tokens=max_tokens))
+    return _CANDIDATES["emb"]
+
+
 _EMBEDDING_CACHE: dict[tuple[str, int | None], dict[str, np.ndarray]] = {}
+_CANDIDATES: dict[str, Any] = {}

@@ -11,10 +11,15 @@ check: epsilon is *reserved* under the lock before any work starts, then *confir
 with the mechanism's details, or marked *failed*. Once reserved, a release stays charged
 whatever happens: a failure that were free would let a server probe the records with
 inputs that fail on one condition and not on another. A crash leaves the reservation counted.
-A reservation whose process provably died before confirming (same machine and boot, the process
-gone) is *taken over* by the identical request (same digest) instead of being refused forever:
-confirmation precedes every reply, so nothing of the dead attempt left the node, and the
-round is released once, on the one charge (a Ray worker or an OOM-killed ClientApp mid-vote).
+A Gaussian release (profile, vote) whose process provably died before confirming (same machine
+and boot, the process gone) is *taken over* by the identical request (same digest, same terms)
+instead of being refused forever: confirmation precedes every reply, so nothing of the dead
+attempt left the node, and the round is released once, on the one charge (a Ray worker or an
+OOM-killed ClientApp mid-vote). Its computation is a deterministic function of the request and
+the records (only the noise, drawn last, is random), so a second crash repeats the first one's
+bit and tells nothing new. DP-SGD is not taken over: its Poisson batches are fresh each try, so
+repeated crashes would sample a data-dependent event for free; a cut-off training round stays
+spent, as before.
 
 The ledger is the node's memory of what its records lost, so the node refuses to serve when
 it is damaged, when it is missing from a state dir that has released before (its stored
@@ -40,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.dp import composed_epsilon, preflight
+from common.dp import GAUSSIAN, composed_epsilon, preflight
 from common.io import atomic_write_json, read_json
 from fedsyn_client import refusals
 from fedsyn_client.refusals import BudgetExceeded, NodeSetupError
@@ -278,15 +283,16 @@ class PrivacyLedger:
         life) counts every run's releases of the phase, whatever their run key.
         ``binding``: what the phase's noise was calibrated for; the phase's first reservation in
         the run stores it, and a later round of the run under other terms is refused.
-        ``digest``: the request's digest; a reservation of this run, phase and round made for
-        the same digest by a process that died before confirming is taken over (its id returned,
-        nothing charged again).
+        ``digest``: the request's digest; a Gaussian reservation of this run, phase and round made
+        for the same digest and terms by a process that died before confirming is taken over (its
+        id returned, nothing charged again).
         Raises ``BudgetExceeded`` (nothing recorded) when it does not fit.
         """
         with self._locked() as data:
             orphan = next((r for r in data["releases"] if r["status"] == RESERVED and r["run_id"] == release.run_id
                            and r["phase"] == release.phase and int(r.get("round", 0)) == int(release.round)), None)
-            if orphan is not None and digest and _cut_off(orphan, digest) and _statement(orphan) == release.statement():
+            if (orphan is not None and digest and release.mechanism == GAUSSIAN and _cut_off(orphan, digest)
+                    and _statement(orphan) == release.statement()):
                 orphan.update(claim=_claim(digest), takeovers=int(orphan.get("takeovers", 0)) + 1)
                 return str(orphan["id"])
             _check(data, release.epsilon, release.phase, release.run_id)

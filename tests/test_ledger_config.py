@@ -108,7 +108,7 @@ def test_a_reservation_cut_off_by_a_dead_process_is_taken_over_by_the_identical_
     precedes the reply). The same request again takes the reservation over: one entry, one
     charge, released once. Anything else stays refused: another request (a server probing with
     other inputs), an owner still alive (a round in flight), an owner on another machine or boot
-    (unknown), other terms."""
+    (unknown), other terms, a DP-SGD round."""
     import json
     import subprocess
     import sys
@@ -143,6 +143,13 @@ def test_a_reservation_cut_off_by_a_dead_process_is_taken_over_by_the_identical_
         led.reserve(vote, math.inf, digest="D")
     led.confirm(orphan)
     assert [s["phase"] for s in led.run_statements("1")] == ["profile", "vote"]
+    # DP-SGD is never taken over: its Poisson batches would be a fresh draw of a data-dependent crash.
+    code = code.replace("phase='vote', mechanism='gaussian'", "phase='train', mechanism='dp-sgd'")
+    subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True)
+    train = Release(phase="train", mechanism="dp-sgd", epsilon=6.0, delta=1e-5, run_id="1", round=1,
+                    public={"sigma": 1.0, "sensitivity": 1.0})
+    with pytest.raises(BudgetExceeded, match="in progress or was cut off"):
+        led.reserve(train, math.inf, digest="D")
     assert all("claim" not in s and "takeovers" not in s for s in led.run_statements("1"))  # never sent
 
 

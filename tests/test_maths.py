@@ -148,3 +148,21 @@ def test_resampling_prefers_voted_texts():
     votes[:10] = 50.0
     sel = resample_by_code(codes, votes, 0.1, seed=0)
     assert set(sel.tolist()) == set(range(10))
+
+
+def test_a_worker_embeds_a_rounds_candidates_once_for_all_its_simulated_nodes(monkeypatch):
+    """Issue 24: per-node fixed costs are paid once per worker. The candidates of a vote round
+    are the same public texts for every node one worker serves; other texts are embedded anew."""
+    from common import models
+    from fedsyn_client import histograms
+
+    calls = []
+    monkeypatch.setattr(models, "load_embedder", lambda name: name)
+    monkeypatch.setattr(models, "embed", lambda m, texts, max_tokens=None: calls.append(list(texts)) or
+                        np.full((len(texts), 3), float(len(calls))))
+    monkeypatch.setattr(histograms, "_CANDIDATES", {})
+    first = histograms.candidate_embeddings(["a", "b"], "e", 64)
+    assert histograms.candidate_embeddings(["a", "b"], "e", 64) is first and len(calls) == 1
+    assert histograms.candidate_embeddings(["a\0b"], "e", 64)[0, 0] == 2.0  # not the same list
+    assert histograms.candidate_embeddings(["a", "b"], "e", 128)[0, 0] == 3.0  # nor the same window
+    assert len(calls) == 3

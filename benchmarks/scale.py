@@ -1,6 +1,6 @@
 """How a run's cost grows: time and peak memory against nodes, synthetic texts and records.
 
-Usage: python -m benchmarks.scale [--runs nodes,texts] [--kernel] [--out docs]
+Usage: python -m benchmarks.scale [--runs nodes,texts] [--default-model NODES] [--kernel] [--out docs]
 
 - ``--runs``: real ``flwr run`` simulations of the tiny model (one phase-1 round of 2 steps, so
   the per-message machinery, not training, is what grows): nodes 10, 30, 100 at 120 texts, and
@@ -9,6 +9,8 @@ Usage: python -m benchmarks.scale [--runs nodes,texts] [--kernel] [--out docs]
   Ray and its ClientApp workers; PSS, so shared pages count once) and how many worker processes
   ran ClientApps (from the nodes' ``workers.jsonl``: Python, models and embedder are loaded once
   per worker, whatever the node count).
+- ``--default-model 100``: one run of 100 nodes with the default model (SmolLM2-135M, LoRA) and
+  1 round of 1 DP-SGD step (memory does not depend on the steps).
 - ``--kernel``: a weak node's kNN vote (``fedsyn_client.voting.knn_votes``) on random unit
   embeddings, records 10^3..10^5 x texts 120..10^4, one control code (the worst case: all pairs
   in one matrix), in blocks (the node's code) and as one matrix (before issue 24, where it fits
@@ -81,8 +83,10 @@ class PeakMemory:
         self._thread.join()
 
 
-def measure_run(nodes: int, texts: int, out: Path) -> dict:
-    """One tiny-model simulation of ``nodes`` nodes and ``texts`` synthetic texts: a CSV row."""
+def measure_run(nodes: int, texts: int, out: Path, default_model: bool = False) -> dict:
+    """One simulation of ``nodes`` nodes and ``texts`` synthetic texts: a CSV row. The tiny model,
+    or (``default_model``) the default one with 1 round of 1 step: memory does not depend on the
+    steps, and the defaults' 2 x 12 at 100 nodes would take hours on 2 cores."""
     from common.federation import simulation_tiers
     from common.config import RunConfig
     from fedsyn_client.node import STATE_ENV
@@ -91,9 +95,10 @@ def measure_run(nodes: int, texts: int, out: Path) -> dict:
 
     home = Path(tempfile.mkdtemp(prefix="fedsyn-flwr-home-"))
     state = Path(tempfile.mkdtemp(prefix="fedsyn-scale-state-"))
-    name = f"n{nodes}-t{texts}"
+    name = f"n{nodes}-t{texts}" + ("-default" if default_model else "")
+    settings = {"num-server-rounds": 1, "local-steps": 1, "strong-fraction": 0.5} if default_model else TINY
     with PeakMemory(home) as mem:
-        res = run_app({**TINY, "num-synthetic": texts, "out-dir": str(out), "run-name": name, "min-nodes": nodes},
+        res = run_app({**settings, "num-synthetic": texts, "out-dir": str(out), "run-name": name, "min-nodes": nodes},
                       f"num-supernodes={nodes}", timeout=3600, env={STATE_ENV: str(state)}, flwr_home=home,
                       log_path=out / f"{name}.log")
     if not res.ok:
@@ -104,7 +109,7 @@ def measure_run(nodes: int, texts: int, out: Path) -> dict:
     from common.federation import benchmark
 
     records = len(benchmark(RunConfig.from_flower({**TINY})).train) // nodes  # per node, about
-    row = {"sweep": "run", "nodes": nodes, "texts": texts, "records": records, "variant": f"{weak} weak",
+    row = {"sweep": "run-default" if default_model else "run", "nodes": nodes, "texts": texts, "records": records, "variant": f"{weak} weak",
            "seconds": round(res.seconds, 1), "peak_mib": round(mem.peak), "workers": len(workers)}
     row.update({k: round(float(timings.get(k, 0.0)), 1) for k in FIELDS[8:]})
     return row
@@ -135,9 +140,11 @@ def measure_kernel(records: int, texts: int, blocked: bool, seed: int = 0) -> di
             "variant": "blocks" if blocked else "whole", "seconds": round(seconds, 3), "peak_mib": round(peak / 2**20)}
 
 
-def growth(xs: list[float], ys: list[float]) -> float:
-    """The exponent b of y ~ x^b fitted on log-log (least squares)."""
-    return float(np.polyfit(np.log(xs), np.log(ys), 1)[0])
+def growth(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
+    """(a, b, p): the line y = a + b x and the exponent p of y ~ x^p, both by least squares. A run
+    has a fixed part (start-up, evaluation), so the line says more than the exponent."""
+    b, a = np.polyfit(xs, ys, 1)
+    return float(a), float(b), float(np.polyfit(np.log(xs), np.log(ys), 1)[0])
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -161,6 +168,7 @@ def plot(rows: list[dict], path: Path) -> None:
         mem = ax.twinx()
         mem.plot(xs, [r["peak_mib"] / 1024 for r in pts], "s:", color="black", label="peak memory (GiB)")
         mem.set_ylabel("peak memory, all processes (GiB)")
+        mem.set_ylim(0, 1.3 * max(r["peak_mib"] for r in pts) / 1024)  # from 0: flat must look flat
         ax.legend(loc="upper left", fontsize=8), mem.legend(loc="lower right", fontsize=8)
         ax.set_title(f"flwr run, tiny model: time vs {key}")
     ax = axes[2]
@@ -194,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", default="", help="'nodes', 'texts' or 'nodes,texts': the flwr run sweeps")
     ap.add_argument("--kernel", action="store_true", help="the kNN vote sweep")
+    ap.add_argument("--default-model", type=int, default=0, metavar="NODES",
+                    help="one run of NODES nodes with the default model (1 round of 1 step)")
     ap.add_argument("--out", default="docs", type=Path)
     ap.add_argument("--whole-limit-gib", type=float, default=6.0,
                     help="skip the one-matrix kNN where it would need more than this")
@@ -226,12 +236,16 @@ def main(argv: list[str] | None = None) -> int:
         if "texts" in sweeps:
             for texts in TEXTS[1:] if "nodes" in sweeps else TEXTS:
                 keep(measure_run(10, texts, runs))
+        if args.default_model:
+            keep(measure_run(args.default_model, 120, runs, default_model=True))
     plot(rows, args.out / "scale.png")
     for key, fixed, value in (("nodes", "texts", 120), ("texts", "nodes", 10)):
         pts = sorted((r for r in rows if r["sweep"] == "run" and r[fixed] == value), key=lambda r: r[key])
         if len(pts) >= 2:
-            print(f"run time ~ {key}^{growth([r[key] for r in pts], [r['seconds'] for r in pts]):.2f}, "
-                  f"memory ~ {key}^{growth([r[key] for r in pts], [r['peak_mib'] for r in pts]):.2f}")
+            xs = [r[key] for r in pts]
+            for what in ("seconds", "finetune", "refine", "peak_mib"):
+                a, b, p = growth(xs, [max(r[what], 1e-3) for r in pts])
+                print(f"{what} vs {key}: {a:.1f} + {b:.4g} x {key} (exponent {p:.2f})")
     return 0
 
 

@@ -261,6 +261,13 @@ def _run_flwr(args: argparse.Namespace) -> int:
         if dry_run:
             print(" ".join(command))
             return 0
+        from fedsyn_server.flwr_runner import stale_local_superlink
+        from fedsyn_server.plan import LOCAL_SUPERLINK, connection_address
+
+        problem = stale_local_superlink(dict(os.environ)) if connection_address(flwr_args) == LOCAL_SUPERLINK else ""
+        if problem:
+            print(f"fedsyn run: {problem}", file=sys.stderr)
+            return 2
         # Pass the output through as it comes, and keep it: `flwr run --stream` exits 0 even when
         # the run failed, so the run's status decides this command's exit code.
         with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:

@@ -154,6 +154,37 @@ def run_status(output: str, env: dict[str, str], connection: str | None = None) 
         return "unknown"
 
 
+# What decides which local SuperLink `flwr run` talks to, and where its simulation runs.
+_LOCAL_LINK_KEYS = ("FLWR_HOME", "FLWR_LOCAL_CONTROL_API_PORT")
+
+
+def stale_local_superlink(env: dict[str, str]) -> str:
+    """A one-line problem when a local SuperLink that ``flwr run`` with ``env`` would reuse was
+    started under another ``RAY_ADDRESS`` (its simulation would silently run elsewhere than the
+    user asked: on this machine instead of the cluster, or the reverse); "" otherwise.
+
+    `flwr run` starts the local SuperLink once and then reuses it, and a SuperLink reads
+    ``RAY_ADDRESS`` only from its own environment."""
+    want = env.get("RAY_ADDRESS", "")
+    for pid, cmd in processes().items():
+        if "flower-superlink" not in cmd or pid == os.getpid():
+            continue
+        try:
+            raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        theirs = dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)
+        if any(theirs.get(k, "") != env.get(k, "") for k in _LOCAL_LINK_KEYS):
+            continue  # another FLWR_HOME or port: flwr run will not reuse it
+        has = theirs.get("RAY_ADDRESS", "")
+        if has != want:
+            started = f"with RAY_ADDRESS={has}" if has else "without RAY_ADDRESS"
+            would = f"not on the Ray cluster at {want}" if want else f"on the Ray cluster at {has}"
+            return (f"the local SuperLink (PID {pid}) was started {started}, and flwr run reuses it: this run "
+                    f"would simulate {would}. Fix: stop it (kill {pid}) and run again")
+    return ""
+
+
 def stop_processes_of(flwr_home: Path) -> list[int]:
     """Stop every process whose command line names ``flwr_home``, and their descendants.
     Returns the PIDs signalled."""

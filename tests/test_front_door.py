@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -296,3 +297,24 @@ def test_loose_edges_unknown_embedder_and_flowers_evaluation_warning(tmp_path, c
         for name in ("fedavg", "fedadam"):
             build_aggregator(name, 1.0, 2)
     assert "fraction_evaluate" not in caplog.text
+
+
+def test_fedsyn_run_refuses_a_local_superlink_started_under_another_ray_address(tmp_path):
+    """Issue 24: `flwr run` reuses the local SuperLink, which reads RAY_ADDRESS only at its start:
+    a run meant for the Ray cluster would silently simulate on this machine (and the reverse)."""
+    from fedsyn_server.flwr_runner import stale_local_superlink, stop_pids
+
+    home = str(tmp_path / "home")
+    link = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "flower-superlink"],
+                            env={**os.environ, "FLWR_HOME": home, "RAY_ADDRESS": ""})
+    try:
+        deadline = time.time() + 10
+        while time.time() < deadline and "flower-superlink" not in Path(f"/proc/{link.pid}/cmdline").read_text():
+            time.sleep(0.05)
+        problem = stale_local_superlink({"FLWR_HOME": home, "RAY_ADDRESS": "10.0.0.1:6379"})
+        assert f"(PID {link.pid}) was started without RAY_ADDRESS" in problem
+        assert "not on the Ray cluster at 10.0.0.1:6379" in problem and f"kill {link.pid}" in problem
+        assert stale_local_superlink({"FLWR_HOME": home}) == ""  # the same (no) cluster: fine
+        assert stale_local_superlink({"FLWR_HOME": str(tmp_path / "other"), "RAY_ADDRESS": "x:1"}) == ""  # not reused
+    finally:
+        stop_pids([link.pid])

@@ -486,23 +486,28 @@ def _process_start(pid: int) -> str:
         return ""
 
 
-def _boot_id() -> str:
+def _machine() -> str:
+    """This boot of this machine, and the PID namespace whose PIDs this process sees ("" when
+    unknown). Containers share the boot id but not the PIDs: a live process in another container
+    is invisible here, so its claim must not look dead."""
     try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
     except OSError:
         return ""
 
 
 def _claim(digest: str) -> dict[str, Any]:
-    """Who holds a reservation: the request's digest and this process (boot, PID, start time)."""
-    return {"digest": digest, "boot": _boot_id(), "pid": os.getpid(), "start": _process_start(os.getpid())}
+    """Who holds a reservation: the request's digest and this process (machine, PID, start time)."""
+    return {"digest": digest, "boot": _machine(), "pid": os.getpid(), "start": _process_start(os.getpid())}
 
 
 def _cut_off(entry: dict[str, Any], digest: str) -> bool:
-    """True when ``entry``'s reservation was made for ``digest`` by a process that is gone: on
-    this machine since its boot (a process elsewhere, or unknown, may still be computing)."""
+    """True when ``entry``'s reservation was made for ``digest`` by a process that is gone: one
+    this process can see (same boot, same PID namespace); a process elsewhere, or unknown, may
+    still be computing."""
     claim = entry.get("claim") or {}
-    if claim.get("digest") != digest or not claim.get("boot") or claim["boot"] != _boot_id() or not claim.get("start"):
+    if claim.get("digest") != digest or not claim.get("boot") or claim["boot"] != _machine() or not claim.get("start"):
         return False
     return _process_start(int(claim["pid"])) != claim["start"]
 

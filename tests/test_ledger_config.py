@@ -137,10 +137,12 @@ def test_a_reservation_cut_off_by_a_dead_process_is_taken_over_by_the_identical_
     data = json.loads(led.path.read_text())
     (entry,) = [r for r in data["releases"] if r["id"] == orphan]
     assert entry["takeovers"] == 1 and entry["claim"]["pid"] == __import__("os").getpid()
-    entry["claim"].update(pid=999999999, boot="another-machine")  # owner elsewhere: unknown
-    led.path.write_text(json.dumps(data))
-    with pytest.raises(BudgetExceeded, match="in progress or was cut off"):
-        led.reserve(vote, math.inf, digest="D")
+    boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    for elsewhere in ("another-machine/pid:[1]", f"{boot}/pid:[1]"):  # another host; another container's PIDs
+        entry["claim"].update(pid=999999999, boot=elsewhere)  # a PID this process cannot see: unknown, not dead
+        led.path.write_text(json.dumps(data))
+        with pytest.raises(BudgetExceeded, match="in progress or was cut off"):
+            led.reserve(vote, math.inf, digest="D")
     led.confirm(orphan)
     assert [s["phase"] for s in led.run_statements("1")] == ["profile", "vote"]
     # DP-SGD is never taken over: its Poisson batches would be a fresh draw of a data-dependent crash.

@@ -3,6 +3,7 @@
 import dataclasses
 import math
 import time
+from pathlib import Path
 
 import pytest
 

@@ -1,0 +1,259 @@
+"""A table's rows as text and back (issue 25): the schema, serialisation and parsing.
+
+The generator learns rows as sentences, ``age is 54, sex is F, smoker is no``, with the column
+order permuted per record so that no order is learned as meaning. Generated text is parsed back
+into a typed row; text that does not parse, or breaks the schema (a missing or repeated column,
+an unknown category, a value out of its declared range), is a ``RowError`` with a fixed reason,
+counted by the caller and never written.
+
+The schema (names, types, categories, ranges) is public input: the run config or a schema file
+written by the people who run the study. It is never read off a node's records: a category
+that occurs only in one hospital's data, or a range's true maximum, would be an un-noised
+statistic. A value outside the schema on a node is clipped to its range, or its row left out
+(``serialise`` raises, the node decides), on the node.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+TYPES = ("categorical", "integer", "float", "date")
+SEP, IS = ", ", " is "
+# The reasons a generated text is not a row (fixed texts: counted per reason in metrics.json).
+NO_COLUMN, REPEATED, MISSING, UNKNOWN_CATEGORY, NOT_A_NUMBER, NOT_A_DATE, OUT_OF_RANGE = (
+    "no column", "repeated column", "missing column", "unknown category", "not a number", "not a date",
+    "out of range")
+
+
+class SchemaError(ValueError):
+    """A schema that cannot be used; the message names the column, the problem and the fix."""
+
+
+class RowError(ValueError):
+    """A text that is not a row of the schema; ``reason`` is one of the fixed reasons above."""
+
+    def __init__(self, reason: str, column: str = "") -> None:
+        super().__init__(f"{reason}: {column}" if column else reason)
+        self.reason, self.column = reason, column
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column: its name, type, and (public) categories or range."""
+
+    name: str
+    type: str
+    categories: tuple[str, ...] = ()
+    min: float | str | None = None  # a number, or an ISO date for a date column
+    max: float | str | None = None
+    decimals: int = 2  # floats are written with this many decimals
+
+    def write(self, value: Any) -> str:
+        """``value`` as the generator sees it; ``RowError`` when it is not in the schema."""
+        if self.type == "categorical":
+            text = str(value)
+            if text not in self.categories:
+                raise RowError(UNKNOWN_CATEGORY, self.name)
+            return text
+        if self.type == "date":
+            day = value if isinstance(value, dt.date) else _date(str(value), self.name)
+            self._check_range(day.isoformat())
+            return day.isoformat()
+        number = float(value)
+        if not math.isfinite(number):
+            raise RowError(NOT_A_NUMBER, self.name)
+        self._check_range(number)
+        return str(int(round(number))) if self.type == "integer" else f"{number:.{self.decimals}f}"
+
+    def read(self, text: str) -> Any:
+        """The typed value written as ``text``; ``RowError`` when it is not one of the schema's."""
+        text = text.strip()
+        if self.type == "categorical":
+            if text not in self.categories:
+                raise RowError(UNKNOWN_CATEGORY, self.name)
+            return text
+        if self.type == "date":
+            day = _date(text, self.name)
+            self._check_range(day.isoformat())
+            return day
+        try:
+            number = int(text) if self.type == "integer" else float(text)
+        except ValueError:
+            raise RowError(NOT_A_NUMBER, self.name) from None
+        if not math.isfinite(number):
+            raise RowError(NOT_A_NUMBER, self.name)
+        self._check_range(number)
+        return number
+
+    def _check_range(self, value: float | str) -> None:
+        # ISO dates compare as strings in calendar order
+        if (self.min is not None and value < self.min) or (self.max is not None and value > self.max):
+            raise RowError(OUT_OF_RANGE, self.name)
+
+
+@dataclass(frozen=True)
+class Schema:
+    """The table's columns, in their declared order (the order of the written table)."""
+
+    columns: tuple[Column, ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The column names, in order."""
+        return tuple(c.name for c in self.columns)
+
+    def column(self, name: str) -> Column:
+        """The column called ``name``."""
+        return next(c for c in self.columns if c.name == name)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The schema as JSON-ready data (``schema_from_dict`` reads it back)."""
+        out = []
+        for c in self.columns:
+            entry: dict[str, Any] = {"name": c.name, "type": c.type}
+            if c.categories:
+                entry["categories"] = list(c.categories)
+            entry.update({k: v for k, v in (("min", c.min), ("max", c.max)) if v is not None})
+            if c.type == "float":
+                entry["decimals"] = c.decimals
+            out.append(entry)
+        return {"columns": out}
+
+
+def schema_from_dict(data: Mapping[str, Any]) -> Schema:
+    """A ``Schema`` from ``{"columns": [{"name", "type", "categories" | "min"/"max", ...}]}``;
+    ``SchemaError`` naming the column and the fix for anything unusable."""
+    cols = data.get("columns") if isinstance(data, Mapping) else None
+    if not isinstance(cols, list) or not cols:
+        raise SchemaError('a table schema is {"columns": [{"name": ..., "type": ...}, ...]} with at least one column')
+    out: list[Column] = []
+    for i, c in enumerate(cols):
+        if not isinstance(c, Mapping) or not isinstance(c.get("name"), str) or not c["name"].strip():
+            raise SchemaError(f"column {i + 1}: needs a non-empty string 'name'")
+        name, kind = c["name"], c.get("type")
+        if SEP.strip() in name or IS.strip() in f" {name} ".split() or name != name.strip():
+            raise SchemaError(f"column {name!r}: a name may not contain ',' or the word 'is', nor start or end "
+                              "with a space (rows are written as 'name is value, ...'); rename it")
+        if kind not in TYPES:
+            raise SchemaError(f"column {name!r}: type {kind!r}; allowed: {', '.join(TYPES)}")
+        unknown = set(c) - {"name", "type", "categories", "min", "max", "decimals"}
+        if unknown:
+            raise SchemaError(f"column {name!r}: unknown keys {sorted(unknown)}")
+        categories = tuple(str(v) for v in c.get("categories", ()))
+        if kind == "categorical":
+            if not categories or len(set(categories)) != len(categories):
+                raise SchemaError(f"column {name!r}: a categorical column needs its distinct 'categories' listed "
+                                  "(public: never read off the nodes' records)")
+            if any(SEP in v or not v.strip() or v != v.strip() for v in categories):
+                raise SchemaError(f"column {name!r}: a category may not be empty, contain ', ' or start or end "
+                                  "with a space")
+        elif categories:
+            raise SchemaError(f"column {name!r}: only a categorical column has 'categories'")
+        lo, hi = c.get("min"), c.get("max")
+        if kind == "date":
+            try:
+                lo, hi = (None if v is None else _date(str(v), name).isoformat() for v in (lo, hi))
+            except RowError:
+                raise SchemaError(f"column {name!r}: 'min' and 'max' of a date column are ISO dates (2024-01-31)") from None
+        elif kind in ("integer", "float"):
+            try:
+                lo, hi = (None if v is None else float(v) for v in (lo, hi))
+            except (TypeError, ValueError):
+                raise SchemaError(f"column {name!r}: 'min' and 'max' must be numbers") from None
+        elif lo is not None or hi is not None:
+            raise SchemaError(f"column {name!r}: a categorical column has no 'min'/'max'")
+        if lo is not None and hi is not None and lo > hi:
+            raise SchemaError(f"column {name!r}: min {lo} > max {hi}")
+        decimals = c.get("decimals", 2)
+        if isinstance(decimals, bool) or not isinstance(decimals, int) or not 0 <= decimals <= 8:
+            raise SchemaError(f"column {name!r}: 'decimals' must be an integer from 0 to 8")
+        out.append(Column(name, kind, categories, lo, hi, decimals))
+    names = [c.name for c in out]
+    if len(set(names)) != len(names):
+        raise SchemaError(f"column names repeat: {sorted({n for n in names if names.count(n) > 1})}")
+    return Schema(tuple(out))
+
+
+def load_schema(value: str) -> Schema:
+    """The schema from a run-config value: inline JSON, or the path of a JSON file."""
+    text = value.strip()
+    if not text.startswith("{"):
+        path = Path(text).expanduser()
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as err:
+            raise SchemaError(f"table-schema {value!r}: cannot read the file ({err.strerror}); give a JSON file "
+                              "or inline JSON") from None
+    try:
+        return schema_from_dict(json.loads(text))
+    except json.JSONDecodeError as err:
+        raise SchemaError(f"table-schema is not valid JSON ({err.msg}, line {err.lineno})") from None
+
+
+def serialise(row: Mapping[str, Any], schema: Schema, rng: np.random.Generator) -> str:
+    """One record as text, its columns in an order drawn from ``rng``. ``RowError`` when a value
+    is not in the schema (the node leaves the row out, on the node)."""
+    order = rng.permutation(len(schema.columns))
+    return SEP.join(f"{schema.columns[i].name}{IS}{schema.columns[i].write(row[schema.columns[i].name])}"
+                    for i in order)
+
+
+def parse(text: str, schema: Schema) -> dict[str, Any]:
+    """The typed row written in ``text`` (any column order), keyed by the schema's names in
+    its order; ``RowError`` with a fixed reason when ``text`` is not exactly one row of it."""
+    marker = _marker(schema)
+    found = list(marker.finditer(text))
+    if not found or text[:found[0].start()].strip(" ,"):
+        raise RowError(NO_COLUMN)
+    values: dict[str, Any] = {}
+    for hit, nxt in zip(found, found[1:] + [None]):
+        name = hit.group("name")
+        if name in values:
+            raise RowError(REPEATED, name)
+        end = nxt.start() if nxt is not None else len(text)
+        raw = text[hit.end():end].strip()
+        if nxt is None and raw.endswith("."):  # a generated sentence may end with a full stop
+            try:
+                values[name] = schema.column(name).read(raw)
+                continue
+            except RowError:
+                raw = raw[:-1]
+        values[name] = schema.column(name).read(raw)
+    missing = [n for n in schema.names if n not in values]
+    if missing:
+        raise RowError(MISSING, missing[0])
+    return {n: values[n] for n in schema.names}
+
+
+def _marker(schema: Schema) -> re.Pattern[str]:
+    # "<name> is " at the start or after ", "; the longest names first so that "age group"
+    # is not read as "age" followed by text.
+    names = sorted(schema.names, key=len, reverse=True)
+    return re.compile(r"(?:^\s*|, )(?P<name>" + "|".join(re.escape(n) for n in names) + r") is ")
+
+
+def _date(text: str, column: str) -> dt.date:
+    try:
+        return dt.date.fromisoformat(text.strip())
+    except ValueError:
+        raise RowError(NOT_A_DATE, column) from None
+
+
+def parse_many(texts: Sequence[str], schema: Schema) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """(the rows that parse, how many texts failed per reason)."""
+    rows, failed = [], {}
+    for text in texts:
+        try:
+            rows.append(parse(text, schema))
+        except RowError as err:
+            failed[err.reason] = failed.get(err.reason, 0) + 1
+    return rows, failed

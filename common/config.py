@@ -10,10 +10,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
 
 from common.dp import BudgetSplit, paper_delta, split_budget
 from common.plugins import AGGREGATORS, FINETUNE_MODES, REFINEMENTS, is_class_path
+
+if TYPE_CHECKING:
+    from common.rows import Schema
 
 PROMPTS = ("code", "zero-shot")
 VOTERS = ("weak", "all")
@@ -42,6 +46,7 @@ class RunConfig:
     max_grad_norm: float = 1.0
     precision: str = "auto"  # auto: bf16 autocast where the device computes bf16 natively; fp32: never
     dataset: str = "bbc-news"
+    table_schema: str = ""  # a table run: the public schema, inline JSON or a JSON file ("" = a text column)
     text_column: str = "text"
     control_columns: tuple[str, ...] = ("topic",)
     control_codes: tuple[str, ...] = ()
@@ -151,6 +156,21 @@ class RunConfig:
         for key, ok, allowed in checks:
             if not ok:
                 raise ConfigError(_message(key, getattr(self, key.replace("-", "_")), allowed))
+        schema = self.schema()  # raises ConfigError for an unusable schema
+        if schema is not None:
+            from common.codes import CODE_FIELD_SEP, CODE_KV_SEP
+
+            for name in self.control_columns:
+                if name not in schema.names or schema.column(name).type != "categorical":
+                    raise ConfigError(_message("control-columns", ",".join(self.control_columns),
+                                               "categorical columns of table-schema "
+                                               f"({[c.name for c in schema.columns if c.type == 'categorical']})"))
+                if any(CODE_FIELD_SEP in v or CODE_KV_SEP in v for v in schema.column(name).categories):
+                    raise ConfigError(f"invalid run config: table-schema: the categories of control column {name!r} "
+                                      f"may not contain '{CODE_FIELD_SEP}' or '{CODE_KV_SEP}' (they are written into codes)")
+            if len(self.control_columns) == len(schema.columns):
+                raise ConfigError(_message("control-columns", ",".join(self.control_columns),
+                                           "fewer columns than table-schema has: the others are what is generated"))
         try:
             self.resolve_delta(num_records=2)
         except ValueError:
@@ -163,6 +183,10 @@ class RunConfig:
             raise ConfigError(_message("partitioning", self.partitioning, str(err))) from None
 
     # ----------------------------------------------------------------- derived
+    def schema(self) -> Schema | None:
+        """The table's public schema (``table-schema``), or None for a text run."""
+        return _schema(self.table_schema) if self.table_schema.strip() else None
+
     @property
     def private(self) -> bool:
         """False when ``epsilon = inf``: every mechanism is switched off."""
@@ -200,6 +224,21 @@ class RunConfig:
         if not 0 < value < 1:
             raise ValueError(f"delta must be in (0, 1), got {value}")
         return value
+
+
+@lru_cache(maxsize=8)
+def _schema(value: str) -> Schema:
+    from common.rows import SchemaError, load_schema
+
+    # Inline only: every node reads the run config, and a deployed node must never open a path
+    # the server chose. `fedsyn run` and `fedsyn plan` put a schema file's JSON here for you.
+    if not value.strip().startswith("{"):
+        raise ConfigError(f"invalid run config: table-schema = {value[:80]!r}; allowed: inline JSON "
+                          '{"columns": [...]}; `fedsyn run` and `fedsyn plan` read a schema file into it for you')
+    try:
+        return load_schema(value)
+    except SchemaError as err:
+        raise ConfigError(f"invalid run config: table-schema: {err}") from None
 
 
 def _message(key: str, value: Any, allowed: str) -> str:

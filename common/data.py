@@ -17,6 +17,7 @@ import itertools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
@@ -24,6 +25,9 @@ import pandas as pd
 from common.codes import make_code, parse_code
 from common.logs import get_logger
 from common.tables import load_table
+
+if TYPE_CHECKING:
+    from common.rows import Schema
 
 logger = get_logger(__name__)
 
@@ -78,13 +82,56 @@ class TextData:
         return [{TEXT_FIELD: t, CODE_FIELD: c} for t, c in zip(self.texts, self.codes)]
 
 
-def load_node_data(path: str, text_column: str, control_columns: Sequence[str]) -> TextData:
+def load_node_data(path: str, text_column: str, control_columns: Sequence[str], schema: Schema | None = None,
+                   seed: int = 0) -> TextData:
     """A deployed node's own records: its file (csv/jsonl/parquet) -> ``TextData``.
 
     ``path`` is anything ``load_table`` accepts (normally a local file named in the
-    SuperNode's ``--node-config``); columns are checked as in ``to_text_data``.
+    SuperNode's ``--node-config``); columns are checked as in ``to_text_data``, or, for a
+    table (``schema``), as in ``table_text_data``.
     """
-    return to_text_data(load_table(path), text_column, control_columns)
+    table = load_table(path)
+    if schema is not None:
+        return table_text_data(table, schema, control_columns, seed)
+    return to_text_data(table, text_column, control_columns)
+
+
+def table_text_data(df: pd.DataFrame, schema: Schema, control_columns: Sequence[str], seed: int = 0) -> TextData:
+    """A table's rows as records: the code from the control columns, the text the other
+    columns written as ``name is value, ...`` (``common.rows.serialise``) in an order drawn per
+    record from ``seed`` and the row's position (the same text for the same file, run after run).
+
+    Rows with a missing value, or a value outside the public schema (an unknown category, a
+    number out of its range), are left out, and only this process's log says how many.
+    Raises ValueError naming a missing column, or when no row is left.
+    """
+    from common.rows import RowError, Schema as _Schema, serialise
+
+    _check_control_columns(None, control_columns)
+    _check_columns(df, list(schema.names))
+    generated = _Schema(tuple(c for c in schema.columns if c.name not in control_columns))
+    texts, codes, dropped = [], [], 0
+    for i, row in enumerate(df[list(schema.names)].to_dict("records")):
+        try:
+            if any(pd.isna(v) for v in row.values()):
+                raise RowError("missing value")
+            code_values = {c: schema.column(c).write(row[c]) for c in control_columns}
+            texts.append(serialise(row, generated, np.random.default_rng([seed, i])))
+            codes.append(make_code(code_values, control_columns))
+        except (RowError, TypeError, ValueError):
+            dropped += 1
+    if dropped:
+        logger.warning("left out %d of %d rows: a missing value, or a value outside the table schema", dropped, len(df))
+    if not texts:
+        raise ValueError("no usable rows: every row has a missing value or one outside the table schema")
+    return TextData(texts, codes)
+
+
+def schema_vocabulary(schema: Schema, control_columns: Sequence[str]) -> list[str]:
+    """A table's code vocabulary: every combination of the control columns' declared categories
+    (public: the schema's, never the records')."""
+    per_column = [schema.column(c).categories for c in control_columns]
+    return [make_code(dict(zip(control_columns, combo)), control_columns) for combo in itertools.product(*per_column)]
 
 
 # ------------------------------------------------------------------ records and codes

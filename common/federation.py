@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from common.config import RunConfig
-from common.data import TextData, code_vocabulary, to_text_data
+from common.data import TextData, code_vocabulary, schema_vocabulary, table_text_data, to_text_data
 from common.partitioning import partition, train_test_split
 from common.tables import load_table
 from common.dp import STRONG, WEAK
@@ -38,10 +38,16 @@ class Benchmark:
 
 @lru_cache(maxsize=4)
 def _benchmark(dataset: str, text_column: str, control_columns: tuple[str, ...],
-               control_codes: tuple[str, ...], test_fraction: float, seed: int) -> Benchmark:
+               control_codes: tuple[str, ...], test_fraction: float, seed: int, table_schema: str) -> Benchmark:
     df = load_table(dataset)
-    vocabulary = code_vocabulary(df, list(control_columns), list(control_codes) or None)
-    data = to_text_data(df, text_column, list(control_columns))
+    if table_schema:
+        schema = RunConfig(table_schema=table_schema, control_columns=control_columns).schema()
+        vocabulary = (code_vocabulary(df, list(control_columns), list(control_codes)) if control_codes
+                      else schema_vocabulary(schema, control_columns))
+        data = table_text_data(df, schema, control_columns, seed)
+    else:
+        vocabulary = code_vocabulary(df, list(control_columns), list(control_codes) or None)
+        data = to_text_data(df, text_column, list(control_columns))
     train, test = train_test_split(data, test_fraction, seed)
     return Benchmark(vocabulary, train, test)
 
@@ -49,7 +55,7 @@ def _benchmark(dataset: str, text_column: str, control_columns: tuple[str, ...],
 def benchmark(cfg: RunConfig) -> Benchmark:
     """Load (once per process) the configured dataset, its vocabulary and test split."""
     return _benchmark(cfg.dataset, cfg.text_column, cfg.control_columns, cfg.control_codes,
-                      cfg.test_fraction, cfg.seed)
+                      cfg.test_fraction, cfg.seed, cfg.table_schema)
 
 
 @lru_cache(maxsize=8)

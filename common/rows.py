@@ -183,6 +183,11 @@ def schema_from_dict(data: Mapping[str, Any]) -> Schema:
     return Schema(tuple(out))
 
 
+def canonical(schema: Schema | None) -> str:
+    """One string per schema ("" for none): what a node compares with its own policy's."""
+    return "" if schema is None else json.dumps(schema.to_dict(), sort_keys=True, separators=(",", ":"))
+
+
 def load_schema(value: str) -> Schema:
     """The schema from a run-config value: inline JSON, or the path of a JSON file."""
     text = value.strip()

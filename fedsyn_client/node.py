@@ -23,6 +23,7 @@ from typing import Any
 from common.config import RunConfig
 from common.data import TextData, dataset_fingerprint, load_node_data
 from common.logs import get_logger
+from common.rows import canonical, load_schema
 from fedsyn_client import refusals
 from fedsyn_client.ledger import PrivacyLedger
 from fedsyn_client.policy import NodePolicy, PolicyError, is_simulated, policy_from_node_config, simulation_policy
@@ -129,7 +130,7 @@ def _policy(run_id: str, node_config_items: tuple[tuple[str, str], ...], cfg: Ru
         tier=simulation_tiers(num, cfg.strong_fraction)[pid], epsilon=cfg.epsilon,
         delta=cfg.resolve_delta(len(bench.train)), text_column=cfg.text_column,
         control_columns=cfg.control_columns, vocabulary=bench.vocabulary, state_dir=state, partition=(pid, num),
-        model=cfg.model, embedder=cfg.embedder, finetune=cfg.finetune,
+        model=cfg.model, embedder=cfg.embedder, finetune=cfg.finetune, table_schema=canonical(cfg.schema()),
     )
 
 
@@ -141,7 +142,8 @@ def _open(policy: NodePolicy, sim_cfg: RunConfig | None) -> Node:
         data = simulation_node_data(sim_cfg, *policy.partition)[1]
     else:
         try:
-            data = load_node_data(policy.data_path, policy.text_column, list(policy.control_columns))
+            schema = load_schema(policy.table_schema) if policy.table_schema else None
+            data = load_node_data(policy.data_path, policy.text_column, list(policy.control_columns), schema)
         except (OSError, ValueError, KeyError) as err:
             # The detail (file, line, field counts) is for the node's log; the server gets DATA.
             raise NodeSetupError(f"data unavailable: data-path {policy.data_path!r} cannot be used: "

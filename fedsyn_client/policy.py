@@ -10,6 +10,7 @@ a node's records can lose, and what runs on them, comes from here, never from th
 | data              | ``data-path``                           | the node's partition             |
 | text column       | ``text-column`` (default ``text``)      | run config ``text-column``       |
 | control columns   | ``control-columns`` (default ``topic``) | run config ``control-columns``   |
+| table schema      | ``table-schema`` (a table: JSON or file) | run config ``table-schema``     |
 | vocabulary        | ``control-codes`` (optional, pins it)   | the benchmark's vocabulary       |
 | total epsilon     | ``epsilon`` (**required**)              | run config ``epsilon``           |
 | largest delta     | ``delta`` (default 1e-5)                | the run's resolved ``delta``     |
@@ -52,7 +53,7 @@ DEFAULT_DELTA = 1e-5
 DEFAULT_MODELS = ("smollm2-135m", "tiny-gpt2")
 DEFAULT_EMBEDDERS = ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2")
 DEFAULT_FINETUNE = FINETUNE_MODES
-NODE_KEYS = ("tier", "data-path", "text-column", "control-columns", "control-codes", "epsilon", "delta",
+NODE_KEYS = ("tier", "data-path", "text-column", "control-columns", "table-schema", "control-codes", "epsilon", "delta",
              "max-epsilon-train", "max-epsilon-profile", "max-epsilon-vote", "cap-window-days", "model", "embedder",
              "finetune", "state-dir", "ledger-id", "audit-dir", "policy-file")
 SIMULATION_KEYS = ("partition-id", "num-partitions")  # set by Flower's simulation engine
@@ -90,6 +91,7 @@ class Ask:
     model: str = ""
     embedder: str = ""
     finetune: str = ""
+    table_schema: str = ""  # common.rows.canonical of the run's table schema; "" = a text column
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,7 @@ class NodePolicy:
     text_column: str = "text"
     control_columns: tuple[str, ...] = ("topic",)
     control_codes: tuple[str, ...] = ()  # () = accept the server's public vocabulary
+    table_schema: str = ""  # common.rows.canonical of the node's table schema; "" = a text column
     data_path: str = ""  # "" in simulation (the partition comes from the run config)
     state_dir: str = ""
     ledger_id: str = ""
@@ -126,7 +129,12 @@ class NodePolicy:
         that this tier takes part in it, its per-phase cap, and the models it would run (training:
         the generator and finetune mode; votes: the embedder). Nothing here reads a record.
         """
-        if ask.text_column != self.text_column or tuple(ask.control_columns) != self.control_columns:
+        if ask.table_schema != self.table_schema:  # a table's view is every column of its schema
+            raise PolicyRefused(RULE_COLUMNS, (
+                f"the run asks for table-schema {ask.table_schema[:200] or '(none: a text column)'}, but this "
+                f"node's policy is {self.table_schema[:200] or '(none: a text column)'} (node-config table-schema)"))
+        text_differs = not self.table_schema and ask.text_column != self.text_column
+        if text_differs or tuple(ask.control_columns) != self.control_columns:
             raise PolicyRefused(RULE_COLUMNS, (
                 f"the run asks for text-column={ask.text_column!r} control-columns={','.join(ask.control_columns)!r}, "
                 f"but this node's policy is text-column={self.text_column!r} "
@@ -239,13 +247,26 @@ def policy_from_node_config(node_config: Mapping[str, Any]) -> NodePolicy:
     if bad:
         raise PolicyError(f"node-config finetune = {','.join(models['finetune'])!r}: {bad} is not a finetune mode; "
                           f"allowed: {','.join(DEFAULT_FINETUNE)}")
+    table_schema = ""
+    if str(values.get("table-schema", "")).strip():
+        from common.rows import SchemaError, canonical, load_schema
+
+        try:
+            schema = load_schema(str(values["table-schema"]))
+        except SchemaError as err:
+            raise PolicyError(f"node-config table-schema: {err}") from None
+        bad_columns = [c for c in columns if c not in schema.names or schema.column(c).type != "categorical"]
+        if bad_columns:
+            raise PolicyError(f"node-config control-columns {bad_columns} are not categorical columns of its "
+                              "table-schema")
+        table_schema = canonical(schema)
     codes = _names(values.get("control-codes", ""))
     notes = () if codes else (
         "node-config control-codes is not set: this node accepts the server's public vocabulary and drops "
         "records whose code is not in it; set control-codes to pin the vocabulary",)
     return NodePolicy(
         tier=tier, epsilon=epsilon, delta=delta, text_column=text_column, control_columns=columns,
-        control_codes=codes, data_path=data_path, state_dir=str(values.get("state-dir", "")),
+        control_codes=codes, table_schema=table_schema, data_path=data_path, state_dir=str(values.get("state-dir", "")),
         ledger_id=str(values.get("ledger-id", "")), phase_caps=tuple(caps), cap_window_days=window,
         models=models["model"], embedders=models["embedder"], finetune_modes=models["finetune"], warnings=notes,
     )
@@ -253,11 +274,13 @@ def policy_from_node_config(node_config: Mapping[str, Any]) -> NodePolicy:
 
 def simulation_policy(tier: str, epsilon: float, delta: float, text_column: str,
                       control_columns: Sequence[str], vocabulary: Sequence[str], state_dir: str,
-                      partition: tuple[int, int], model: str, embedder: str, finetune: str) -> NodePolicy:
+                      partition: tuple[int, int], model: str, embedder: str, finetune: str,
+                      table_schema: str = "") -> NodePolicy:
     """The policy of a simulated node: built from the run config, since no institution exists
-    (its models are the run's own)."""
+    (its models and table schema are the run's own)."""
     return NodePolicy(tier=tier, epsilon=epsilon, delta=delta, text_column=text_column,
                       control_columns=tuple(control_columns), control_codes=tuple(vocabulary),
+                      table_schema=table_schema,
                       state_dir=state_dir, simulated=True, partition=tuple(partition),
                       models=(model,), embedders=(embedder,), finetune_modes=(finetune,))
 

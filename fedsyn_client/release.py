@@ -38,6 +38,7 @@ from common import records as R
 from common.config import ConfigError, RunConfig
 from common.dp import GAUSSIAN, PHASES, analytic_gaussian_sigma, gaussian_release, phase_epsilon
 from common.logs import get_logger
+from common.rows import canonical
 from fedsyn_client.ledger import Release
 from fedsyn_client.node import Node
 from fedsyn_client.policy import Ask, NodePolicy
@@ -96,7 +97,8 @@ def authorise(msg: Message, context: Context, policy: NodePolicy, cfg: RunConfig
         planned = {kind: needs[kind]}
     policy.authorise(Ask(text_column=cfg.text_column, control_columns=cfg.control_columns, epsilon=cfg.epsilon,
                          vocabulary=vocabulary, phases=tuple(planned.items()), delta=conf.get("delta"),
-                         model=cfg.model, embedder=cfg.embedder, finetune=cfg.finetune))
+                         model=cfg.model, embedder=cfg.embedder, finetune=cfg.finetune,
+                         table_schema=canonical(cfg.schema())))
     if kind == TIER:
         return Request(run_id=key, phase=TIER, epsilon=float(sum(planned.values())), delta=0.0, phase_budget=0.0,
                        vocabulary=vocabulary, params=conf, needs=planned)

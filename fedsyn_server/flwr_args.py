@@ -9,6 +9,7 @@ with Flower's own parser for ``--run-config`` (key=value pairs, or one TOML file
 
 from __future__ import annotations
 
+import json
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from common.tables import names_a_file
 
 RUN_CONFIG_FLAGS = ("--run-config", "-c")
 OPTIONS_WITH_VALUE = ("--federation", "--federation-config", "--format", *RUN_CONFIG_FLAGS)
-PATH_KEYS = ("out-dir", "resume", "dataset")
+PATH_KEYS = ("out-dir", "resume", "dataset", "table-schema")
 
 
 def positionals(args: list[str]) -> list[str]:
@@ -81,17 +82,24 @@ def effective_run_config(args: list[str]) -> dict[str, Any]:
 
 def relative_paths(config: dict[str, Any], cwd: Path) -> dict[str, str]:
     """``key -> absolute path`` for every path in ``config`` that is relative (``dataset`` only when
-    it names a local file, not ``bbc-news`` or a hub id)."""
+    it names a local file, not ``bbc-news`` or a hub id), and ``table-schema`` -> the JSON of the
+    file it names (the run config carries a schema inline: see ``common.config``)."""
     out = {}
     for key in PATH_KEYS:
         value = config.get(key)
         if not isinstance(value, str) or not value.strip():
             continue
-        if key == "dataset" and not names_a_file(value):
-            continue
+        if key == "dataset" and not names_a_file(value) or key == "table-schema" and value.strip().startswith("{"):
+            continue  # a dataset name or hub id; an inline schema
         path = Path(value.strip()).expanduser()
-        if not path.is_absolute():
-            out[key] = str((cwd / path).resolve())
+        absolute = path if path.is_absolute() else (cwd / path).resolve()
+        if key == "table-schema":  # sent inline: a node never reads a path the run config names
+            try:
+                out[key] = json.dumps(json.loads(absolute.read_text(encoding="utf-8")), separators=(",", ":"))
+            except (OSError, ValueError):
+                pass  # left as it is: the run config's check says what is wrong with it
+        elif absolute != path:
+            out[key] = str(absolute)
     return out
 
 

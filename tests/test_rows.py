@@ -106,3 +106,80 @@ def test_the_schema_comes_from_inline_json_or_a_file_and_round_trips(schema, tmp
         R.load_schema(str(tmp_path / "missing.json"))
     with pytest.raises(R.SchemaError, match="not valid JSON"):
         R.load_schema("{columns: x}")
+
+
+# ----------------------------------------------------------------- a table's rows as records
+def _frame():
+    import pandas as pd
+
+    return pd.DataFrame([
+        {"age": 54, "age group": "old", "sex": "F", "income": 31250.0, "admitted": "2023-05-17"},
+        {"age": 23, "age group": "young", "sex": "M", "income": 12.5, "admitted": "2021-01-02"},
+        {"age": 40, "age group": "old", "sex": "X", "income": 1.0, "admitted": "2021-01-02"},  # not in the schema
+        {"age": 140, "age group": "old", "sex": "M", "income": 1.0, "admitted": "2021-01-02"},  # out of range
+        {"age": 33, "age group": None, "sex": "M", "income": 1.0, "admitted": "2021-01-02"},  # missing
+    ])
+
+
+def test_table_records_carry_the_code_and_write_the_other_columns_in_a_per_record_order(schema):
+    from common.data import schema_vocabulary, table_text_data
+
+    data = table_text_data(_frame(), schema, ["sex"], seed=3)
+    assert data.codes == ["sex=F", "sex=M"]  # the rows outside the schema are left out, on the node
+    generated = R.Schema(tuple(c for c in schema.columns if c.name != "sex"))
+    assert [R.parse(t, generated) for t in data.texts] == [
+        {"age": 54, "age group": "old", "income": 31250.0, "admitted": dt.date(2023, 5, 17)},
+        {"age": 23, "age group": "young", "income": 12.5, "admitted": dt.date(2021, 1, 2)}]
+    assert "sex is" not in " ".join(data.texts)  # the code carries it
+    assert table_text_data(_frame(), schema, ["sex"], seed=3) == data  # the same file, the same texts
+    orders = {t.split(" is ")[0] for seed in range(12) for t in table_text_data(_frame(), schema, ["sex"], seed).texts}
+    assert len(orders) > 1
+    assert schema_vocabulary(schema, ["age group", "sex"]) == [
+        "age group=young|sex=F", "age group=young|sex=M", "age group=old|sex=F", "age group=old|sex=M"]
+
+
+def test_the_vocabulary_and_the_view_come_from_the_schema_never_from_the_records(schema):
+    """A category only one node's records have (``X``) changes neither the vocabulary nor what
+    the node can release: its rows are left out, as rows of a code outside the vocabulary are."""
+    from common.data import schema_vocabulary, table_text_data
+
+    with_x = table_text_data(_frame(), schema, ["sex"])
+    without_x = table_text_data(_frame().drop(index=2), schema, ["sex"])
+    assert with_x == without_x and schema_vocabulary(schema, ["sex"]) == ["sex=F", "sex=M"]
+
+
+def test_a_node_serves_only_its_own_schema(schema, tmp_path):
+    """The run's schema is an ask: a deployed node compares it with the schema in its node config
+    and refuses any other (another column, another category, another range) before reading data."""
+    from fedsyn_client.policy import Ask, PolicyRefused, policy_from_node_config
+
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(SCHEMA))
+    policy = policy_from_node_config({"tier": "weak", "data-path": "x.csv", "epsilon": 8, "control-columns": "sex",
+                                      "table-schema": str(path)})
+    ask = dict(text_column="text", control_columns=("sex",), epsilon=8.0, vocabulary=("sex=F", "sex=M"),
+               phases=(("profile", 2.0),))
+    policy.authorise(Ask(**ask, table_schema=R.canonical(schema)))
+    wider = json.loads(json.dumps(SCHEMA))
+    wider["columns"][0]["max"] = 120  # a wider range: a record the node left out would now be read
+    other = [wider, {"columns": SCHEMA["columns"] + [{"name": "zip", "type": "integer"}]}, None]
+    for asked in other:
+        with pytest.raises(PolicyRefused) as err:
+            policy.authorise(Ask(**ask, table_schema=R.canonical(R.schema_from_dict(asked)) if asked else ""))
+        assert err.value.reply == "refused: policy: columns not allowed"
+
+
+def test_the_run_config_carries_a_schema_inline_only(schema, tmp_path):
+    """A deployed node reads the run config: it must never open a path the server chose."""
+    from common.config import ConfigError, RunConfig
+    from fedsyn_server.flwr_args import relative_paths
+
+    inline = json.dumps(SCHEMA)
+    assert RunConfig.from_flower({"table-schema": inline, "control-columns": "sex"}).schema() == schema
+    (tmp_path / "s.json").write_text(inline)
+    with pytest.raises(ConfigError, match="inline JSON"):
+        RunConfig.from_flower({"table-schema": str(tmp_path / "s.json"), "control-columns": "sex"})
+    fixed = relative_paths({"table-schema": "s.json"}, tmp_path)  # what fedsyn run sends instead
+    assert RunConfig.from_flower({**fixed, "control-columns": "sex"}).schema() == schema
+    with pytest.raises(ConfigError, match="categorical columns of table-schema"):
+        RunConfig.from_flower({"table-schema": inline, "control-columns": "income"})

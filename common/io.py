@@ -109,6 +109,13 @@ def atomic_write_csv(path: str | Path, rows: Iterable[dict], fieldnames: list[st
     return atomic_write_text(path, buf.getvalue())
 
 
+def atomic_write_frame(path: str | Path, frame: Any) -> Path:
+    """Write a pandas DataFrame as ``.parquet`` or ``.csv`` (by ``path``'s suffix), atomically."""
+    if Path(path).suffix == ".parquet":
+        return _atomic_write(path, lambda fh: frame.to_parquet(fh, index=False), binary=True)
+    return atomic_write_text(path, frame.to_csv(index=False))
+
+
 def read_jsonl(path: str | Path) -> list[Any]:
     """The objects of a JSONL file, one per non-empty line. Lines are split on ``\\n`` only
     (not ``str.splitlines``), so files whose text holds a raw U+2028 still read correctly.

@@ -253,6 +253,18 @@ def _date(text: str, column: str) -> dt.date:
         raise RowError(NOT_A_DATE, column) from None
 
 
+def generated_part(schema: Schema, control_columns: Sequence[str]) -> Schema:
+    """The columns a record's text holds: all but the control columns (its code carries those)."""
+    return Schema(tuple(c for c in schema.columns if c.name not in control_columns))
+
+
+def record_row(text: str, code_values: Mapping[str, str], schema: Schema) -> dict[str, Any]:
+    """The full typed row of a record: its text's columns and its code's, in the schema's order."""
+    values = {**parse(text, generated_part(schema, list(code_values))),
+              **{c: schema.column(c).read(v) for c, v in code_values.items()}}
+    return {n: values[n] for n in schema.names}
+
+
 def parse_many(texts: Sequence[str], schema: Schema) -> tuple[list[dict[str, Any]], dict[str, int]]:
     """(the rows that parse, how many texts failed per reason)."""
     rows, failed = [], {}

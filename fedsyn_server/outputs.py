@@ -3,6 +3,7 @@
 | file | what |
 |---|---|
 | ``synthetic.jsonl`` | the final set: ``text``, ``control_code`` and one field per control column |
+| ``synthetic.parquet``, ``synthetic.csv`` | a table run: the final set as the typed table, the schema's columns in its order |
 | ``pool.jsonl`` | the refinement's final population (for knn-vote: the generated pool) with its aggregated noisy votes and whether it was kept |
 | ``refinement_rounds.jsonl`` | for methods with several rounds (``pe``, ``popri``): every text each round saw, with its aggregated noisy score and the method's columns (PE: ``survived``, ``children``; POPri: ``role`` chosen / rejected) |
 | ``profile.json`` | vocabulary, each node's noisy profile, the global profile, the allocation |
@@ -17,15 +18,21 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from common.codes import parse_code
 from common.config import RunConfig
-from common.io import atomic_folder, atomic_write_json, atomic_write_jsonl
+from common.io import atomic_folder, atomic_write_frame, atomic_write_json, atomic_write_jsonl
+from common.logs import get_logger
 from fedsyn_server.privacy_report import privacy_report
 from strategies.result import FedSynResult
+
+if TYPE_CHECKING:
+    from common.rows import Schema
+
+log = get_logger(__name__)
 
 
 def write_outputs(run_dir: Path, cfg: RunConfig, vocabulary: list[str], res: FedSynResult) -> dict[str, Path]:
@@ -57,6 +64,9 @@ def write_outputs(run_dir: Path, cfg: RunConfig, vocabulary: list[str], res: Fed
         }),
         "config": atomic_write_json(run_dir / "config.json", cfg.to_flower()),
     }
+    schema = cfg.schema()
+    if schema is not None:
+        paths.update(write_table(run_dir, schema, [(res.pool_texts[i], res.pool_codes[i]) for i in sorted(selected)]))
     if res.refinement_history:
         paths["refinement_rounds"] = atomic_write_jsonl(run_dir / "refinement_rounds.jsonl", [
             {"round": r["round"], **text_row(r["text"], r["control_code"]),
@@ -70,6 +80,24 @@ def text_row(text: str, code: str) -> dict[str, str]:
     """One output row: ``text``, ``control_code`` and one field per control column (every text file
     a run writes, synthetic or held-out, has these columns)."""
     return {"text": text, "control_code": code, **parse_code(code)}
+
+
+def write_table(run_dir: Path, schema: Schema, records: list[tuple[str, str]]) -> dict[str, Path]:
+    """A table run's final set as ``synthetic.parquet`` and ``synthetic.csv``: each record's row
+    (``common.rows.record_row``), typed by the schema. Generation kept only texts that parse, so a
+    record that does not (a refinement's own text) is a bug: it is left out and logged, never written."""
+    import pandas as pd
+
+    from common.rows import RowError, record_row
+
+    rows = []
+    for text, code in records:
+        try:
+            rows.append(record_row(text, parse_code(code), schema))
+        except RowError as err:
+            log.error("a final text is not a row of the table schema (%s); left out of the table", err.reason)
+    frame = pd.DataFrame(rows, columns=list(schema.names))
+    return {f"table_{kind}": atomic_write_frame(run_dir / f"synthetic.{kind}", frame) for kind in ("parquet", "csv")}
 
 
 def save_model(model: Any, run_dir: Path) -> Path:

@@ -17,9 +17,10 @@ from common.config import RunConfig
 from common.data import TextData
 from common.devices import to_device
 from common.models import load_generator
+from common.rows import generated_part
 from common.weights import load_trainable_state, prepare_model, trainable_state
 from fedsyn_server.generation import generate_samples
-from fedsyn_server.text_quality import trim_cut, unusable
+from fedsyn_server.text_quality import first_line, trim_cut, unusable, unusable_row
 from strategies.refinement import Generator
 
 log = get_logger("fedsyn")
@@ -35,6 +36,8 @@ class ServerModel(Generator):
         model, self.tokenizer = load_generator(cfg.model, seed=cfg.seed)
         self.model = prepare_model(model, cfg.finetune, cfg.lora_rank, seed=cfg.seed)
         self._report: dict[str, Any] = {}
+        schema = cfg.schema()
+        self.row_schema = None if schema is None else generated_part(schema, cfg.control_columns)
 
     def initial_arrays(self) -> ArrayRecord:
         """theta^0: the trainable weights every strong node starts round 1 from."""
@@ -73,7 +76,11 @@ class ServerModel(Generator):
             again = []
             for i, (text, hit_limit) in zip(todo, samples):
                 text = trim_cut(text, hit_limit)
-                why = unusable(text, prompts[i])
+                if self.row_schema is not None:  # a table: the text is one row, or it is asked again
+                    text = first_line(text)
+                    why = unusable_row(text, self.row_schema)
+                else:
+                    why = unusable(text, prompts[i])
                 if why is None:
                     texts[i] = text
                 else:

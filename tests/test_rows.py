@@ -226,3 +226,18 @@ def test_the_final_set_is_written_as_a_typed_table(schema, tmp_path):
     assert table["age"].tolist() == [40, 41] and table["sex"].tolist() == ["F", "M"]
     assert table["admitted"].tolist() == [dt.date(2022, 2, 2)] * 2 and table["income"].dtype == float
     assert pd.read_csv(paths["table_csv"])["age group"].tolist() == ["old", "old"]
+
+
+def test_the_breast_cancer_preset_is_a_table_run_of_public_schema_and_shipped_data():
+    import tomllib
+
+    from common.config import RunConfig
+    from common.federation import benchmark
+    from fedsyn_server.flwr_runner import APP_DIR
+
+    cfg = RunConfig.from_flower(tomllib.loads((APP_DIR / "presets" / "table-breast-cancer.toml").read_text()))
+    bench = benchmark(cfg)
+    assert bench.vocabulary == ["diagnosis=malignant", "diagnosis=benign"]  # the schema's order, not counted
+    assert len(bench.train) + len(bench.test) == 569  # every row is inside the schema's ranges
+    generated = R.generated_part(cfg.schema(), cfg.control_columns)
+    assert all(set(R.parse(t, generated)) == set(generated.names) for t in bench.train.texts)

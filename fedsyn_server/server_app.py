@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
@@ -130,8 +131,38 @@ def evaluate_run(run_dir: Path, cfg: RunConfig, result: FedSynResult, bench: Ben
     except Exception as err:  # noqa: BLE001 - the synthetic set is written already
         log.error("evaluation against the held-out split failed: %s", err)
         return
+    schema = cfg.schema()
+    if schema is not None:
+        try:
+            scores["table"] = table_scores(cfg, schema, [result.pool_texts[i] for i in final],
+                                           [result.pool_codes[i] for i in final], bench)
+        except Exception as err:  # noqa: BLE001 - as above
+            log.error("the table evaluation failed: %s", err)
     write_evaluation(run_dir / EVALUATION_FILE, scores)
     log.info("evaluation against %d held-out records:\n%s", len(bench.test), format_report(scores))
+
+
+def table_scores(cfg: RunConfig, schema: Any, texts: list[str], codes: list[str], bench: Benchmark) -> dict[str, Any]:
+    """A table run's final rows against the held-out rows (``evaluation.tables``): fidelity,
+    dependence, efficacy of the first control column, and (the benchmark's training rows being
+    public in a simulation) the distance to the closest training record."""
+    import pandas as pd
+
+    from common.codes import parse_code
+    from common.rows import RowError, record_row
+    from fedsyn_server.evaluation.tables import evaluate_table
+
+    def frame(ts: list[str], cs: list[str]) -> pd.DataFrame:
+        rows = []
+        for t, c in zip(ts, cs):
+            try:
+                rows.append(record_row(t, parse_code(c), schema))
+            except RowError:
+                continue
+        return pd.DataFrame(rows, columns=list(schema.names))
+
+    return evaluate_table(frame(texts, codes), frame(bench.test.texts, bench.test.codes), schema,
+                          cfg.control_columns[0], real_train=frame(bench.train.texts, bench.train.codes), seed=cfg.seed)
 
 
 class RunFailed(RuntimeError):

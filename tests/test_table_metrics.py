@@ -66,3 +66,24 @@ def test_the_whole_evaluation_is_json_ready():
     out = T.evaluate_table(_frame(200, 8), _frame(100, 9), SCHEMA, "sex", real_train=_frame(200, 10))
     assert json.loads(json.dumps(out))["efficacy"]["target"] == "sex"
     assert 0 <= out["column_fidelity_mean"] <= 1 and 0 <= out["pair_dependence_mean"] <= 1
+
+
+def test_fedsyn_evaluate_scores_two_table_files_and_counts_rows_outside_the_schema(tmp_path, capsys):
+    import json
+
+    from fedsyn_server.cli import main
+
+    syn, real = _frame(120, 11), _frame(80, 12)
+    syn.loc[0, "sex"] = "X"  # not a row of the schema: left out and counted
+    syn.to_csv(tmp_path / "syn.csv", index=False)
+    real.to_parquet(tmp_path / "real.parquet", index=False)
+    (tmp_path / "schema.json").write_text(json.dumps(SCHEMA.to_dict()))
+    assert main(["evaluate", "--synthetic", str(tmp_path / "syn.csv"), "--real", str(tmp_path / "real.parquet"),
+                 "--schema", str(tmp_path / "schema.json")]) == 0
+    out = json.loads((tmp_path / "syn.evaluation.json").read_text())
+    assert out["rows_outside_schema"] == {"synthetic": 1, "real": 0}
+    assert out["table"]["n_synthetic"] == 119 and out["table"]["efficacy"]["target"] == "sex"
+    assert out["table"]["efficacy"]["synthetic"]["accuracy"] > 0.9
+    assert main(["evaluate", "--synthetic", str(tmp_path / "syn.csv"), "--real", str(tmp_path / "real.parquet"),
+                 "--schema", str(tmp_path / "schema.json"), "--target", "x"]) == 2
+    assert "must be a categorical column" in capsys.readouterr().err

@@ -257,6 +257,6 @@ def write_evaluation(path: str | Path, result: dict[str, Any]) -> Path:
             current = json.loads(path.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ValueError(f"{path} exists and is not an evaluation; choose another output file") from err
-        if not isinstance(current, dict) or "utility" not in current:
+        if not isinstance(current, dict) or not ("utility" in current or "table" in current):
             raise ValueError(f"{path} exists and is not an evaluation; choose another output file")
     return atomic_write_json(path, result)

@@ -149,3 +149,44 @@ def evaluate_table(syn: pd.DataFrame, test: pd.DataFrame, schema: Schema, target
         "efficacy": efficacy(syn, test, schema, target, real_train, seed),
         "closest_record": closest_record(syn, real_train, test, schema) if real_train is not None else None,
     }
+
+
+def table_rows(frame: pd.DataFrame, schema: Schema) -> tuple[pd.DataFrame, int]:
+    """The rows of ``frame`` that are rows of ``schema`` (typed by it), and how many were not."""
+    from common.rows import RowError
+
+    def cell(value: Any, kind: str) -> str:  # a file's value as the text the schema reads
+        if kind == "date" and hasattr(value, "isoformat"):
+            return (value.date() if hasattr(value, "date") else value).isoformat()
+        if kind == "integer" and isinstance(value, float) and value.is_integer():
+            return str(int(value))  # a CSV column with a gap reads as floats
+        return str(value)
+
+    rows, bad = [], 0
+    for raw in frame.to_dict("records"):
+        try:
+            rows.append({c.name: c.read(cell(raw[c.name], c.type)) for c in schema.columns})
+        except (KeyError, RowError):
+            bad += 1
+    return pd.DataFrame(rows, columns=list(schema.names)), bad
+
+
+def evaluate_table_files(synthetic: str, real: str, schema: Schema, target: str, real_train: str | None = None,
+                         seed: int = 0) -> dict[str, Any]:
+    """``evaluate_table`` on files (CSV / JSONL / Parquet, e.g. a run's ``synthetic.parquet``);
+    rows outside ``schema`` are left out and counted (``rows_outside_schema``)."""
+    from common.tables import load_table
+
+    if target not in schema.names or schema.column(target).type != "categorical":
+        raise ValueError(f"--target {target!r} must be a categorical column of the schema "
+                         f"({[c.name for c in schema.columns if c.type == 'categorical']})")
+    frames, outside = {}, {}
+    for name, path in (("synthetic", synthetic), ("real", real), ("real_train", real_train)):
+        if path:
+            frames[name], outside[name] = table_rows(load_table(path), schema)
+            if frames[name].empty:
+                raise ValueError(f"{path}: no row is a row of the schema ({outside[name]} rows outside it); "
+                                 "check the column names, categories and ranges")
+    return {"synthetic": synthetic, "real": real, "rows_outside_schema": outside,
+            "table": evaluate_table(frames["synthetic"], frames["real"], schema, target, frames.get("real_train"),
+                                    seed)}

@@ -125,8 +125,24 @@ def with_absolute_paths(args: list[str], cwd: Path, scratch: Path) -> list[str]:
         copy.write_text(tomli_w.dumps({**tomllib.loads(Path(value).read_text()), **fixed}))
         args[pos] = f"--run-config={copy}" if args[pos].startswith("--run-config=") else str(copy)
         return args
-    return args + ["--run-config", " ".join(f'{k}="{_toml_escape(v)}"' for k, v in fixed.items())]
+    return args + ["--run-config", " ".join(f"{k}={toml_value(v)}" for k, v in fixed.items())]
 
 
-def _toml_escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"')
+def toml_value(v: object) -> str:
+    """A Python value as a TOML literal that ``flwr run --run-config 'key=value ...'`` reads whole.
+
+    Flower cuts the pairs with a pattern that ends a double-quoted value at its first ``"``, so a
+    string holding ``"`` (an inline table schema's JSON) goes in single quotes (a TOML literal
+    string). One holding both quote kinds, or a line break, cannot be a pair: put it in a TOML
+    file (``--run-config file.toml``)."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v) if v == v and v not in (float("inf"), float("-inf")) else ("inf" if v > 0 else "-inf")
+    text = str(v)
+    if '"' not in text:
+        return json.dumps(text)  # a JSON string is a valid TOML basic string (same escapes)
+    if "'" in text or "\n" in text or "\r" in text:
+        raise ValueError(f"a run-config value holding both quote kinds or a line break cannot be passed as "
+                         f"key=value ({text[:60]!r}...); put it in a TOML file and pass --run-config file.toml")
+    return f"'{text}'"

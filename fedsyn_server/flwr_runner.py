@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from fedsyn_server.flwr_args import toml_value  # noqa: F401 - run_app's pairs; tests import it here
+
 APP_DIR = Path(__file__).resolve().parents[1]  # the project root (this app)
 _RUN_DIR = re.compile(r"outputs go to (\S+)")
 _STARTED = re.compile(r"Successfully started run (\d+)")
@@ -248,12 +250,3 @@ def alive(pid: int) -> bool:
         return state != "Z"
     except (OSError, IndexError):
         return False
-
-
-def toml_value(v: object) -> str:
-    """A Python value as a TOML literal for ``--run-config``."""
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v) if v == v and v not in (float("inf"), float("-inf")) else ("inf" if v > 0 else "-inf")
-    return json.dumps(str(v))  # a JSON string is a valid TOML basic string (same escapes)

@@ -318,3 +318,22 @@ def test_fedsyn_run_refuses_a_local_superlink_started_under_another_ray_address(
         assert stale_local_superlink({"FLWR_HOME": str(tmp_path / "other"), "RAY_ADDRESS": "x:1"}) == ""  # not reused
     finally:
         stop_pids([link.pid])
+
+
+def test_an_inline_table_schema_survives_flowers_key_value_parser(tmp_path):
+    """Issue 25: Flower ends a double-quoted pair at its first '"': JSON goes in single quotes;
+    fedsyn run reads a schema file into the run config the same way."""
+    import json
+
+    from flwr.common.config import parse_config_args
+
+    from fedsyn_server.flwr_args import toml_value
+
+    schema = json.dumps({"columns": [{"name": "mean radius", "type": "float", "min": 0}]})
+    pairs = f"table-schema={toml_value(schema)} epsilon={toml_value(4.0)} out-dir={toml_value('a b')}"
+    assert parse_config_args([pairs]) == {"table-schema": schema, "epsilon": 4.0, "out-dir": "a b"}
+    (tmp_path / "s.json").write_text(schema)
+    args = with_absolute_paths([".", "--run-config", "table-schema='s.json'"], tmp_path, tmp_path)
+    assert json.loads(parse_config_args([args[-1]])["table-schema"]) == json.loads(schema)
+    with pytest.raises(ValueError, match="TOML file"):
+        toml_value("""{"name": "Crohn's"}""")

@@ -18,7 +18,7 @@ from common.config import RunConfig
 from common.data import TextData
 from common.devices import to_device
 from common.models import load_generator
-from common.rows import generated_part
+from common.rows import RowError, generated_part
 from common.weights import load_trainable_state, prepare_model, trainable_state
 from fedsyn_server.generation import generate_samples
 from fedsyn_server.text_quality import first_line, trim_cut, unusable, unusable_row
@@ -26,6 +26,7 @@ from strategies.refinement import Generator
 
 log = get_logger("fedsyn")
 VALUE_TOKENS = 12  # a table value's token limit (a date, a float, a category name)
+VALUE_RETRIES = 3  # further draws of one table value that breaks the schema
 REGENERATE = 2  # further attempts for a text that is unusable (then it is dropped and counted)
 HELDOUT_EVAL_RECORDS = 64  # enough for a stable loss, ~5 s per round on CPU with SmolLM2
 
@@ -123,18 +124,34 @@ class ServerModel(Generator):
         noisy steps (SmolLM2 on Breast Cancer at the defaults: 0 of 360 free texts were rows).
         So each record's columns are taken in an order drawn from ``seed`` (as in training), and
         for each the model continues ``<prompt><row so far>, <name> is `` for at most
-        ``VALUE_TOKENS`` tokens, cut at the first comma or line break. The values are still the
-        model's; ``unusable_row`` then checks each against the schema."""
+        ``VALUE_TOKENS`` tokens, cut at the first comma or line break; a value that breaks the
+        schema is drawn again alone, ``VALUE_RETRIES`` times at most. The values are still the
+        model's; ``unusable_row`` then checks the row."""
         del max_new_tokens  # a value's own limit applies
         rng = np.random.default_rng(seed)
-        orders = [rng.permutation(len(self.row_schema.columns)) for _ in prompts]
+        columns = self.row_schema.columns
+        orders = [rng.permutation(len(columns)) for _ in prompts]
         rows = [""] * len(prompts)
-        for k in range(len(self.row_schema.columns)):
-            heads = [(rows[i] + ", " if k else "") + f"{self.row_schema.columns[orders[i][k]].name} is "
-                     for i in range(len(prompts))]
-            values = self._samples([p + h for p, h in zip(prompts, heads)], VALUE_TOKENS,
-                                   int(np.random.SeedSequence([seed, k]).generate_state(1)[0]))
-            rows = [h + re.split(r"[,\n]", v, maxsplit=1)[0].strip() for h, (v, _) in zip(heads, values)]
+        for k in range(len(columns)):
+            heads = [(rows[i] + ", " if k else "") + f"{columns[orders[i][k]].name} is " for i in range(len(prompts))]
+            values: list[str] = [""] * len(prompts)
+            todo = list(range(len(prompts)))
+            # A value that breaks the schema is asked again alone (a row of six values would
+            # otherwise be lost to one bad draw); the last draw stands and the row check decides.
+            for attempt in range(1 + VALUE_RETRIES):
+                drawn = self._samples([prompts[i] + heads[i] for i in todo], VALUE_TOKENS,
+                                      int(np.random.SeedSequence([seed, k, attempt]).generate_state(1)[0]))
+                again = []
+                for i, (v, _) in zip(todo, drawn):
+                    values[i] = re.split(r"[,\n]", v, maxsplit=1)[0].strip()
+                    try:
+                        columns[orders[i][k]].read(values[i])
+                    except RowError:
+                        again.append(i)
+                todo = again
+                if not todo:
+                    break
+            rows = [h + v for h, v in zip(heads, values)]
         return [(r, False) for r in rows]
 
     def _samples(self, prompts: list[str], max_new_tokens: int, seed: int) -> list[tuple[str, bool]]:

@@ -46,7 +46,7 @@ class RunConfig:
     max_grad_norm: float = 1.0
     precision: str = "auto"  # auto: bf16 autocast where the device computes bf16 natively; fp32: never
     dataset: str = "bbc-news"
-    table_schema: str = ""  # a table run: the public schema, inline JSON or a JSON file ("" = a text column)
+    table_schema: str = ""  # a table run: the public schema as inline JSON ("" = a text column; see _schema)
     text_column: str = "text"
     control_columns: tuple[str, ...] = ("topic",)
     control_codes: tuple[str, ...] = ()

@@ -263,14 +263,3 @@ def record_row(text: str, code_values: Mapping[str, str], schema: Schema) -> dic
     values = {**parse(text, generated_part(schema, list(code_values))),
               **{c: schema.column(c).read(v) for c, v in code_values.items()}}
     return {n: values[n] for n in schema.names}
-
-
-def parse_many(texts: Sequence[str], schema: Schema) -> tuple[list[dict[str, Any]], dict[str, int]]:
-    """(the rows that parse, how many texts failed per reason)."""
-    rows, failed = [], {}
-    for text in texts:
-        try:
-            rows.append(parse(text, schema))
-        except RowError as err:
-            failed[err.reason] = failed.get(err.reason, 0) + 1
-    return rows, failed

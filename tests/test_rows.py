@@ -63,12 +63,6 @@ def test_malformed_generations_are_refused_with_a_fixed_reason(schema, text, rea
     assert err.value.reason == reason
 
 
-def test_parse_many_keeps_the_rows_and_counts_the_rest_by_reason(schema):
-    good = R.serialise(ROW, schema, np.random.default_rng(1))
-    rows, failed = R.parse_many([good, "nothing", good.replace("sex is F", "sex is X"), good], schema)
-    assert rows == [ROW, ROW] and failed == {R.NO_COLUMN: 1, R.UNKNOWN_CATEGORY: 1}
-
-
 def test_a_value_outside_the_schema_is_not_written(schema):
     for bad in ({**ROW, "sex": "X"}, {**ROW, "age": 12}, {**ROW, "income": float("inf")},
                 {**ROW, "admitted": "2030-01-01"}):

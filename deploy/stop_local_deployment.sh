@@ -18,12 +18,8 @@ work=${1:-./fedsyn-local}
 pidfile="$work/pids"
 [[ -f "$pidfile" ]] || { echo "no $pidfile: nothing to stop"; exit 0; }
 
-descendants() {  # PID and all its descendants, parents first
-    local pid=$1 child
-    echo "$pid"
-    for child in $(ps -o pid= --ppid "$pid" 2>/dev/null); do descendants "$child"; done
-}
-alive() { [[ -d /proc/$1 ]] && ! grep -q '^State:[[:space:]]*Z' "/proc/$1/status" 2>/dev/null; }
+# shellcheck source=deploy/stop_lib.sh
+. "$(dirname "$0")/stop_lib.sh"
 
 # SuperNodes first (they stop asking for work), the SuperLink last.
 mapfile -t lines < <(awk '$2 != "superlink"' "$pidfile"; awk '$2 == "superlink"' "$pidfile")
@@ -42,17 +38,6 @@ for line in "${lines[@]}"; do
     targets+=($tree)
 done
 
-for _ in $(seq 1 30); do
-    left=()
-    for pid in "${targets[@]}"; do alive "$pid" && left+=("$pid"); done
-    [[ ${#left[@]} -eq 0 ]] && break
-    sleep 0.5
-done
-left=()
-for pid in "${targets[@]}"; do alive "$pid" && left+=("$pid"); done
-if [[ ${#left[@]} -gt 0 ]]; then
-    echo "still running after 15 s, sending KILL: ${left[*]}"
-    kill -KILL "${left[@]}" 2>/dev/null || true
-fi
+kill_left_after_15s "${targets[@]}"
 mv "$pidfile" "$pidfile.stopped"
 echo "stopped; the PID list is now $pidfile.stopped"

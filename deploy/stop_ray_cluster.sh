@@ -18,12 +18,8 @@ work=${1:-./fedsyn-ray}
 pidfile="$work/pids"
 [[ -f "$pidfile" ]] || { echo "no $pidfile: nothing to stop"; exit 0; }
 
-descendants() {  # PID and all its descendants, parents first
-    local pid=$1 child
-    echo "$pid"
-    for child in $(ps -o pid= --ppid "$pid" 2>/dev/null); do descendants "$child"; done
-}
-alive() { [[ -d /proc/$1 ]] && ! grep -q '^State:[[:space:]]*Z' "/proc/$1/status" 2>/dev/null; }
+# shellcheck source=deploy/stop_lib.sh
+. "$(dirname "$0")/stop_lib.sh"
 
 # Workers first, the head (GCS) last.
 mapfile -t lines < <(awk '$2 != "head"' "$pidfile"; awk '$2 == "head"' "$pidfile")
@@ -44,18 +40,7 @@ for line in "${lines[@]}"; do
     for _ in $(seq 1 20); do alive "$pid" || break; sleep 0.5; done
 done
 
-for _ in $(seq 1 30); do
-    left=()
-    for pid in "${targets[@]}"; do alive "$pid" && left+=("$pid"); done
-    [[ ${#left[@]} -eq 0 ]] && break
-    sleep 0.5
-done
-left=()
-for pid in "${targets[@]}"; do alive "$pid" && left+=("$pid"); done
-if [[ ${#left[@]} -gt 0 ]]; then
-    echo "still running after 15 s, sending KILL: ${left[*]}"
-    kill -KILL "${left[@]}" 2>/dev/null || true
-fi
+kill_left_after_15s "${targets[@]}"
 if [[ -f "$work/ray-tmp" ]]; then  # keep Ray's logs (raylet.out names each worker it started), drop its sockets
     ray_tmp=$(cat "$work/ray-tmp")
     [[ -d "$ray_tmp/session_latest/logs" ]] && rm -rf "$work/ray-logs" && cp -r "$ray_tmp/session_latest/logs" "$work/ray-logs"

@@ -94,6 +94,56 @@ class Column:
         self._check_range(number)
         return number
 
+    def could_start(self, text: str) -> bool:
+        """Whether ``text`` is the start of a value this column writes (a category, an in-range
+        number in its written form, an in-range ISO date): the grammar of constrained decoding.
+
+        Exact for categories and numbers (every accepted prefix can still be completed within the
+        declared range); for dates the range is checked digit by digit on the ISO form, so an
+        impossible day (02-30) is only caught by ``complete``.
+        """
+        if self.type == "categorical":
+            return any(c.startswith(text) for c in self.categories)
+        if self.type == "date":
+            if not _DATE_PREFIX.fullmatch(text):
+                return False
+            return ((self.min is None or text >= str(self.min)[:len(text)])
+                    and (self.max is None or text <= str(self.max)[:len(text)]))
+        decimals = self.decimals if self.type == "float" else 0
+        m = _NUMBER_PREFIX.fullmatch(text)
+        if m is None or (m.group("frac") is not None and (not decimals or len(m.group("frac")) > decimals)):
+            return False
+        return _reachable(m.group("sign") == "-", m.group("int") or "", m.group("frac"), decimals,
+                          -math.inf if self.min is None else float(self.min),
+                          math.inf if self.max is None else float(self.max))
+
+    def characters(self) -> frozenset[str]:
+        """Every character a written value of this column can contain."""
+        if self.type == "categorical":
+            return frozenset("".join(self.categories))
+        return frozenset("0123456789-" + ("." if self.type == "float" else ""))
+
+    def widest(self) -> int:
+        """The most characters a written value of this column takes."""
+        if self.type == "categorical":
+            return max(map(len, self.categories))
+        if self.type == "date":
+            return 10
+        bounds = [abs(float(v)) for v in (self.min, self.max) if v is not None]
+        digits = len(str(int(max(bounds)))) if len(bounds) == 2 else 15
+        sign = int(self.min is None or float(self.min) < 0)
+        return sign + digits + (1 + self.decimals if self.type == "float" else 0)
+
+    def complete(self, text: str) -> bool:
+        """Whether ``text`` is a whole value this column writes (``could_start`` and ``read`` agree)."""
+        if not text or text != text.strip() or not self.could_start(text) or text.endswith((".", "-")):
+            return False
+        try:
+            value = self.read(text)
+        except RowError:
+            return False
+        return not (text.startswith("-") and value == 0)  # a negative zero is not written
+
     def _check_range(self, value: float | str) -> None:
         # ISO dates compare as strings in calendar order
         if (self.min is not None and value < self.min) or (self.max is not None and value > self.max):
@@ -239,11 +289,56 @@ def parse(text: str, schema: Schema) -> dict[str, Any]:
     return {n: values[n] for n in schema.names}
 
 
+def written_order(text: str, schema: Schema) -> list[str]:
+    """The column names in the order ``text`` writes them (a row's own permutation)."""
+    return [m.group("name") for m in _marker(schema).finditer(text)]
+
+
 def _marker(schema: Schema) -> re.Pattern[str]:
     # "<name> is " at the start or after ", "; the longest names first so that "age group"
     # is not read as "age" followed by text.
     names = sorted(schema.names, key=len, reverse=True)
     return re.compile(r"(?:^\s*|, )(?P<name>" + "|".join(re.escape(n) for n in names) + r") is ")
+
+
+_MONTH, _DAY = r"(?:0|0[1-9]|1|1[0-2])?", r"(?:0|0[1-9]|[12]\d?|3|3[01])?"
+_DATE_PREFIX = re.compile(rf"\d{{0,4}}|\d{{4}}-(?:{_MONTH}|(?:0[1-9]|1[0-2])-{_DAY})")
+_NUMBER_PREFIX = re.compile(r"(?P<sign>-?)(?P<int>0|[1-9]\d{0,14})?(?:\.(?P<frac>\d*))?")
+
+
+def _reachable(negative: bool, whole: str, frac: str | None, decimals: int, lo: float, hi: float) -> bool:
+    """Whether a number whose written form starts with a sign, integer digits ``whole`` and (after
+    a point) ``frac`` can still end inside [lo, hi].
+
+    Each way of finishing it is a span of magnitudes [a, b], open at b when digits may follow
+    (floats): with the point written, [w.f, w.f + 10^-len(f)); without it, ``whole`` followed by
+    k more integer digits, [w * 10^k, (w + 1) * 10^k) for a float and [w * 10^k, (w + 1) * 10^k - 1]
+    for an integer, for every k that keeps it under 16 digits.
+    """
+    if frac is not None and not whole:
+        return False  # ".5" is not how a number is written
+    spans: list[tuple[float, float, bool]] = []  # (a, b, b included)
+    if frac is not None:
+        start = float(f"{whole}.{frac}" if frac else whole)
+        spans.append((start, start, True) if len(frac) == decimals else (start, start + 10.0 ** -len(frac), False))
+    elif not whole:
+        spans.append((0.0, math.inf, True))
+    elif whole == "0":
+        spans.append((0.0, 1.0, False) if decimals else (0.0, 0.0, True))
+    else:
+        w = int(whole)
+        spans += [(w * 10.0 ** k, (w + 1) * 10.0 ** k, False) if decimals
+                  else (w * 10.0 ** k, (w + 1) * 10.0 ** k - 1, True) for k in range(16 - len(whole))]
+    for a, b, closed in spans:
+        if negative:
+            if b == 0 or (a == 0 and lo >= 0):
+                continue  # "-0" is not written: a negative number needs a negative bound
+            # magnitudes [a, b) are the values (-b, -a]
+            if (-b <= hi if closed else -b < hi) and -a >= lo:
+                return True
+        elif a <= hi and (b >= lo if closed else b > lo):
+            return True
+    return False
 
 
 def _date(text: str, column: str) -> dt.date:

@@ -18,17 +18,43 @@ from common.config import RunConfig
 from common.data import TextData
 from common.devices import to_device
 from common.models import load_generator
-from common.rows import RowError, generated_part
+from common.rows import IS, SEP, Column, RowError, Schema, generated_part, parse, written_order
 from common.weights import load_trainable_state, prepare_model, trainable_state
 from fedsyn_server.generation import generate_samples
 from fedsyn_server.text_quality import first_line, trim_cut, unusable, unusable_row
 from strategies.refinement import Generator
 
 log = get_logger("fedsyn")
-VALUE_TOKENS = 12  # a table value's token limit (a date, a float, a category name)
+VALUE_TOKENS = 4  # a table value's token limit beyond its widest text (a space, an end, a spare)
 VALUE_RETRIES = 3  # further draws of one table value that breaks the schema
 REGENERATE = 2  # further attempts for a text that is unusable (then it is dropped and counted)
 HELDOUT_EVAL_RECORDS = 64  # enough for a stable loss, ~5 s per round on CPU with SmolLM2
+
+
+def _leading_columns(text: str, schema: Schema) -> list[tuple[str, str]]:
+    """The first half (rounded down) of a row's (column, value) pairs, in its written order;
+    none when the text is not a row (a variation of it is then a fresh row)."""
+    try:
+        values = parse(text, schema)
+    except RowError:
+        return []
+    order = written_order(text, schema)
+    return [(n, schema.column(n).write(values[n])) for n in order[: len(order) // 2]]
+
+
+class ValueRule:
+    """The grammar of one column's value as the model writes it after ``<name> is``: a space,
+    then the start of a value of the column (``Column.could_start``); it may end once whole."""
+
+    def __init__(self, column: Column) -> None:
+        self.column = column
+        self.alphabet = frozenset(" ") | column.characters()
+
+    def allows(self, text: str) -> bool:  # noqa: D102
+        return text.startswith(" ") and self.column.could_start(text[1:])
+
+    def done(self, text: str) -> bool:  # noqa: D102
+        return text.startswith(" ") and self.column.complete(text[1:])
 
 
 class ServerModel(Generator):
@@ -105,59 +131,78 @@ class ServerModel(Generator):
         return dict(self._report)
 
     def variation(self, texts: list[str], codes: list[str], seed: int) -> list[str]:
-        """One variation of each text: keep its first half (by words) after the code prompt and
-        let the model write the rest.
+        """One variation of each text: keep its first half (by words, or by columns for a row)
+        after the code prompt and let the model write the rest.
 
         A base LM cannot follow a "rephrase" instruction as Aug-PE's instruct models do, so the
         variation resamples the second half of the text, the sequence analogue of PE's
-        partial re-noising of an image; the kept half ties the child to its parent.
+        partial re-noising of an image; the kept half ties the child to its parent. For a row
+        this is Tab-PE's variation: some attributes kept, the others drawn again (under the
+        columns' grammar, ``_rows``).
         """
+        if self.row_schema is not None:
+            kept = [_leading_columns(t, self.row_schema) for t in texts]
+            drawn = self._rows([self.prompt(c) for c in codes], 0, seed, kept=kept)
+            return [t for t, _ in drawn]
         heads = [" ".join(t.split()[: len(t.split()) // 2]) for t in texts]
         tails = self._samples([self.prompt(c) + h + (" " if h else "") for c, h in zip(codes, heads)],
                               max(1, self.new_tokens([self.prompt(c) for c in codes]) // 2), seed)
         return [f"{h} {trim_cut(t, hit)}".strip() for h, (t, hit) in zip(heads, tails)]
 
-    def _rows(self, prompts: list[str], max_new_tokens: int, seed: int) -> list[tuple[str, bool]]:
+    def _rows(self, prompts: list[str], max_new_tokens: int, seed: int,
+              kept: list[list[tuple[str, str]]] | None = None) -> list[tuple[str, bool]]:
         """A table run's texts: the server writes each column's name, the model only its value.
 
         A small DP-finetuned model does not learn the rigid ``name is value, ...`` form from a few
-        noisy steps (SmolLM2 on Breast Cancer at the defaults: 0 of 360 free texts were rows).
-        So each record's columns are taken in an order drawn from ``seed`` (as in training), and
-        for each the model continues ``<prompt><row so far>, <name> is `` for at most
-        ``VALUE_TOKENS`` tokens, cut at the first comma or line break; a value that breaks the
-        schema is drawn again alone, ``VALUE_RETRIES`` times at most. The values are still the
-        model's; ``unusable_row`` then checks the row."""
+        noisy steps (SmolLM2 on Breast Cancer at the defaults: 0 of 360 free texts were rows,
+        and with the names written for it most values were out of range or not numbers). So
+        each record's columns are taken in an order drawn from ``seed`` (as in training); for
+        each, the model continues ``<prompt><row so far>, <name> is`` under the column's grammar
+        (``generation.GrammarConstraint``): its own distribution restricted to the column's
+        values. Every position is one batched call over all rows. A value that still fails
+        (the token limit, an impossible date) is drawn again alone, ``VALUE_RETRIES`` times at
+        most; ``unusable_row`` then checks the row.
+
+        ``kept`` (a variation): per prompt, (column, value) pairs written first, as they are;
+        the model draws the other columns after them.
+        """
         del max_new_tokens  # a value's own limit applies
         rng = np.random.default_rng(seed)
         columns = self.row_schema.columns
-        orders = [rng.permutation(len(columns)) for _ in prompts]
-        rows = [""] * len(prompts)
-        for k in range(len(columns)):
-            heads = [(rows[i] + ", " if k else "") + f"{columns[orders[i][k]].name} is " for i in range(len(prompts))]
-            values: list[str] = [""] * len(prompts)
-            todo = list(range(len(prompts)))
-            # A value that breaks the schema is asked again alone (a row of six values would
-            # otherwise be lost to one bad draw); the last draw stands and the row check decides.
+        kept = kept or [[] for _ in prompts]
+        rows = [SEP.join(f"{n}{IS}{v}" for n, v in pairs) for pairs in kept]
+        orders = []
+        for pairs in kept:
+            done = {n for n, _ in pairs}
+            orders.append([j for j in rng.permutation(len(columns)) if columns[j].name not in done])
+        limit = VALUE_TOKENS + max(c.widest() for c in columns)
+        for k in range(max(map(len, orders), default=0)):
+            live = [i for i in range(len(prompts)) if k < len(orders[i])]
+            heads = {i: (rows[i] + SEP if rows[i] else "") + f"{columns[orders[i][k]].name}{IS.rstrip()}" for i in live}
+            values = dict.fromkeys(live, "")
+            todo = live
             for attempt in range(1 + VALUE_RETRIES):
-                drawn = self._samples([prompts[i] + heads[i] for i in todo], VALUE_TOKENS,
-                                      int(np.random.SeedSequence([seed, k, attempt]).generate_state(1)[0]))
+                drawn = self._samples([prompts[i] + heads[i] for i in todo], limit,
+                                      int(np.random.SeedSequence([seed, k, attempt]).generate_state(1)[0]),
+                                      rules=[ValueRule(columns[orders[i][k]]) for i in todo])
                 again = []
                 for i, (v, _) in zip(todo, drawn):
                     values[i] = re.split(r"[,\n]", v, maxsplit=1)[0].strip()
-                    try:
-                        columns[orders[i][k]].read(values[i])
-                    except RowError:
+                    if not columns[orders[i][k]].complete(values[i]):
                         again.append(i)
                 todo = again
                 if not todo:
                     break
-            rows = [h + v for h, v in zip(heads, values)]
+            for i in live:
+                rows[i] = f"{heads[i]} {values[i]}"
         return [(r, False) for r in rows]
 
-    def _samples(self, prompts: list[str], max_new_tokens: int, seed: int) -> list[tuple[str, bool]]:
+    def _samples(self, prompts: list[str], max_new_tokens: int, seed: int,
+                 rules: list[ValueRule] | None = None) -> list[tuple[str, bool]]:
         return generate_samples(self.model, self.tokenizer, prompts, max_new_tokens=max_new_tokens,
                                 temperature=self.cfg.temperature, top_p=self.cfg.top_p, seed=seed,
-                                batch_size=self.cfg.generation_batch_size, precision=self.cfg.precision)
+                                batch_size=self.cfg.generation_batch_size, precision=self.cfg.precision,
+                                rules=rules)
 
     def new_tokens(self, prompts: list[str]) -> int:
         """The token limit of a generated text: ``max-new-tokens``, or (0 = from the data) what

@@ -182,25 +182,27 @@ def test_the_run_config_carries_a_schema_inline_only(schema, tmp_path):
 # ----------------------------------------------------------------- the server: rows in, typed table out
 def test_a_table_runs_generation_writes_the_names_and_asks_the_model_for_values_only(monkeypatch, schema):
     """The server writes each column's name in a per-record order; the model continues with the
-    value, cut at the first comma or line break. A value that breaks the schema is drawn again
-    alone; one that stays bad makes the row unusable: asked again, then dropped and counted."""
+    value under the column's grammar, cut at the first comma or line break. A value that is not
+    whole is drawn again alone; one that stays bad makes the row unusable: asked again, then
+    dropped and counted."""
     from common.config import RunConfig
-    from fedsyn_server.synthesis import REGENERATE, VALUE_RETRIES, VALUE_TOKENS, ServerModel
+    from fedsyn_server.synthesis import REGENERATE, VALUE_RETRIES, ServerModel, ValueRule
 
     server = ServerModel(RunConfig(model="tiny-gpt2", table_schema=json.dumps(SCHEMA), control_columns=("sex",)))
-    good = {"age": "40\nand more", "age group": "old, then", "income": "12.5", "admitted": "2022-02-02 "}
+    good = {"age": " 40\nand more", "age group": " old, then", "income": " 12.5", "admitted": " 2022-02-02 "}
     calls = []
 
-    def samples(prompts, max_new_tokens, seed):
+    def samples(prompts, max_new_tokens, seed, rules=None):
         calls.append(len(prompts))
-        assert max_new_tokens == VALUE_TOKENS
+        assert len(rules) == len(prompts) and all(isinstance(r, ValueRule) for r in rules)
         out = []
-        for p in prompts:
-            name = p.rsplit(", ", 1)[-1].split("\n")[-1].removesuffix(" is ")
+        for p, rule in zip(prompts, rules):
+            name = p.rsplit(", ", 1)[-1].split("\n")[-1].removesuffix(" is")
+            assert rule.column.name == name  # each prompt is constrained by its own column
             if name == "age group" and "sex: M" in p:
-                out.append(("ancient", False))  # never a category of the schema: the row is lost
+                out.append((" ancient", False))  # never a category of the schema: the row is lost
             elif name == "income" and len(calls) % 2:
-                out.append(("a lot", False))  # bad on odd calls: the next draw of this value fixes it
+                out.append((" 12.", False))  # cut at the token limit: the next draw of this value fixes it
             else:
                 out.append((good[name], False))
         return out
@@ -213,6 +215,22 @@ def test_a_table_runs_generation_writes_the_names_and_asks_the_model_for_values_
     report = server.generation_report()
     assert report["dropped"] == 1 and report["rejected"] == {"row: unknown category": 1 + REGENERATE}
     assert max(calls) == 3 and VALUE_RETRIES >= 1
+
+
+def test_a_rows_variation_keeps_its_first_half_of_columns_and_draws_the_rest(schema):
+    """Tab-PE's variation on a row: the first half of its columns in its written order stay as
+    they are; the others are drawn again, and the child is still a row of the schema."""
+    from common.config import RunConfig
+    from fedsyn_server.synthesis import ServerModel
+
+    server = ServerModel(RunConfig(model="tiny-gpt2", table_schema=json.dumps(SCHEMA), control_columns=("sex",)))
+    generated = R.generated_part(schema, ["sex"])
+    parent = "income is 12.5, age is 40, admitted is 2022-02-02, age group is old"
+    children = server.variation([parent] * 4, ["sex=F"] * 4, seed=1)
+    for child in children:
+        assert child.startswith("income is 12.5, age is 40, ")
+        assert R.parse(child, generated)["income"] == 12.5
+    assert server.variation(["not a row"], ["sex=F"], seed=1)[0].count(" is ") == len(generated.columns)
 
 
 def test_the_final_set_is_written_as_a_typed_table(schema, tmp_path):
@@ -243,3 +261,84 @@ def test_the_breast_cancer_preset_is_a_table_run_of_public_schema_and_shipped_da
     assert len(bench.train) + len(bench.test) == 569  # every row is inside the schema's ranges
     generated = R.generated_part(cfg.schema(), cfg.control_columns)
     assert all(set(R.parse(t, generated)) == set(generated.names) for t in bench.train.texts)
+
+
+# ----------------------------------------------------------------- constrained decoding: the values' grammar
+def _language(column: R.Column, alphabet: str, length: int) -> tuple[set[str], set[str]]:
+    """Brute force: every text up to ``length`` characters that is a written value of ``column``
+    (the number forms -?(0|[1-9]d*)(.d{1,decimals})? inside the range, never a negative zero),
+    and all their prefixes."""
+    import itertools
+    import re
+
+    decimals = column.decimals if column.type == "float" else 0
+    form = re.compile(r"-?(0|[1-9]\d*)" + (rf"(\.\d{{1,{decimals}}})?" if decimals else ""))
+    whole = set()
+    for n in range(1, length + 1):
+        for chars in itertools.product(alphabet, repeat=n):
+            text = "".join(chars)
+            if form.fullmatch(text) and column.min <= float(text) <= column.max and not (text[0] == "-" and float(text) == 0):
+                whole.add(text)
+    return whole, {t[:k] for t in whole for k in range(len(t) + 1)}
+
+
+@pytest.mark.parametrize("column", [R.Column("n", "integer", (), -12, 130),
+                                    R.Column("x", "float", (), 0, 2.5, 1),
+                                    R.Column("y", "float", (), -1.5, 0.25, 2)])
+def test_the_grammar_accepts_exactly_the_starts_of_in_range_values(column):
+    """``could_start`` is exact: every text over the number alphabet up to 5 characters is
+    accepted if and only if it begins a written, in-range value; ``complete`` iff it is one."""
+    import itertools
+
+    alphabet = "0123456789.-"
+    whole, starts = _language(column, alphabet, 5)
+    for n in range(0, 5):
+        for chars in itertools.product(alphabet, repeat=n):
+            text = "".join(chars)
+            assert column.could_start(text) == (text in starts), text
+            assert column.complete(text) == (text in whole), text
+
+
+def test_the_grammar_of_dates_and_categories():
+    day = R.Column("d", "date", (), "2020-02-10", "2021-06-30")
+    assert all(day.could_start(t) for t in ["", "2", "2020", "2020-", "2020-1", "2021-06-3", "2020-02-29"])
+    assert not any(day.could_start(t) for t in ["2019", "2022", "2021-07", "2020-13", "2020-00", "2020-02-0",
+                                                "2021-06-31", "20-", "2020-1-1"])
+    assert day.complete("2020-02-29") and not day.complete("2021-02-29") and not day.complete("2020-02")
+    cat = R.Column("c", "categorical", ("no", "not known"))
+    assert cat.could_start("no") and cat.could_start("not k") and not cat.could_start("nope")
+    assert cat.complete("no") and not cat.complete("not") and cat.characters() == frozenset("notkw ")
+    assert [c.widest() for c in R.schema_from_dict(SCHEMA).columns] == [2, 5, 1, 9, 10]
+
+
+def test_grammar_constraint_masks_to_the_rule_and_ends_with_the_models_end_mass():
+    """One decoding step: only tokens that keep the text a start of a value keep their scores;
+    once the value is whole, eos carries the log-sum of the end tokens (eos, ',' and line
+    breaks); a row past eos stays ended."""
+    import torch
+
+    from common.models import load_generator
+    from fedsyn_server.generation import GrammarConstraint, end_tokens, generate_samples
+    from fedsyn_server.synthesis import ValueRule
+
+    model, tok = load_generator("tiny-gpt2", seed=0)
+    column = R.Column("n", "integer", (), 0, 120)
+    prompt = tok("n is", return_tensors="pt")["input_ids"]
+    so_far = tok(" 12", return_tensors="pt")["input_ids"]
+    ids = torch.cat([torch.cat([prompt, so_far], 1), torch.cat([prompt, so_far], 1)])
+    ids[1, -1] = tok.eos_token_id
+    scores = torch.randn(2, len(tok))
+    out = GrammarConstraint(tok, [ValueRule(column)] * 2, prompt.shape[1])(ids, scores)
+    kept = {i for i in torch.nonzero(torch.isfinite(out[0])).flatten().tolist() if i != tok.eos_token_id}
+    assert kept and all(column.could_start("12" + tok.decode([i])) for i in kept)
+    assert tok.convert_tokens_to_ids("0") in kept and tok.convert_tokens_to_ids("5") not in kept  # 120 ok, 125 not
+    assert torch.equal(out[0, list(kept)], scores[0, list(kept)])
+    ends = list(end_tokens(tok))
+    assert tok.convert_tokens_to_ids(",") in ends
+    assert torch.isclose(out[0, tok.eos_token_id], torch.logsumexp(scores[0, ends], 0))
+    assert torch.isfinite(out[1]).sum() == 1 and out[1, tok.eos_token_id] == 0
+
+    # and in a whole generation, every continuation is a value (the model is random)
+    prompts = [f"n is" for _ in range(24)]
+    texts = generate_samples(model, tok, prompts, max_new_tokens=8, seed=3, rules=[ValueRule(column)] * 24)
+    assert all(column.complete(t) for t, _ in texts), texts

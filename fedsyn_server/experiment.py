@@ -12,6 +12,7 @@ out-dir = "results/paper"        # relative to the grid file
 seeds = [0, 1, 2]
 num-supernodes = 4
 metric = "utility/topic/accuracy"  # plotted against strong-fraction
+# preset = "../presets/table-breast-cancer.toml"  # optional: a run-config file under [base]
 
 [base]
 num-synthetic = 120
@@ -49,13 +50,14 @@ from tqdm.auto import tqdm
 from common.config import RunConfig
 from common.io import atomic_write_csv, atomic_write_text, read_jsonl
 from common.logs import get_logger
+from fedsyn_server.flwr_args import relative_paths
 from fedsyn_server.outputs import save_figure
 from strategies.checkpoint import FOLDER as CHECKPOINT, STATE as CHECKPOINT_STATE
 
 log = get_logger(__name__)
 EVALUATION_FILE = "evaluation.json"
 GRID_SECTIONS = ("experiment", "base", "grid", "methods")
-EXPERIMENT_KEYS = ("out-dir", "seeds", "num-supernodes", "metric")
+EXPERIMENT_KEYS = ("out-dir", "seeds", "num-supernodes", "metric", "preset")
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,10 @@ def load_grid(path: str | Path) -> Grid:
                              f"allowed: {list(allowed)}")
     exp = spec.get("experiment", {})
     base = spec.get("base", {})
+    if exp.get("preset"):  # a run-config file (presets/*.toml) under [base]
+        base = {**tomllib.loads((path.parent / exp["preset"]).read_text()), **base}
+    if "table-schema" in base:  # inline on one line, or read from its file (relative to the grid file)
+        base.update({k: v for k, v in relative_paths(base, path.parent).items() if k == "table-schema"})
     grid = spec.get("grid", {})
     methods = spec.get("methods") or {"default": {}}
     for key, values in grid.items():

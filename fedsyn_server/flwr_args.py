@@ -82,15 +82,24 @@ def effective_run_config(args: list[str]) -> dict[str, Any]:
 
 def relative_paths(config: dict[str, Any], cwd: Path) -> dict[str, str]:
     """``key -> absolute path`` for every path in ``config`` that is relative (``dataset`` only when
-    it names a local file, not ``bbc-news`` or a hub id), and ``table-schema`` -> the JSON of the
-    file it names (the run config carries a schema inline: see ``common.config``)."""
+    it names a local file, not ``bbc-news`` or a hub id), and ``table-schema`` -> the one-line JSON
+    of the file it names, or of its inline JSON written over several lines (the run config
+    carries a schema inline: see ``common.config``)."""
     out = {}
     for key in PATH_KEYS:
         value = config.get(key)
         if not isinstance(value, str) or not value.strip():
             continue
-        if key == "dataset" and not names_a_file(value) or key == "table-schema" and value.strip().startswith("{"):
-            continue  # a dataset name or hub id; an inline schema
+        if key == "table-schema" and value.strip().startswith("{"):
+            try:  # an inline schema on one line: key=value pairs cannot hold a line break
+                one_line = json.dumps(json.loads(value), separators=(",", ":"))
+            except ValueError:
+                continue  # left as it is: the run config's check says what is wrong with it
+            if one_line != value:
+                out[key] = one_line
+            continue
+        if key == "dataset" and not names_a_file(value):
+            continue  # a dataset name or hub id
         path = Path(value.strip()).expanduser()
         absolute = path if path.is_absolute() else (cwd / path).resolve()
         if key == "table-schema":  # sent inline: a node never reads a path the run config names

@@ -146,23 +146,11 @@ def table_scores(cfg: RunConfig, schema: Any, texts: list[str], codes: list[str]
     """A table run's final rows against the held-out rows (``evaluation.tables``): fidelity,
     dependence, efficacy of the first control column, and (the benchmark's training rows being
     public in a simulation) the distance to the closest training record."""
-    import pandas as pd
+    from fedsyn_server.evaluation.tables import evaluate_table, records_frame
 
-    from common.codes import parse_code
-    from common.rows import RowError, record_row
-    from fedsyn_server.evaluation.tables import evaluate_table
-
-    def frame(ts: list[str], cs: list[str]) -> pd.DataFrame:
-        rows = []
-        for t, c in zip(ts, cs):
-            try:
-                rows.append(record_row(t, parse_code(c), schema))
-            except RowError:
-                continue
-        return pd.DataFrame(rows, columns=list(schema.names))
-
-    return evaluate_table(frame(texts, codes), frame(bench.test.texts, bench.test.codes), schema,
-                          cfg.control_columns[0], real_train=frame(bench.train.texts, bench.train.codes), seed=cfg.seed)
+    return evaluate_table(records_frame(texts, codes, schema), records_frame(bench.test.texts, bench.test.codes, schema),
+                          schema, cfg.control_columns[0],
+                          real_train=records_frame(bench.train.texts, bench.train.codes, schema), seed=cfg.seed)
 
 
 class RunFailed(RuntimeError):

@@ -41,6 +41,27 @@ def test_grid_expands_methods_combinations_and_seeds(tmp_path):
     assert dict(cell.run_config)["num-synthetic"] == 30 and dict(cell.run_config)["prompt"] == "zero-shot"
 
 
+def test_a_grid_on_a_preset_takes_its_keys_under_base_and_its_schema_on_one_line(tmp_path):
+    """``preset`` in [experiment]: the table preset's keys (its schema written over several
+    lines) are every cell's base, [base] wins, and the schema goes to ``flwr run`` as one line
+    (a key=value pair cannot hold a line break)."""
+    from pathlib import Path
+
+    from fedsyn_server.flwr_runner import toml_value
+
+    preset = Path(__file__).parents[1] / "presets" / "table-breast-cancer.toml"
+    path = tmp_path / "g.toml"
+    path.write_text(f'[experiment]\npreset = "{preset}"\nseeds = [0]\n[base]\ntest-fraction = 0.2\n')
+    rc = dict(load_grid(path).cells[0].run_config)
+    assert rc["dataset"] == "breast-cancer" and rc["control-columns"] == "diagnosis" and rc["test-fraction"] == 0.2
+    assert "\n" not in rc["table-schema"] and json.loads(rc["table-schema"])["columns"][0]["name"] == "diagnosis"
+    assert toml_value(rc["table-schema"]).startswith("'{")
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text(json.dumps(json.loads(rc["table-schema"]), indent=2))
+    path.write_text(f'[experiment]\npreset = "{preset}"\n[base]\ntable-schema = "schema.json"\n')
+    assert dict(load_grid(path).cells[0].run_config)["table-schema"] == rc["table-schema"]  # read from the grid's folder
+
+
 def test_grid_with_a_bad_value_fails_before_any_run(tmp_path):
     path = tmp_path / "g.toml"
     path.write_text(GRID.replace('refinement = "knn-vote"', 'refinement = "magic"'))

@@ -151,6 +151,21 @@ def evaluate_table(syn: pd.DataFrame, test: pd.DataFrame, schema: Schema, target
     }
 
 
+def records_frame(texts: list[str], codes: list[str], schema: Schema) -> pd.DataFrame:
+    """Records (a row's text and its control code) as a frame typed by ``schema``; a text that is
+    not a row of it is left out."""
+    from common.codes import parse_code
+    from common.rows import RowError, record_row
+
+    rows = []
+    for text, code in zip(texts, codes):
+        try:
+            rows.append(record_row(text, parse_code(code), schema))
+        except RowError:
+            continue
+    return pd.DataFrame(rows, columns=list(schema.names))
+
+
 def table_rows(frame: pd.DataFrame, schema: Schema) -> tuple[pd.DataFrame, int]:
     """The rows of ``frame`` that are rows of ``schema`` (typed by it), and how many were not."""
     from common.rows import RowError

@@ -67,10 +67,12 @@ class RunConfig:
     prompt: str = "code"
     zero_shot_template: str = "Please generate a news article about {fields}:\n\n"
     refinement: str = "knn-vote"
-    refinement_rounds: int = 2  # pe, popri: vote rounds T (epsilon_vote split evenly)
+    refinement_rounds: int = 2  # pe, popri, grpo: vote rounds T (epsilon_vote split evenly)
     popri_samples_per_prompt: int = 10  # POPri's J
     popri_rejected_rank: int = 5  # POPri's l
     popri_learning_rate: float = 1e-4
+    grpo_group_size: int = 8  # GRPO's G: texts per prompt, normalised against each other
+    grpo_learning_rate: float = 1e-4
     voters: str = "weak"
     min_nodes: int = 0
     node_timeout: float = 3600.0
@@ -146,6 +148,8 @@ class RunConfig:
             ("popri-rejected-rank", 2 <= self.popri_rejected_rank <= self.popri_samples_per_prompt,
              f"an integer in [2, popri-samples-per-prompt={self.popri_samples_per_prompt}]"),
             ("popri-learning-rate", 0 < self.popri_learning_rate < 1, "a float in (0, 1)"),
+            ("grpo-group-size", self.grpo_group_size >= 2, "an integer >= 2"),
+            ("grpo-learning-rate", 0 < self.grpo_learning_rate < 1, "a float in (0, 1)"),
             ("voters", self.voters in VOTERS, f"one of {list(VOTERS)}"),
             ("min-nodes", self.min_nodes >= 0, "an integer >= 0 (0 = wait until the node count is stable)"),
             ("node-timeout", self.node_timeout > 0, "seconds > 0"),

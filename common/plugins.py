@@ -32,6 +32,7 @@ REFINEMENTS: dict[str, str] = {
     "none": "strategies.knn_vote:NoRefinement",
     "pe": "strategies.private_evolution:PrivateEvolution",
     "popri": "strategies.popri:POPri",
+    "grpo": "strategies.grpo:GRPO",
 }
 # Not classes: what phase 1 trains (common.weights.prepare_model); a node's policy lists the
 # ones it allows (fedsyn_client.policy).

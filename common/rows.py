@@ -289,9 +289,12 @@ def parse(text: str, schema: Schema) -> dict[str, Any]:
     return {n: values[n] for n in schema.names}
 
 
-def written_order(text: str, schema: Schema) -> list[str]:
-    """The column names in the order ``text`` writes them (a row's own permutation)."""
-    return [m.group("name") for m in _marker(schema).finditer(text)]
+def written_pairs(text: str, schema: Schema) -> list[tuple[str, str]]:
+    """(column name, value as written) in the order ``text`` writes them (a row's own
+    permutation); nothing is checked (``parse`` does that)."""
+    found = list(_marker(schema).finditer(text))
+    ends = [m.start() for m in found[1:]] + [len(text)]
+    return [(m.group("name"), text[m.end():end].strip()) for m, end in zip(found, ends)]
 
 
 def _marker(schema: Schema) -> re.Pattern[str]:

@@ -18,7 +18,7 @@ from common.config import RunConfig
 from common.data import TextData
 from common.devices import to_device
 from common.models import load_generator
-from common.rows import IS, SEP, Column, RowError, Schema, generated_part, parse, written_order
+from common.rows import IS, SEP, Column, RowError, Schema, generated_part, parse, written_pairs
 from common.weights import load_trainable_state, prepare_model, trainable_state
 from fedsyn_server.generation import generate_samples
 from fedsyn_server.text_quality import first_line, trim_cut, unusable, unusable_row
@@ -35,11 +35,11 @@ def _leading_columns(text: str, schema: Schema) -> list[tuple[str, str]]:
     """The first half (rounded down) of a row's (column, value) pairs, in its written order;
     none when the text is not a row (a variation of it is then a fresh row)."""
     try:
-        values = parse(text, schema)
+        parse(text, schema)
     except RowError:
         return []
-    order = written_order(text, schema)
-    return [(n, schema.column(n).write(values[n])) for n in order[: len(order) // 2]]
+    pairs = written_pairs(text, schema)
+    return pairs[: len(pairs) // 2]
 
 
 class ValueRule:

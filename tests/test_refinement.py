@@ -272,3 +272,42 @@ def test_the_docs_example_runs_end_to_end(dataset, tmp_path):
         assert len(kept) == max(1, math.floor(0.5 * n)) if n else not kept
         others = [res.votes[i] for i in range(len(res.pool_codes)) if res.pool_codes[i] == code and i not in kept]
         assert all(res.votes[i] >= max(others, default=-math.inf) for i in kept)  # the top-voted per code
+
+
+def test_grpo_masks_the_servers_column_names_out_of_a_rows_completion():
+    """GRPO reinforces only the tokens the model chose: in a table row, the values."""
+    from common.models import load_generator
+    from common.rows import schema_from_dict
+    from strategies.grpo import group_counts, masked_completion
+
+    _, tok = load_generator("tiny-gpt2", seed=0)
+    schema = schema_from_dict({"columns": [{"name": "x", "type": "integer", "min": 0, "max": 99},
+                                           {"name": "z", "type": "float", "min": 0, "max": 5, "decimals": 1}]})
+    ids, mask = masked_completion("z is 1.5, x is 42", tok, schema)
+    chosen = tok.decode([i for i, m in zip(ids, mask) if m])
+    written = tok.decode([i for i, m in zip(ids, mask) if not m])
+    assert chosen.split() == ["1.5", "42"] and written.split() == ["z", "is,", "x", "is"]
+    assert tok.decode(ids) == "z is 1.5, x is 42"
+    free, free_mask = masked_completion("a goal in the last minute", tok, None)
+    assert tok.decode(free) == "a goal in the last minute" and all(free_mask)
+    assert group_counts({"a": 45, "b": 75, "c": 0, "d": 1}, 8) == {"a": 6, "b": 9, "d": 1}
+
+
+def test_grpo_learns_from_the_dp_votes_alone_one_round_each(dataset, tmp_path):
+    """``refinement = "grpo"`` through the strategy with the real ClientApp: trl's reward is one
+    similarity vote round per round, at epsilon_vote / T on every voter; the adapter moves and is
+    what the run saves; the final set is regenerated at the common final size."""
+    rc = run_config(dataset, refinement="grpo", **{"num-server-rounds": 1, "refinement-rounds": 2,
+                                                   "grpo-group-size": 4})
+    res, grid, _ = run(rc, nodes_for(rc, 3, tmp_path))
+    cfg = RunConfig.from_flower(rc)
+    assert not res.failures
+    assert [(c["histogram"], c["epsilon-share"]) for c in _vote_configs(grid)] == [("similarity", 0.5)] * 2
+    for weak in (101, 102):
+        assert [r["round"] for r in _vote_releases(res, weak)] == [1, 2]
+        assert res.ledgers[weak]["epsilon-spent"] == pytest.approx(cfg.epsilon)
+    rounds = res.refinement["rounds"]
+    assert [r["round"] for r in rounds] == [1, 2] and all(r["texts"] > 0 for r in rounds)
+    assert all(math.isfinite(r["train_loss"]) for r in rounds)
+    assert res.generator_refined
+    assert len(res.selected) == len(res.pool_texts) == pytest.approx(final_size(cfg), abs=len(res.allocation))

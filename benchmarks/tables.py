@@ -1,4 +1,4 @@
-"""Issue 25's comparison: fedsyn's table runs beside MST on the same splits and the same budget.
+"""Issue 25's comparison: fedsyn's table runs beside MST and AIM on the same splits and budget.
 
 Usage: python -m benchmarks.tables [--grid benchmarks/tables.toml] [--out docs]
 
@@ -7,11 +7,11 @@ preset's settings, 3 seeds). Then, for every seed of the grid, this script reads
 cell's ``evaluation.json`` table section and adds, on that seed's split (the same held-out rows,
 the same partition into sites):
 
-- **MST, pooled**: MST (``fedsyn_server.evaluation.mst``) on the union of the sites' training
-  rows at the node budget (epsilon, delta): the centralised reference a federation cannot
-  normally get, since no site may hand its records to a curator.
-- **MST, per site**: each site alone on its own rows at its own (epsilon, delta); the figures
-  are the mean over the sites (what one institution gets without the federation).
+- **MST / AIM, pooled** (``fedsyn_server.evaluation.mst``, ``.aim``): the baseline on the union
+  of the sites' training rows at the node budget (epsilon, delta): the centralised reference a
+  federation cannot normally get, since no site may hand its records to a curator.
+- **MST / AIM, per site**: each site alone on its own rows at its own (epsilon, delta); the
+  figures are the mean over the sites (what one institution gets without the federation).
 
 Every table has as many rows as the fedsyn run of the same seed wrote. Writes
 ``<out>/tables_results.csv`` (one row per method and seed) and prints the mean ± std table
@@ -53,27 +53,84 @@ def pick(scores: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def mst_rows(cfg: Any, num_nodes: int, rows: int) -> list[tuple[str, dict[str, float]]]:
-    """MST pooled and MST per site (mean over sites) on ``cfg``'s split, at its (epsilon, delta)."""
+def baseline_rows(cfg: Any, num_nodes: int, rows: int, synthesisers: dict[str, Any]) -> list[tuple[str, dict[str, float]]]:
+    """Each marginal baseline pooled and per site (mean over sites) on ``cfg``'s split, at its
+    (epsilon, delta); ``synthesisers`` maps a name to a function with ``mst_synthesise``'s
+    signature."""
     from common.federation import benchmark, simulation_node_data
-    from fedsyn_server.evaluation.mst import mst_synthesise
     from fedsyn_server.evaluation.tables import evaluate_table, records_frame
 
     schema, bench = cfg.schema(), benchmark(cfg)
     target = cfg.control_columns[0]
     train = records_frame(bench.train.texts, bench.train.codes, schema)
     test = records_frame(bench.test.texts, bench.test.codes, schema)
+    sites = [records_frame(d.texts, d.codes, schema)
+             for d in (simulation_node_data(cfg, pid, num_nodes)[1] for pid in range(num_nodes))]
+    out = []
+    for name, synthesise in synthesisers.items():
+        def score(own: Any, seed: int) -> dict[str, float]:
+            synthetic = synthesise(own, schema, cfg.epsilon, cfg.resolve_delta(len(own)), rows, seed)
+            return pick(evaluate_table(synthetic, test, schema, target, real_train=train, seed=cfg.seed))
 
-    def score(own: Any, seed: int) -> dict[str, float]:
-        synthetic = mst_synthesise(own, schema, cfg.epsilon, cfg.resolve_delta(len(own)), rows, seed)
-        return pick(evaluate_table(synthetic, test, schema, target, real_train=train, seed=cfg.seed))
+        out.append((f"{name} pooled", score(train, cfg.seed)))
+        per_site = [score(site, cfg.seed * 1000 + pid + 1) for pid, site in enumerate(sites)]
+        out.append((f"{name} per site (mean of {num_nodes})",
+                    {k: float(np.nanmean([s[k] for s in per_site])) for k in METRICS}))
+    return out
 
-    out = [("MST pooled", score(train, cfg.seed))]
-    sites = []
-    for pid in range(num_nodes):
-        data = simulation_node_data(cfg, pid, num_nodes)[1]
-        sites.append(score(records_frame(data.texts, data.codes, schema), cfg.seed * 1000 + pid + 1))
-    out.append((f"MST per site (mean of {num_nodes})", {k: float(np.nanmean([s[k] for s in sites])) for k in METRICS}))
+
+def synthesisers() -> dict[str, Any]:
+    """The marginal baselines to run: MST, and AIM where its module is there."""
+    from fedsyn_server.evaluation.mst import mst_synthesise
+
+    out = {"MST": mst_synthesise}
+    try:
+        from fedsyn_server.evaluation.aim import aim_synthesise
+    except ImportError:
+        return out
+    out["AIM"] = aim_synthesise
+    return out
+
+
+def grpo_diagnostics(run_dir: Path, cfg: Any, num_nodes: int) -> dict[str, float]:
+    """Did GRPO move the generator, and could it? Paired within one run: the column fidelity and
+    pair dependence of the rows the DP-finetuned generator wrote before GRPO (round 1 of
+    ``refinement_rounds.jsonl``) against those of the final set the trained generator wrote;
+    and the reward's signal against its noise: the spread, within each group of
+    ``grpo-group-size`` texts, of the *exact* similarity scores (recomputed here from the weak
+    sites' rows, which a simulation may read) next to the vote's noise sigma from the privacy
+    report. Nothing here is private: a diagnostic of a simulation."""
+    from common.federation import benchmark, simulation_node_data, simulation_tiers
+    from common.io import read_jsonl
+    from common.models import embed, load_embedder
+    from fedsyn_client.voting import similarity_scores
+    from fedsyn_server.evaluation.tables import column_fidelity, pair_dependence, records_frame
+
+    schema, bench = cfg.schema(), benchmark(cfg)
+    test = records_frame(bench.test.texts, bench.test.codes, schema)
+    rounds = read_jsonl(run_dir / "refinement_rounds.jsonl")
+    first = [r for r in rounds if r["round"] == 1]
+    final = read_jsonl(run_dir / "synthetic.jsonl")
+    out: dict[str, float] = {}
+    for name, rows in (("before", first), ("after", final)):
+        frame = records_frame([r["text"] for r in rows], [r["control_code"] for r in rows], schema)
+        out[f"fidelity_{name}"] = float(np.mean(list(column_fidelity(test, frame, schema).values())))
+        out[f"dependence_{name}"] = float(np.mean(list(pair_dependence(test, frame, schema).values())))
+    embedder = load_embedder(cfg.embedder)
+    texts, codes = [r["text"] for r in first], [r["control_code"] for r in first]
+    syn = embed(embedder, texts, max_tokens=cfg.vote_window)
+    exact = np.zeros(len(texts))
+    for pid, tier in enumerate(simulation_tiers(num_nodes, cfg.strong_fraction)):
+        if tier == "weak":
+            data = simulation_node_data(cfg, pid, num_nodes)[1]
+            exact += similarity_scores(embed(embedder, data.texts, max_tokens=cfg.vote_window), data.codes, syn, codes)
+    g = cfg.grpo_group_size
+    spreads = [float(np.std(exact[k:k + g])) for k in range(0, len(texts) - g + 1, g)]
+    report = json.loads((run_dir / "privacy_report.json").read_text())
+    sigmas = [x["sigma"] for n in report["nodes"] for x in n["releases"] if x["phase"] == "vote" and "sigma" in x]
+    voters = max(1, len({n["node_id"] for n in report["nodes"] if n["tier"] == "weak"}))
+    out["signal_std_in_group"] = float(np.mean(spreads)) if spreads else math.nan
+    out["noise_sigma"] = float(np.sqrt(voters) * np.mean(sigmas)) if sigmas else math.nan  # the sum of the voters' noise
     return out
 
 
@@ -100,9 +157,24 @@ def collect(grid_path: Path) -> list[dict[str, Any]]:
         key = (cell.seed, cfg.epsilon)
         if math.isfinite(cfg.epsilon) and key not in done:
             done.add(key)
-            for method, scores in mst_rows(cfg, grid.num_supernodes or 2, int(table["n_synthetic"])):
+            for method, scores in baseline_rows(cfg, grid.num_supernodes or 2, int(table["n_synthetic"]), synthesisers()):
                 rows.append({"method": method, "epsilon": eps, "seed": cell.seed, **scores})
     return rows
+
+
+def grpo_rows(grid_path: Path) -> list[dict[str, Any]]:
+    """``grpo_diagnostics`` of every finished ``grpo`` cell of the grid, one row per seed."""
+    from common.config import RunConfig
+    from fedsyn_server.experiment import load_grid
+
+    grid = load_grid(grid_path)
+    out = []
+    for cell in grid.cells:
+        run_dir = grid.out_dir / "runs" / cell.name
+        cfg = RunConfig.from_flower(dict(cell.run_config))
+        if cfg.refinement == "grpo" and (run_dir / "evaluation.json").is_file():
+            out.append({"seed": cell.seed, **grpo_diagnostics(run_dir, cfg, grid.num_supernodes or 2)})
+    return out
 
 
 def summary(rows: list[dict[str, Any]]) -> str:
@@ -133,6 +205,15 @@ def main() -> None:
     path = atomic_write_csv(Path(args.out) / "tables_results.csv", rows, ["method", "epsilon", "seed", *METRICS])
     print(summary(rows))
     print(f"\n-> {path}")
+    diagnostics = grpo_rows(Path(args.grid))
+    if diagnostics:
+        fields = ["seed", "fidelity_before", "fidelity_after", "dependence_before", "dependence_after",
+                  "signal_std_in_group", "noise_sigma"]
+        path = atomic_write_csv(Path(args.out) / "tables_grpo.csv", diagnostics, fields)
+        print("\n| " + " | ".join(fields) + " |\n" + "|---" * len(fields) + "|")
+        for d in diagnostics:
+            print("| " + " | ".join(f"{d[f]:.3f}" if isinstance(d[f], float) else str(d[f]) for f in fields) + " |")
+        print(f"\n-> {path}")
 
 
 if __name__ == "__main__":

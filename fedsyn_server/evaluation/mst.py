@@ -94,7 +94,7 @@ def cdp_rho(epsilon: float, delta: float) -> float:
 def _range(column: Column) -> tuple[float, float]:
     """The declared [min, max] of a number or date column (dates as day ordinals)."""
     if column.min is None or column.max is None:
-        raise ValueError(f"column {column.name!r}: MST needs declared ranges: give the {column.type} column "
+        raise ValueError(f"column {column.name!r}: the marginal baselines (MST, AIM) need declared ranges: give the {column.type} column "
                          "a 'min' and a 'max' in the schema (bins are cut from them, never from the data)")
     if column.type == "date":
         return (float(dt.date.fromisoformat(str(column.min)).toordinal()),
@@ -240,7 +240,7 @@ def undiscretise(codes: pd.DataFrame, schema: Schema, bins: int, rng: np.random.
     return pd.DataFrame(out, columns=list(schema.names))
 
 
-def _typed_like(out: pd.DataFrame, frame: pd.DataFrame, schema: Schema) -> pd.DataFrame:
+def typed_like(out: pd.DataFrame, frame: pd.DataFrame, schema: Schema) -> pd.DataFrame:
     """``out`` with each column in the dtype of the same input column where that is a choice
     (text vs category dtype for categories, ``datetime.date`` vs pandas datetimes for dates)."""
     out = out.copy()
@@ -400,4 +400,4 @@ def mst_synthesise(frame: pd.DataFrame, schema: Schema, epsilon: float, delta: f
         values = np.asarray(sampled.to_dict()[a], dtype=np.int64)
         result[a] = decompress(values, mappings[a], rng) if a in mappings else values
     out = undiscretise(pd.DataFrame(result, columns=attrs), schema, bins, rng)
-    return _typed_like(out, frame, schema)
+    return typed_like(out, frame, schema)

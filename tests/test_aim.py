@@ -167,5 +167,5 @@ def test_aim_refuses_what_mst_refuses():
                                              {"name": "w", "type": "float", "min": 0}]})
     with pytest.raises(ValueError, match="declared ranges"):
         A.aim_synthesise(pd.DataFrame({"y": ["a"], "w": [1.0]}), unranged, 1.0, 1e-5, 10, seed=0)
-    # the same budget conversion as MST
-    assert A.cdp_rho is M.cdp_rho
+    # the same checks, discretisation and budget conversion as MST: one home for them
+    assert A.prepare is M.prepare

@@ -45,14 +45,7 @@ import numpy as np
 import pandas as pd
 
 from common.rows import Schema
-from fedsyn_server.evaluation.mst import (
-    typed_like,
-    cdp_rho,
-    discretise,
-    domain_size,
-    exponential_mechanism,
-    undiscretise,
-)
+from fedsyn_server.evaluation.mst import exponential_mechanism, prepare, typed_like, undiscretise
 
 # The reference's constants: T = 16 d nominal rounds, 90 % of a round's rho for its measurement
 # and 10 % for its selection.
@@ -234,30 +227,14 @@ def aim_synthesise(frame: pd.DataFrame, schema: Schema, epsilon: float, delta: f
     columns), the largest model in megabytes (the reference's 80) and the final estimate's
     mirror-descent iterations; out a DataFrame with the schema's columns in its order, typed like
     the input, every value inside the schema."""
-    if not epsilon > 0 or not 0 < delta < 1:
-        raise ValueError("AIM needs epsilon > 0 and 0 < delta < 1")
-    if rows < 1:
-        raise ValueError("rows must be >= 1")
     if degree < 1 or not max_model_size > 0 or max_iters < 1:
         raise ValueError("AIM needs degree >= 1, max_model_size > 0 and max_iters >= 1")
-    for column in schema.columns:
-        domain_size(column, bins)  # a number or date column without a declared range fails here
-    codes = discretise(frame, schema, bins)
-    rng = np.random.default_rng(seed)
-
-    import jax
-
-    # as in mst: float64 for the estimators, no persistent cache for mbi's many small programs
-    jax.config.update("jax_enable_x64", True)
-    jax.config.update("jax_enable_compilation_cache", False)
-    from mbi import Dataset, Domain, LinearMeasurement
+    attrs, domain, data, rho = prepare("AIM", frame, schema, epsilon, delta, rows, bins)
+    from mbi import LinearMeasurement
     from mbi.estimation import MirrorDescent
     from mbi.extensions import synthetic_data
 
-    attrs = list(schema.names)
-    domain = Domain(attrs, [domain_size(c, bins) for c in schema.columns])
-    data = Dataset({a: codes[a].to_numpy(dtype=np.int64) for a in attrs}, domain)
-    rho = cdp_rho(epsilon, delta)
+    rng = np.random.default_rng(seed)
 
     candidates = candidate_weights(workload(attrs, degree), attrs)
     answers = {cl: np.asarray(data.project(cl).datavector(), dtype=float) for cl in candidates}

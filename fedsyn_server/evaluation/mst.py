@@ -322,21 +322,18 @@ def _gaussian(counts: np.ndarray, stddev: float, rng: np.random.Generator) -> np
     return counts + rng.normal(0.0, stddev, size=counts.shape)
 
 
-def mst_synthesise(frame: pd.DataFrame, schema: Schema, epsilon: float, delta: float, rows: int, seed: int,
-                   bins: int = 16) -> pd.DataFrame:
-    """``rows`` synthetic records from MST at (epsilon, delta)-DP: in the private records (the
-    schema's columns, typed), the schema (public: its categories and declared ranges define the
-    domain), the budget, the number of rows to make, a seed (the same seed and input give the same
-    frame) and the bins per number or date column; out a DataFrame with the schema's columns in
-    its order, typed like the input, every value inside the schema."""
+def prepare(method: str, frame: pd.DataFrame, schema: Schema, epsilon: float, delta: float, rows: int,
+            bins: int) -> tuple[list[str], Any, Any, float]:
+    """What a marginal baseline (MST, AIM) starts from, after checking its arguments: the column
+    names, mbi's ``Domain`` and ``Dataset`` of the discretised records, and the zCDP rho of
+    (epsilon, delta). Switches jax to float64 (process-wide) on the way."""
     if not epsilon > 0 or not 0 < delta < 1:
-        raise ValueError("MST needs epsilon > 0 and 0 < delta < 1")
+        raise ValueError(f"{method} needs epsilon > 0 and 0 < delta < 1")
     if rows < 1:
         raise ValueError("rows must be >= 1")
     for column in schema.columns:
         domain_size(column, bins)  # a number or date column without a declared range fails here
     codes = discretise(frame, schema, bins)
-    rng = np.random.default_rng(seed)
 
     import jax
 
@@ -344,15 +341,28 @@ def mst_synthesise(frame: pd.DataFrame, schema: Schema, epsilon: float, delta: f
     # many small programs make jax's persistent compilation cache a cost, not a saving
     jax.config.update("jax_enable_x64", True)
     jax.config.update("jax_enable_compilation_cache", False)
-    from mbi import Dataset, Domain, LinearMeasurement
-    from mbi.estimation import MirrorDescent, minimum_variance_unbiased_total
-    from mbi.extensions import synthetic_data
+    from mbi import Dataset, Domain
 
     attrs = list(schema.names)
     domain = Domain(attrs, [domain_size(c, bins) for c in schema.columns])
     data = Dataset({a: codes[a].to_numpy(dtype=np.int64) for a in attrs}, domain)
+    return attrs, domain, data, cdp_rho(epsilon, delta)
+
+
+def mst_synthesise(frame: pd.DataFrame, schema: Schema, epsilon: float, delta: float, rows: int, seed: int,
+                   bins: int = 16) -> pd.DataFrame:
+    """``rows`` synthetic records from MST at (epsilon, delta)-DP: in the private records (the
+    schema's columns, typed), the schema (public: its categories and declared ranges define the
+    domain), the budget, the number of rows to make, a seed (the same seed and input give the same
+    frame) and the bins per number or date column; out a DataFrame with the schema's columns in
+    its order, typed like the input, every value inside the schema."""
+    attrs, domain, data, rho = prepare("MST", frame, schema, epsilon, delta, rows, bins)
+    from mbi import LinearMeasurement
+    from mbi.estimation import MirrorDescent, minimum_variance_unbiased_total
+    from mbi.extensions import synthetic_data
+
+    rng = np.random.default_rng(seed)
     d = len(attrs)
-    rho = cdp_rho(epsilon, delta)
     # rho / 3 for each of the three steps; k Gaussian measurements of sensitivity 1 at stddev
     # sigma * sqrt(k) cost k / (2 sigma^2 k) = 1 / (2 sigma^2) = rho / 3 together
     sigma = math.sqrt(3.0 / (2.0 * rho))

@@ -178,7 +178,7 @@ def grpo_rows(grid_path: Path) -> list[dict[str, Any]]:
 
 
 def summary(rows: list[dict[str, Any]]) -> str:
-    """Mean ± std over seeds per (method, epsilon), as a Markdown table."""
+    """Mean ± sample standard deviation (n − 1) over seeds per (method, epsilon), as a Markdown table."""
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for row in rows:
         groups.setdefault((row["method"], row["epsilon"]), []).append(row)
@@ -188,7 +188,7 @@ def summary(rows: list[dict[str, Any]]) -> str:
         cells = []
         for name in names:
             values = np.array([g[name] for g in group], dtype=float)
-            cells.append("–" if np.isnan(values).all() else f"{np.nanmean(values):.3f} ± {np.nanstd(values):.3f}")
+            cells.append("–" if np.isnan(values).all() else f"{np.nanmean(values):.3f} ± {np.nanstd(values, ddof=1) if np.isfinite(values).sum() > 1 else 0.0:.3f}")
         rows_mean = np.nanmean([g["rows"] for g in group])
         lines.append(f"| {method} | {eps} | {len(group)} | {rows_mean:.0f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

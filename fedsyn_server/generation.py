@@ -108,6 +108,7 @@ class GrammarConstraint(LogitsProcessor):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         out = torch.full_like(scores, float("-inf"))
+        ends = self.ends.to(scores.device)  # once per step, not once per row
         new = input_ids[:, self.prompt_len:].tolist()
         for r, (ids, rule) in enumerate(zip(new, self.rules)):
             if self.eos in ids:  # finished: transformers pads it from here
@@ -119,7 +120,7 @@ class GrammarConstraint(LogitsProcessor):
                 keep = torch.tensor(nxt, dtype=torch.long, device=scores.device)
                 out[r, keep] = scores[r, keep]
             if rule.done(text):
-                out[r, self.eos] = torch.logsumexp(scores[r, self.ends.to(scores.device)].float(), 0).to(scores.dtype)
+                out[r, self.eos] = torch.logsumexp(scores[r, ends].float(), 0).to(scores.dtype)
             elif not nxt:
                 out[r, self.eos] = 0.0
         return out

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -95,9 +96,7 @@ class GRPO(Refinement):
 
         def rollout(batch: list[str], trainer: Any) -> dict[str, Any]:
             # trl hands over each prompt once per completion it wants (its sampler repeats a group's prompt G times)
-            want: dict[str, int] = {}
-            for p in batch:
-                want[code_of[p]] = want.get(code_of[p], 0) + 1
+            want = Counter(code_of[p] for p in batch)
             t = len(notes) + 1
             texts, codes = gen.generate(want, seed=cfg.seed + 7919 * t)
             by_code: dict[str, list[str]] = {}
@@ -108,8 +107,7 @@ class GRPO(Refinement):
                 mine = by_code.get(code_of[p], [])
                 text = mine.pop(0) if mine else ""
                 ids, mask = masked_completion(text, gen.tokenizer, schema)
-                eos = gen.tokenizer.eos_token_id
-                out_ids.append(ids + [eos])
+                out_ids.append(ids + [gen.tokenizer.eos_token_id])
                 out_mask.append(mask + [0 if schema is not None else 1])
                 out_texts.append(text)
             prompt_ids = [gen.tokenizer(p, add_special_tokens=False)["input_ids"] for p in batch]

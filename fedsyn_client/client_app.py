@@ -110,7 +110,7 @@ def train(msg: Message, node: Node, cfg: RunConfig, req: Request) -> RecordDict:
     from fedsyn_client.train_release import DpSgdRound, accountant_key  # the training stack: strong nodes only
 
     state = node.ledger.accountant_state(accountant_key(req.run_id))
-    mechanism = DpSgdRound(cfg, node.records(req.vocabulary), msg.content.array_records.get(R.ARRAYS),
+    mechanism = DpSgdRound(cfg, lambda: node.records(req.vocabulary), msg.content.array_records.get(R.ARRAYS),
                            state, msg.metadata.dst_node_id,
                            phase_reserved=node.ledger.spent(run_id=req.run_id, phase=TRAIN) > 0)
     weights, statement = release(node, req, mechanism)

@@ -1,38 +1,47 @@
 """One phase-1 round on a strong node as a mechanism of the release path (A.3 with DP-SGD).
 
-Privacy accounting of phase 1, chosen so that nothing the server sees depends on |D|:
+Privacy accounting of phase 1, chosen so that nothing the server sees depends on the records,
+neither a number nor whether a round releases (issue 31: no free bits):
 
-- The noise multiplier is calibrated once for the run's whole phase 1 (R rounds x tau steps
-  at q = B/|D|) to meet this run's epsilon_train, and the Opacus accountant's state is kept
-  in the ledger between rounds (restored with ``load_state_dict``).
+- The phase is fixed at its first round. q = min(1, B/|D|) of that round's view (1 for an
+  empty view) and the noise multiplier calibrated for the run's whole phase 1 (R rounds x tau
+  steps at q) to meet this run's epsilon_train are stored in the ledger with the Opacus
+  accountant's state, and every later round samples at that q with that multiplier. So the
+  accountant's epsilon after any round is a function of stored values and the round index,
+  never of the round's view, and it is within the reservation by construction.
 - The ledger *reserves* the whole epsilon_train (and its delta) at the first round and
   charges 0 to later rounds, which are bounded by the step budget R x tau instead. The
   per-round increments of the RDP epsilon depend on q, i.e. on |D|, so stating them would
   tell the server the record count; the reservation is data-independent and never
   under-counts (a run stopped after round 1 is charged the whole phase).
-- The reservation is bound to what the noise multiplier was calibrated for (epsilon, delta,
-  R, tau, B, model, finetune mode, LoRA rank): a later round, or a resume, under other terms
-  is refused, so re-sending the run key with a larger epsilon or more rounds cannot train past
-  the charge.
-- Before training, the accountant's epsilon after this round is checked against the
-  reservation (it can only exceed it if the data changed between rounds); that check comes
-  after the reservation, so its failure is charged and answered like any other failure.
-- The incoming weights are checked before any use: finite, within ``WEIGHT_LIMIT``, and the
-  model's own keys and shapes; a per-record gradient that is not finite is replaced by zeros
-  before clipping (``fedsyn_client.training``), so nothing non-finite reaches the noise.
+- The reservation is bound to what the noise was calibrated for and to everything that selects
+  the data or sets the sampling (epsilon, delta, R, tau, B, model, finetune mode, LoRA rank,
+  vocabulary, columns, table schema, max-length): a later round, or a resume, under other terms
+  is refused with a fixed text before the records are read, so re-sending the run key with a
+  larger epsilon, more rounds or another code's view cannot train past the charge or on data
+  the first round did not sample from.
+- Public checks before the reservation: the incoming weights (finite, within ``WEIGHT_LIMIT``,
+  the model's own keys and shapes) and that the accountant can reach epsilon_train at all in
+  R x tau steps (checked at q = 1, the worst any view can give). A per-record gradient that is
+  not finite is replaced by zeros before clipping (``fedsyn_client.training``), so nothing
+  non-finite reaches the noise.
+- A round on an empty or small view releases like any other: DP-SGD with Poisson sampling is
+  defined on an empty batch (the update is noise), and the noisy sum is divided by B.
 - q, the noise multiplier and the accountant's epsilon go to the node's ledger only.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord
 
 from common import records as R
-from common.config import RunConfig
+from common.config import ConfigError, RunConfig
 from common.data import TextData
 from common.devices import hidden_gpu_warning, model_device
 from common.dp import DPSGD, dpsgd_epsilon, dpsgd_noise_multiplier
@@ -51,8 +60,9 @@ class DpSgdRound(Mechanism):
 
     name = DPSGD
 
-    def __init__(self, cfg: RunConfig, records: TextData, arrays: ArrayRecord, state: dict[str, Any],
+    def __init__(self, cfg: RunConfig, records: Callable[[], TextData], arrays: ArrayRecord, state: dict[str, Any],
                  node_id: int, phase_reserved: bool = False) -> None:
+        # ``records`` is called only after the reservation: nothing before it reads a record
         self.cfg, self.records, self.arrays, self.node_id = cfg, records, arrays, node_id
         self.state = state  # this run's accountant state from the ledger ({} before round 1)
         self.total_steps = cfg.num_server_rounds * cfg.local_steps
@@ -68,12 +78,25 @@ class DpSgdRound(Mechanism):
         cfg = self.cfg
         return {"epsilon": float(request.phase_budget), "delta": float(request.delta), "rounds": cfg.num_server_rounds,
                 "local_steps": cfg.local_steps, "batch_size": cfg.batch_size, "model": cfg.model,
-                "finetune": cfg.finetune, "lora_rank": cfg.lora_rank if cfg.finetune == "lora" else 0}
+                "finetune": cfg.finetune, "lora_rank": cfg.lora_rank if cfg.finetune == "lora" else 0,
+                # what selects the data the first round sampled from, and how each record is read
+                "vocabulary": sorted(request.vocabulary), "text_column": cfg.text_column,
+                "control_columns": list(cfg.control_columns), "table_schema": cfg.table_schema,
+                "max_length": cfg.max_length}
 
     def check(self, request: Request) -> None:
-        """The incoming weights, before any use: finite, bounded, and this model's keys and shapes."""
+        """Public checks, before the reservation: epsilon_train reachable in R x tau steps at any
+        q, and the incoming weights finite, bounded, and this model's keys and shapes."""
         from common.models import load_generator
         from common.weights import load_trainable_state, prepare_model
+
+        if self.cfg.private and not self.state:
+            try:  # q = 1 needs the most noise: if it can be calibrated there, any view's q can
+                _calibrate(request.phase_budget, request.delta, 1.0, self.total_steps)
+            except ValueError as err:
+                raise ConfigError(f"train: epsilon_train = {request.phase_budget:g} at delta = {request.delta:g} cannot "
+                                  f"be reached in {self.total_steps} DP-SGD steps ({err}); raise epsilon or lower "
+                                  "num-server-rounds x local-steps") from None
 
         try:
             state = R.state_from_arrays(self.arrays)
@@ -110,17 +133,16 @@ class DpSgdRound(Mechanism):
 
         cfg = self.cfg
         history = [list(h) for h in self.state.get("history", [])]
-        q = min(1.0, cfg.batch_size / len(self.records))
-        delta = float(self.state.get("delta", request.delta))
+        records = self.records()
+        q, nm, delta = self._fixed_terms(request, len(records))
         if cfg.private:
-            nm = float(self.state.get("noise_multiplier") or
-                       dpsgd_noise_multiplier(request.phase_budget, delta, q, self.total_steps))
+            # A function of stored values and the round index only (q and nm are the first round's,
+            # the steps are bounded by the ledger): within the reservation by construction. A
+            # failure here is a bug, never a fact about the view.
             after = dpsgd_epsilon(history + [[nm, q, cfg.local_steps]], delta)
             if after > request.phase_budget + _TOL:
                 raise RuntimeError(f"train: this round would take phase 1 to epsilon = {after:.4g}, above the "
-                                   f"reserved {request.phase_budget:g} (did the data change?)")
-        else:
-            nm = 0.0
+                                   f"reserved {request.phase_budget:g}")
         warning = hidden_gpu_warning()
         if warning:
             log.warning("%s", warning)
@@ -132,15 +154,36 @@ class DpSgdRound(Mechanism):
             local_steps=cfg.local_steps, batch_size=cfg.batch_size, learning_rate=cfg.learning_rate,
             max_length=cfg.max_length, max_grad_norm=cfg.max_grad_norm, noise_multiplier=nm, precision=cfg.precision,
             private=cfg.private, seed=cfg.seed * 100_003 + request.round * 101 + int(self.node_id % 100_000),
+            sample_rate=q,
         )
-        result = dp_train(model, tokenizer, self.records.texts, self.records.codes, settings, delta, history)
+        result = dp_train(model, tokenizer, records.texts, records.codes, settings, delta, history)
         # The local loss is an un-noised statistic of the records: it stays in this log.
         log.info("round %d: %d DP-SGD steps, local loss %.4f, phase-1 epsilon so far %.4g of %.4g",
                  request.round, result.steps, result.mean_loss, result.epsilon, request.phase_budget)
         private = {"noise_multiplier": nm, "sample_rate": q, "steps": result.steps,
                    "epsilon_accountant": result.epsilon if cfg.private else math.inf}
-        state = {"history": result.accountant_history, "mechanism": "rdp", "noise_multiplier": nm, "delta": delta}
+        state = {"history": result.accountant_history, "mechanism": "rdp", "noise_multiplier": nm, "delta": delta,
+                 "sample_rate": q}
         return Output(result.state, private=private, accountant=(accountant_key(request.run_id), state))
+
+    def _fixed_terms(self, request: Request, num_records: int) -> tuple[float, float, float]:
+        """(q, noise multiplier, delta): the first round's, stored with the accountant, for every round."""
+        stored = self.state
+        history = stored.get("history") or []
+        # ledgers written before q was stored keep it in the accountant history's first entry
+        q = float(stored.get("sample_rate") or (history[0][1] if history else 0.0) or
+                  (min(1.0, self.cfg.batch_size / num_records) if num_records else 1.0))
+        delta = float(stored.get("delta", request.delta))
+        if not self.cfg.private:
+            return q, 0.0, delta
+        nm = float(stored.get("noise_multiplier") or _calibrate(request.phase_budget, delta, q, self.total_steps))
+        return q, nm, delta
+
+
+@lru_cache(maxsize=64)
+def _calibrate(epsilon: float, delta: float, q: float, steps: int) -> float:
+    # Opacus' search takes a second or so; the public check and round 1 ask for it with the same terms
+    return dpsgd_noise_multiplier(epsilon, delta, q, steps)
 
 
 def accountant_key(run_id: str) -> str:

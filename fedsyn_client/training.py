@@ -1,9 +1,11 @@
 """Local DP-SGD on a strong node: paper Algorithm A.3, steps 1-3.
 
 The node receives the global trainable weights, runs ``local_steps`` DP-SGD steps on its
-records (Poisson sampling at q = B/|D|, per-record clipping to C, Gaussian noise sigma*C,
-Opacus' RDP accountant) and sends the trained weights back (FedAvg of weights = the
-average of the local updates Delta_i). The loss is paper eq. 5: -log p(x | c) with the
+records (Poisson sampling at a rate q fixed for the whole phase, per-record clipping to C,
+Gaussian noise sigma*C, Opacus' RDP accountant) and sends the trained weights back (FedAvg of
+weights = the average of the local updates Delta_i). The step is defined for every dataset,
+the empty one included: nothing divides by |D| (the noisy sum is divided by the public B), and
+an empty Poisson batch is a step that releases noise only. The loss is paper eq. 5: -log p(x | c) with the
 control-code prompt as conditioning, averaged over a record's tokens, then over records.
 """
 
@@ -37,7 +39,7 @@ class TrainSettings:
     """Hyper-parameters of one round of local training on one node."""
 
     local_steps: int  # tau: optimizer steps per round
-    batch_size: int  # B: expected (Poisson) batch size; q = B / |D|
+    batch_size: int  # B: expected (Poisson) batch size; the noisy sum is divided by B
     learning_rate: float
     max_length: int
     max_grad_norm: float  # C: per-record clipping norm
@@ -53,6 +55,10 @@ class TrainSettings:
     # (common.devices.native_bf16); per-sample gradients are upcast to fp32 before clipping, so
     # clipping and noise are exactly as in fp32. "fp32": never.
     precision: str = "auto"
+    # q: the Poisson sampling rate. None: min(1, B/|D|) of this call's records (a first round);
+    # later rounds of a phase pass the first round's, so that no round's q (hence its epsilon,
+    # hence whether it fits the reservation) depends on the view it happens to get.
+    sample_rate: float | None = None
 
     def __post_init__(self) -> None:
         if self.local_steps < 1 or self.batch_size < 1:
@@ -65,6 +71,8 @@ class TrainSettings:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if self.sample_rate is not None and not 0 < self.sample_rate <= 1:
+            raise ValueError(f"sample_rate must be in (0, 1], got {self.sample_rate}")
 
 
 @dataclass
@@ -87,21 +95,19 @@ def dp_train(model, tokenizer, texts: list[str], codes: list[str], settings: Tra
     """Run ``settings.local_steps`` local steps on (texts, codes), training ``model`` in place.
 
     ``model`` comes from ``common.weights.prepare_model`` (only its trainable parameters
-    move). Private: Opacus DP-SGD with Poisson sampling at q = B/|D|; the node's previous
-    ``accountant_history`` (Opacus RDPAccountant format) is restored first so the returned
-    ``epsilon`` (at ``delta``) covers every round so far. Not private: the same loss and
+    move). Private: Opacus DP-SGD with Poisson sampling at ``sample_rate(settings, |D|)``; the
+    node's previous ``accountant_history`` (Opacus RDPAccountant format) is restored first so
+    the returned ``epsilon`` (at ``delta``) covers every round so far. Defined for every
+    dataset: with no record every step releases noise only. Not private: the same loss and
     number of steps on uniform batches of B records, no clipping or noise, history unchanged.
     Returns the trained ``trainable_state`` with the losses and the privacy spent.
     """
     n = len(texts)
-    if n == 0:
-        raise ValueError("no training records on this node")
     if len(codes) != n:
         raise ValueError(f"got {n} texts but {len(codes)} codes")
-    batch = settings.batch_size
-    if batch > n:
-        warnings.warn(f"batch_size {batch} > {n} local records: every step uses all of them (q = 1)", stacklevel=2)
-        batch = n
+    batch, q = settings.batch_size, sample_rate(settings, n)
+    if settings.sample_rate is None and batch > n:
+        warnings.warn(f"batch_size {batch} > {n} local records: every step samples all of them (q = 1)", stacklevel=2)
     history = _check_history(accountant_history)
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
@@ -124,20 +130,27 @@ def dp_train(model, tokenizer, texts: list[str], codes: list[str], settings: Tra
     model.train()
     try:
         if settings.private:
-            losses, history = _private_steps(model, optimizer, dataset, batch, settings, history, sampler_rng, noise_rng)
+            losses, history = _private_steps(model, optimizer, dataset, q, settings, history, sampler_rng, noise_rng)
         else:
-            losses = _plain_steps(model, optimizer, dataset, batch, settings, sampler_rng)
+            losses = _plain_steps(model, optimizer, dataset, min(batch, n), settings, sampler_rng)
     finally:
         model.train(was_training)
         model.zero_grad(set_to_none=True)
     done = [x for x in losses if not math.isnan(x)]
     return TrainResult(
         state=trainable_state(model), num_examples=n, mean_loss=float(np.mean(done)) if done else math.nan,
-        losses=losses, steps=settings.local_steps, sample_rate=batch / n,
+        losses=losses, steps=settings.local_steps, sample_rate=q,
         noise_multiplier=settings.noise_multiplier if settings.private else 0.0,
         accountant_history=[list(h) for h in history],
         epsilon=dpsgd_epsilon(history, delta) if settings.private else math.inf,
     )
+
+
+def sample_rate(settings: TrainSettings, num_records: int) -> float:
+    """q: ``settings.sample_rate`` when given, else min(1, B / |D|) (1 for an empty dataset)."""
+    if settings.sample_rate is not None:
+        return float(settings.sample_rate)
+    return min(1.0, settings.batch_size / num_records) if num_records else 1.0
 
 
 def _generators(settings: TrainSettings, prior_steps: int, device) -> tuple[torch.Generator, torch.Generator]:
@@ -158,11 +171,9 @@ def _generators(settings: TrainSettings, prior_steps: int, device) -> tuple[torc
     return rngs[0], rngs[1]
 
 
-def _private_steps(model, optimizer, dataset, batch, settings, history, sampler_rng, noise_rng):
+def _private_steps(model, optimizer, dataset, q, settings, history, sampler_rng, noise_rng):
     from opacus import PrivacyEngine
-    from opacus.data_loader import DPDataLoader
 
-    sample_rate = batch / len(dataset)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Secure RNG turned off")
         engine = PrivacyEngine(accountant="rdp", secure_mode=False)
@@ -171,26 +182,39 @@ def _private_steps(model, optimizer, dataset, batch, settings, history, sampler_
     # Layers with trainable weights but no Opacus grad sampler (GPT-2's Conv1D, Llama's
     # RMSNorm: full finetuning only) fall back to functorch per-sample gradients in "hooks"
     # mode by themselves; frozen layers (the base model under LoRA) get no hooks at all.
+    # make_private only wraps the model and the optimizer here: its loader (and the q = 1/len(loader)
+    # it derives, and its accountant hook) are replaced below, so it gets a placeholder of one
+    # batch that works for an empty dataset too.
     gsm, dp_optimizer, _ = engine.make_private(
-        module=model, optimizer=optimizer,
-        data_loader=DataLoader(dataset, batch_size=batch, generator=sampler_rng),
+        module=model, optimizer=optimizer, data_loader=DataLoader(range(settings.batch_size), batch_size=settings.batch_size),
         noise_multiplier=settings.noise_multiplier, max_grad_norm=settings.max_grad_norm,
-        poisson_sampling=True, noise_generator=noise_rng,
+        poisson_sampling=False, noise_generator=noise_rng,
     )
-    # make_private derives q = 1/len(loader) = 1/ceil(|D|/B), which is not B/|D| unless B
-    # divides |D|: sample, average and account at exactly q = B/|D| instead.
-    loader = DPDataLoader(dataset, sample_rate=sample_rate, generator=sampler_rng)
-    dp_optimizer.expected_batch_size = batch
-    dp_optimizer.attach_step_hook(engine.accountant.get_optimizer_hook_fn(sample_rate=sample_rate))
+    # The noisy sum is divided by the public B, never by a count of records.
+    dp_optimizer.expected_batch_size = settings.batch_size
+    dp_optimizer.attach_step_hook(engine.accountant.get_optimizer_hook_fn(sample_rate=q))
     try:
         with warnings.catch_warnings():
             # The embedding's backward hook fires on an integer input: harmless, torch warns.
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
-            losses = _run(lambda t: _private_step(gsm, dp_optimizer, t, settings.precision), _cycle(loader),
-                          settings.local_steps, "DP-SGD")
+            losses = _run(lambda t: _private_step(gsm, dp_optimizer, t, settings.precision),
+                          poisson_batches(dataset, q, sampler_rng), settings.local_steps, "DP-SGD")
     finally:
         gsm.to_standard_module()  # remove hooks and grad-sample attributes: `model` is usable again
     return losses, list(engine.accountant.state_dict()["history"])
+
+
+def poisson_batches(dataset: TensorDataset, q: float, generator: torch.Generator):
+    """Endless Poisson-sampled batches: each record is in each batch with probability ``q``.
+
+    By hand rather than Opacus' ``DPDataLoader``: that loader takes the shapes of an empty
+    batch from ``dataset[0]``, so it is undefined on an empty dataset, where DP-SGD is not
+    (every step is noise only). An empty batch keeps the dataset's column shapes.
+    """
+    n = len(dataset)
+    while True:
+        keep = torch.nonzero(torch.rand(n, generator=generator) < q).flatten()
+        yield tuple(t[keep] for t in dataset.tensors)
 
 
 def _private_step(gsm, dp_optimizer, tensors, precision: str) -> float:
@@ -236,6 +260,8 @@ def zero_nonfinite_samples(params) -> int:
 def _plain_steps(model, optimizer, dataset, batch, settings, generator):
     def step(tensors) -> float:
         optimizer.zero_grad(set_to_none=True)
+        if tensors[0].shape[0] == 0:  # no record on the node: nothing to train on
+            return math.nan
         loss = _loss(model, tensors, settings.precision)
         optimizer.step()
         return loss
@@ -266,11 +292,6 @@ def _loss(model, tensors, precision: str = "auto") -> float:
             loss = conditional_lm_loss(model(**inputs).logits, labels)
     loss.backward()
     return float(loss.detach())
-
-
-def _cycle(loader):
-    while True:
-        yield from loader
 
 
 def _run(step_fn, batches, steps: int, desc: str) -> list[float]:

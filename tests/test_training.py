@@ -285,10 +285,29 @@ def test_empty_poisson_batches_are_noise_steps():
     assert math.isfinite(result.mean_loss) or all(math.isnan(x) for x in result.losses)
 
 
+def test_dp_train_on_no_record_releases_noise_only():
+    """DP-SGD is defined on the empty dataset: every step is an empty Poisson batch, the update is
+    noise (nonzero), and the accountant counts the steps at the stated q."""
+    model, tok = _model("lora")
+    before = {k: v.copy() for k, v in trainable_state(model).items()}
+    result = dp_train(model, tok, [], [], _settings(local_steps=2, sample_rate=0.25), DELTA, [])
+    assert all(math.isnan(x) for x in result.losses) and result.steps == 2
+    assert result.accountant_history == [[1.0, 0.25, 2]] and result.sample_rate == 0.25
+    assert any(not np.array_equal(before[k], v) for k, v in result.state.items())
+    assert all(np.isfinite(v).all() for v in result.state.values())
+
+
+def test_a_stated_sample_rate_is_used_whatever_the_records():
+    model, tok = _model("lora")
+    result = dp_train(model, tok, TEXTS[:4], CODES[:4], _settings(local_steps=1, sample_rate=0.1, max_length=12),
+                      DELTA, [])
+    assert result.sample_rate == result.accountant_history[0][1] == 0.1
+    with pytest.raises(ValueError, match="sample_rate"):
+        _settings(sample_rate=0.0)
+
+
 def test_dp_train_validation():
     model, tok = _model("lora")
-    with pytest.raises(ValueError, match="no training records"):
-        dp_train(model, tok, [], [], _settings(), DELTA, [])
     with pytest.raises(ValueError):
         _settings(noise_multiplier=0.0)  # private needs noise
     with pytest.raises(ValueError):

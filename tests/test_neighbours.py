@@ -1,0 +1,101 @@
+"""Issue 31 as a property: on neighbouring datasets the real ClientApp's outcomes are identical.
+
+Hypothesis draws request sequences over every message type (tier, ledger, train rounds with
+changed terms, profile, vote with every registered histogram, table runs; valid and malformed),
+``tests/neighbours.py`` plays each against two nodes whose data differ in one record and
+compares what the server sees, noise left out. The corpus (``@example``) holds the cases that
+were free bits before: a later training round on another code's smaller view, and a view with
+no record at all. CI runs a fixed example budget; ``python -m benchmarks.neighbours`` runs more.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from common import records as R
+from tests.neighbours import BUDGET, CODES, Step, first_difference, play, write_pair
+
+EXAMPLES = int(os.environ.get("FEDSYN_NEIGHBOUR_EXAMPLES", "12"))
+X, Y, Z = CODES
+
+codes = st.lists(st.sampled_from(CODES), min_size=1, max_size=3, unique=True).map(sorted).map(tuple)
+run_keys = st.sampled_from(["a", "b"])
+deltas = st.sampled_from([1e-5, 1e-5, None])  # None: a request without delta (malformed)
+rounds = st.sampled_from([0, 1, 2, 3])
+
+
+def _conf(codes_: tuple[str, ...], key: str, rnd: int, delta: float | None, **extra) -> tuple:
+    conf = {"codes": list(codes_), "resume-key": key, "server-round": rnd, **extra}
+    if delta is not None:
+        conf["delta"] = delta
+    return tuple(sorted(conf.items()))
+
+
+train_steps = st.builds(
+    lambda c, k, r, d, rc, w: Step(R.MSG_TRAIN, rc=rc, conf=_conf(c, k, r, d), tier="strong", weights=w),
+    codes, run_keys, st.sampled_from([1, 2, 3]), deltas,
+    st.sampled_from([(), (("batch-size", 2),), (("batch-size", 64),), (("max-length", 24),),
+                     (("epsilon", BUDGET / 2),), (("local-steps", 1),)]),
+    st.sampled_from(["initial", "initial", "none"]))
+profile_steps = st.builds(
+    lambda c, k, r, d, t: Step(R.MSG_PROFILE, conf=_conf(c, k, r, d), tier=t),
+    codes, run_keys, rounds, deltas, st.sampled_from(["weak", "strong"]))
+candidates = st.lists(st.tuples(st.sampled_from(["a text about x", "one about y", "z z z", "?"]),
+                                st.sampled_from(CODES)), min_size=0, max_size=5).map(tuple)
+vote_steps = st.builds(
+    lambda c, k, r, d, h, v, s, cand, rc: Step(
+        R.MSG_VOTE, rc=rc, conf=_conf(c, k, r, d, **{"histogram": h, "num-votes": v, "epsilon-share": s}),
+        tier="weak", candidates=cand),
+    codes, run_keys, rounds, deltas, st.sampled_from(["knn-vote", "nearest-neighbour", "similarity", "unknown"]),
+    st.sampled_from([1, 2, 0]), st.sampled_from([1.0, 0.5, 0.25, 0.0]), candidates,
+    st.sampled_from([(), (("max-length", 24),), (("embedder", "all-MiniLM-L6-v2"),)]))
+tier_steps = st.builds(
+    lambda c, k, t, token: Step(R.MSG_TIER, conf=tuple(sorted({"codes": list(c), "resume-key": k,
+                                                               "hold-token": token}.items())), tier=t),
+    codes, run_keys, st.sampled_from(["weak", "strong"]), st.sampled_from(["t1", "t2"]))
+ledger_steps = st.builds(
+    lambda k, token: Step(R.MSG_LEDGER, conf=(("hold-token", token), ("resume-key", k))),
+    run_keys, st.sampled_from(["t1", "t2"]))
+sequences = st.lists(st.one_of(train_steps, profile_steps, vote_steps, tier_steps, ledger_steps),
+                     min_size=1, max_size=4)
+
+# The corpus: sequences that found a free bit before issue 31's fixes.
+PHASE1_OTHER_VIEW = [  # round 1 on x, round 2 asks y only: D' has one y record fewer
+    Step(R.MSG_TRAIN, conf=_conf((X,), "a", 1, 1e-5)),
+    Step(R.MSG_TRAIN, conf=_conf((Y,), "a", 2, 1e-5)),
+]
+EMPTY_VIEW = [Step(R.MSG_TRAIN, conf=_conf((Z,), "a", 1, 1e-5))]  # D' has no z record at all
+EMPTY_VOTE = [Step(R.MSG_PROFILE, conf=_conf((Z,), "a", 0, 1e-5), tier="weak"),
+              Step(R.MSG_VOTE, conf=_conf((Z,), "a", 1, 1e-5, histogram="knn-vote", **{"num-votes": 1}),
+                   tier="weak", candidates=(("z z z", Z),))]
+
+
+def check_neighbours(steps: list[Step], remove: str, table: bool = False) -> None:
+    """Play ``steps`` on D and on D' (one ``remove`` record fewer); fail on any difference."""
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        d, d_minus = write_pair(folder, remove, table)
+        seen = [play(steps, data, folder / f"state-{i}", table) for i, data in enumerate((d, d_minus))]
+    difference = first_difference(*seen, steps)
+    assert difference is None, difference
+
+
+@pytest.mark.parametrize("steps", [PHASE1_OTHER_VIEW, EMPTY_VIEW, EMPTY_VOTE], ids=["phase1-view", "empty-train",
+                                                                                    "empty-vote"])
+@pytest.mark.parametrize("remove", ["y", "z"])
+def test_the_corpus_is_identical_on_neighbours(steps, remove):
+    check_neighbours(steps, remove)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(steps=sequences, remove=st.sampled_from(["y", "z"]), table=st.booleans())
+@example(steps=PHASE1_OTHER_VIEW, remove="y", table=False)
+def test_any_request_sequence_is_identical_on_neighbours(steps, remove, table):
+    check_neighbours(steps, remove, table)

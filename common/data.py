@@ -88,15 +88,18 @@ def load_node_data(path: str, text_column: str, control_columns: Sequence[str], 
 
     ``path`` is anything ``load_table`` accepts (normally a local file named in the
     SuperNode's ``--node-config``); columns are checked as in ``to_text_data``, or, for a
-    table (``schema``), as in ``table_text_data``.
+    table (``schema``), as in ``table_text_data``. A file with no usable row gives an empty
+    ``TextData``: a node's release is defined on every dataset, and "does this file hold a
+    usable row" would be a free bit if loading failed instead.
     """
     table = load_table(path)
     if schema is not None:
-        return table_text_data(table, schema, control_columns, seed)
-    return to_text_data(table, text_column, control_columns)
+        return table_text_data(table, schema, control_columns, seed, allow_empty=True)
+    return to_text_data(table, text_column, control_columns, allow_empty=True)
 
 
-def table_text_data(df: pd.DataFrame, schema: Schema, control_columns: Sequence[str], seed: int = 0) -> TextData:
+def table_text_data(df: pd.DataFrame, schema: Schema, control_columns: Sequence[str], seed: int = 0,
+                    allow_empty: bool = False) -> TextData:
     """A table's rows as records: the code from the control columns, the text the other
     columns written as ``name is value, ...`` (``common.rows.serialise``) in an order drawn per
     record from ``seed`` and the row's position (the same text for the same file, run after run).
@@ -122,7 +125,7 @@ def table_text_data(df: pd.DataFrame, schema: Schema, control_columns: Sequence[
             dropped += 1
     if dropped:
         logger.warning("left out %d of %d rows: a missing value, or a value outside the table schema", dropped, len(df))
-    if not texts:
+    if not texts and not allow_empty:
         raise ValueError("no usable rows: every row has a missing value or one outside the table schema")
     return TextData(texts, codes)
 
@@ -170,7 +173,7 @@ def _render(series: pd.Series) -> pd.Series:
 
 
 def to_text_data(
-    df: pd.DataFrame, text_column: str, control_columns: Sequence[str]
+    df: pd.DataFrame, text_column: str, control_columns: Sequence[str], allow_empty: bool = False
 ) -> TextData:
     """DataFrame -> ``TextData`` with codes ``col=value|...`` from ``control_columns``.
 
@@ -191,7 +194,7 @@ def to_text_data(
             n_empty + n_uncoded, len(df), n_empty, text_column, n_uncoded, list(control_columns),
         )
     kept = df[text_ok & codes_ok]
-    if kept.empty:
+    if kept.empty and not allow_empty:
         raise ValueError(f"no usable rows: every row has an empty {text_column!r} or no code")
     controls = pd.DataFrame({c: _render(kept[c]) for c in control_columns})
     codes = [make_code(row, control_columns) for row in controls.to_dict("records")]

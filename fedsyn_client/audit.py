@@ -11,13 +11,19 @@ from __future__ import annotations
 
 import os
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
-from flwr.app import Context, Message
+from flwr.app import Context, Error, Message
 from flwr.clientapp.typing import ClientAppCallable
 
+from common import records as R
 from common.io import jsonl_line
+from common.logs import get_logger
+from fedsyn_client import refusals
+
+log = get_logger(__name__)
 
 AUDIT_ENV = "FEDSYN_AUDIT_DIR"
 
@@ -46,15 +52,27 @@ def describe_reply(reply: Message) -> dict[str, Any]:
 
 
 def audit_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
-    """Flower mod: pass the message on, then append the reply's description to the audit log."""
+    """Flower mod: pass the message on, then append the reply's description to the audit log.
+
+    Inside the same guard as the handlers: a write that fails (a full disk, a folder the node
+    cannot write) is logged here and the server gets the fixed ``FAILED`` text instead of the
+    reply, never Flower's exception text (which names the path). Failing closed: an institution
+    that asked for an audit of every outgoing message never sends one the audit missed; a release
+    stays charged and stored, so the server's repeat of the request gets it once it is logged.
+    """
     reply = call_next(msg, context)
     folder = audit_dir(context)
     if folder is not None:
-        folder.mkdir(parents=True, exist_ok=True)
-        line = jsonl_line({"node_id": context.node_id, **describe_reply(reply)})
-        # One write of one line in append mode: concurrent writers never interleave lines.
-        with open(folder / f"node-{context.node_id}.jsonl", "a", encoding="utf-8") as fh:
-            fh.write(line + "\n")
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            line = jsonl_line({"node_id": context.node_id, **describe_reply(reply)})
+            # One write of one line in append mode: concurrent writers never interleave lines.
+            with open(folder / f"node-{context.node_id}.jsonl", "a", encoding="utf-8") as fh:
+                fh.write(line + "\n")
+        except Exception:  # noqa: BLE001 - the reply must be a fixed text whatever failed
+            log.error("the audit log in %s could not be written; the reply was withheld:\n%s", folder,
+                      traceback.format_exc())
+            return Message(Error(R.ERR_INTERNAL, refusals.FAILED), reply_to=msg)
     return reply
 
 

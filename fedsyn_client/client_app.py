@@ -28,6 +28,7 @@ from common.dp import PROFILE, STRONG, TRAIN, VOTE
 from common.logs import get_logger, plain_console
 from fedsyn_client import refusals
 from fedsyn_client.audit import audit_mod
+from common.models import load_embedder
 from fedsyn_client.histograms import vote_histogram
 from fedsyn_client.node import Node, node_policy, open_node
 from fedsyn_client.placement import record_placement
@@ -91,7 +92,8 @@ def tier(msg: Message, node: Node, cfg: RunConfig, req: Request) -> RecordDict:
     epsilon for it (``PrivacyLedger.hold``, under the run's ``hold-token``) until the run's
     end-of-run ledger query; the ledger still authorises every release.
     """
-    pre = node.ledger.hold(req.run_id, req.epsilon, str(req.params.get("hold-token", "")))
+    pre = node.ledger.hold(req.run_id, req.epsilon, str(req.params.get("hold-token", "")),
+                           node.policy.max_unconfirmed_holds)
     if pre.shortfall > 0:
         log.warning("pre-flight: this run needs epsilon = %.4g of this node but its ledger has %.4g left (budget "
                     "%g, %.4g of it held for other runs under way); this node cannot finish the run, and any release "
@@ -124,10 +126,9 @@ def train(msg: Message, node: Node, cfg: RunConfig, req: Request) -> RecordDict:
 @_handler(PROFILE)
 def profile(msg: Message, node: Node, cfg: RunConfig, req: Request) -> RecordDict:
     """Algorithm 1 stage 2: per-code counts + analytic Gaussian noise (L2 sensitivity 1)."""
-    records = node.records(req.vocabulary)
     # One record is in exactly one bucket: adding/removing it moves one count by 1.
     # (records are restricted to the vocabulary, so every one is counted exactly once)
-    mechanism = GaussianHistogram("code-counts", lambda: records.code_counts(req.vocabulary), 1.0)
+    mechanism = GaussianHistogram("code-counts", lambda: node.records(req.vocabulary).code_counts(req.vocabulary), 1.0)
     noisy, statement = release(node, req, mechanism)
     return R.vector_reply(R.PROFILE, noisy, statement)
 
@@ -146,7 +147,8 @@ def vote(msg: Message, node: Node, cfg: RunConfig, req: Request) -> RecordDict:
         raise ConfigError(f"{len(texts)} candidate texts but {len(codes)} codes")
     name = str(req.params.get("histogram", "knn-vote"))
     compute, sensitivity = vote_histogram(name, node.records(req.vocabulary), texts, codes, req.params, cfg)
-    noisy, statement = release(node, req, GaussianHistogram(name, compute, sensitivity))
+    noisy, statement = release(node, req, GaussianHistogram(name, compute, sensitivity,
+                                                            prepare=lambda: load_embedder(cfg.embedder)))
     return R.vector_reply(R.VOTES, noisy, statement)
 
 

@@ -47,16 +47,14 @@ from typing import Any
 
 from common.dp import GAUSSIAN, composed_epsilon, preflight
 from common.io import atomic_write_json, read_json
-from fedsyn_client import refusals
+from fedsyn_client import holds, refusals
+from fedsyn_client.claims import claim, cut_off
+from fedsyn_client.holds import HOLD_SECONDS, HOLD_UNCONFIRMED_SECONDS, MAX_UNCONFIRMED_HOLDS  # noqa: F401 (re-exported)
 from fedsyn_client.refusals import BudgetExceeded, NodeSetupError
 
 FORMAT = 2
 # Float slack so that a budget spent exactly (e.g. 6 + 2 = 8) is not refused by rounding.
 _TOLERANCE = 1e-6
-HOLD_SECONDS = 6 * 3600.0  # a confirmed hold lapses this long after its run's last release
-# A hold no release has confirmed lapses soon: a tier query alone must not lock a node's budget
-# for hours. Long enough for phase 1 before a weak node's first release on the default run.
-HOLD_UNCONFIRMED_SECONDS = 1800.0
 RESERVED, CONFIRMED, FAILED, CANCELLED = "reserved", "confirmed", "failed", "cancelled"
 _KEYS = ("format", "budget", "releases", "accountants", "budget_changes", "resets", "data")
 
@@ -225,35 +223,23 @@ class PrivacyLedger:
         _check(self._load(), epsilon, what)
 
     # ----------------------------------------------------------------- updates
-    def hold(self, run_id: str, needed: float, token: str = "") -> Preflight:
+    def hold(self, run_id: str, needed: float, token: str = "", max_unconfirmed: int = MAX_UNCONFIRMED_HOLDS) -> Preflight:
         """The pre-flight, atomically: if this node can pay the ``needed`` epsilon of run
         ``run_id`` (what it already spent in that run counts), hold it for that run (shortfall
-        0); else hold nothing (the shortfall, ``common.dp.preflight``). The reply's numbers come
-        from the same locked read as the decision, so they agree with it.
-
-        A hold makes two runs started at once see each other: the second one's pre-flight
-        finds the budget held and is refused before anything is spent, instead of both
-        spending part and neither finishing. A hold ends when its run asks for its ledger at
-        the end (``release_hold``), or lapses: ``HOLD_UNCONFIRMED_SECONDS`` after it was made
-        unless a release of its run confirms it, then ``HOLD_SECONDS`` after the run's last
-        release (a crashed run keeps it meanwhile, so it can be resumed). It never lets a run
-        spend more: every release is still checked against the budget.
+        0; ``fedsyn_client.holds``: when, how long, and at most ``max_unconfirmed`` unconfirmed
+        holds); else hold nothing (the shortfall, ``common.dp.preflight``). The reply's numbers
+        come from the same locked read as the decision, so they agree with it.
 
         ``token`` is the run's secret (the server's ``hold-token``); only its hash is kept, and
         only a request with the same token renews or ends the hold, so a server that guesses
         another run's key can neither keep nor end that run's hold.
         """
         with self._locked() as data:
-            now, digest = time.time(), _token_hash(token)
-            data["holds"] = {r: h for r, h in data.get("holds", {}).items() if float(h["until"]) >= now}
+            now = time.time()
+            holds.live(data, now)
             short = preflight(needed, _spent(data["releases"], run_id), _remaining(data, run_id))
-            mine = data["holds"].get(run_id)
-            if short <= 0 and math.isfinite(needed) and (mine is None or mine.get("token") == digest):
-                confirmed = bool(mine and mine.get("confirmed"))
-                # asking again never stretches an unconfirmed hold: only a release does
-                until = now + HOLD_SECONDS if confirmed else (float(mine["until"]) if mine else now + HOLD_UNCONFIRMED_SECONDS)
-                data["holds"][run_id] = {"epsilon": float(needed), "token": digest, "confirmed": confirmed,
-                                         "until": until}
+            if short <= 0:
+                holds.take(data, run_id, needed, token, now, max_unconfirmed)
             return Preflight(short, _remaining(data, run_id), _held(data, run_id), str(data.get("ref", "")))
 
     def release_hold(self, run_id: str | None = None, token: str = "") -> list[str]:
@@ -261,11 +247,7 @@ class PrivacyLedger:
         was refused), or every hold (None: the operator's ``fedsyn ledger --release-holds``);
         what they did not spend is free again. Returns the runs whose holds ended."""
         with self._locked() as data:
-            holds = data.setdefault("holds", {})
-            ended = [r for r in list(holds) if run_id is None or (r == run_id and holds[r].get("token") == _token_hash(token))]
-            for r in ended:
-                holds.pop(r)
-            return ended
+            return holds.end(data, run_id, token)
 
     def held(self, run_id: str | None = None) -> float:
         """Epsilon held for live runs other than ``run_id`` and not yet spent by them."""
@@ -291,14 +273,12 @@ class PrivacyLedger:
         with self._locked() as data:
             orphan = next((r for r in data["releases"] if r["status"] == RESERVED and r["run_id"] == release.run_id
                            and r["phase"] == release.phase and int(r.get("round", 0)) == int(release.round)), None)
-            if (orphan is not None and digest and release.mechanism == GAUSSIAN and _cut_off(orphan, digest)
+            if (orphan is not None and digest and release.mechanism == GAUSSIAN and cut_off(orphan, digest)
                     and _statement(orphan) == release.statement()):
-                orphan.update(claim=_claim(digest), takeovers=int(orphan.get("takeovers", 0)) + 1)
+                orphan.update(claim=claim(digest), takeovers=int(orphan.get("takeovers", 0)) + 1)
                 return str(orphan["id"])
             _check(data, release.epsilon, release.phase, release.run_id)
-            hold = data.get("holds", {}).get(release.run_id)
-            if hold is not None:  # a release confirms its run's hold, which now lasts while the run releases
-                hold.update(confirmed=True, until=time.time() + HOLD_SECONDS)
+            holds.confirm(data, release.run_id, time.time())
             if cap is not None:
                 since = time.time() - cap[1] * 86400.0 if cap[1] > 0 else -math.inf
                 used = sum(float(r["epsilon"]) for r in _counted(data["releases"])
@@ -335,7 +315,7 @@ class PrivacyLedger:
                     f"{taken} are taken; {steps[0]} more would exceed its epsilon")
             entry_id = uuid.uuid4().hex
             data["releases"].append({"id": entry_id, "status": RESERVED, "time": time.time(), **release.statement(),
-                                     "public": dict(release.public), **({"claim": _claim(digest)} if digest else {}),
+                                     "public": dict(release.public), **({"claim": claim(digest)} if digest else {}),
                                      **({"binding": dict(binding)} if binding is not None and bound is None else {})})
         return entry_id
 
@@ -446,10 +426,7 @@ def _spent(releases: list[dict[str, Any]], run_id: str | None = None, phase: str
 
 def _held(data: dict[str, Any], except_run: str | None = None) -> float:
     """Epsilon that live holds of runs other than ``except_run`` may still spend."""
-    now, releases = time.time(), data["releases"]
-    return float(sum(max(float(h["epsilon"]) - _spent(releases, run_id), 0.0)
-                     for run_id, h in data.get("holds", {}).items()
-                     if run_id != except_run and float(h["until"]) >= now))
+    return holds.held(data, lambda run_id: _spent(data["releases"], run_id), time.time(), except_run)
 
 
 def _remaining(data: dict[str, Any], run_id: str | None = None) -> float:
@@ -469,47 +446,6 @@ def _check(data: dict[str, Any], epsilon: float, what: str, run_id: str | None =
             f"{what}: refused, needs epsilon = {epsilon:.4g} but this node has {max(left, 0.0):.4g} left of its "
             f"budget {budget:g} (spent {_spent(data['releases']):.4g} in {len(_counted(data['releases']))} releases"
             + (f", {held:.4g} held for other runs under way" if held else "") + ")")
-
-
-def _token_hash(token: str) -> str:
-    import hashlib
-
-    return hashlib.sha256(f"fedsyn-hold:{token}".encode()).hexdigest()
-
-
-def _process_start(pid: int) -> str:
-    """``pid``'s start time in clock ticks since boot ("" when unknown): with the boot id it names
-    one process for good, where a PID alone is recycled."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return ""
-
-
-def _machine() -> str:
-    """This boot of this machine, and the PID namespace whose PIDs this process sees ("" when
-    unknown). Containers share the boot id but not the PIDs: a live process in another container
-    is invisible here, so its claim must not look dead."""
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
-    except OSError:
-        return ""
-
-
-def _claim(digest: str) -> dict[str, Any]:
-    """Who holds a reservation: the request's digest and this process (machine, PID, start time)."""
-    return {"digest": digest, "boot": _machine(), "pid": os.getpid(), "start": _process_start(os.getpid())}
-
-
-def _cut_off(entry: dict[str, Any], digest: str) -> bool:
-    """True when ``entry``'s reservation was made for ``digest`` by a process that is gone: one
-    this process can see (same boot, same PID namespace); a process elsewhere, or unknown, may
-    still be computing."""
-    claim = entry.get("claim") or {}
-    if claim.get("digest") != digest or not claim.get("boot") or claim["boot"] != _machine() or not claim.get("start"):
-        return False
-    return _process_start(int(claim["pid"])) != claim["start"]
 
 
 def _entry(data: dict[str, Any], entry_id: str) -> dict[str, Any]:

@@ -104,6 +104,9 @@ def check_node(node_config: dict[str, Any]) -> str:
     except (PolicyError, ValueError) as err:
         raise NodeSetupError(str(err)) from None
     node = _open(policy, None)
+    if len(node.data) == 0:
+        raise NodeSetupError(f"data-path {policy.data_path!r} has no records (after the policy's columns, codes and "
+                             "schema): the node would release noise only; check the file and the node config")
     return (f"node ready: tier={policy.tier} records={len(node.data)} budget epsilon={policy.epsilon:g} "
             f"ledger={node.ledger.path} (spent {node.ledger.spent():.4g})")
 
@@ -148,9 +151,11 @@ def _open(policy: NodePolicy, sim_cfg: RunConfig | None) -> Node:
             # The detail (file, line, field counts) is for the node's log; the server gets DATA.
             raise NodeSetupError(f"data unavailable: data-path {policy.data_path!r} cannot be used: "
                                  f"{type(err).__name__}: {str(err)[:300]}", refusals.DATA) from None
+    # An empty data set is served like any other (every release is defined on it): refusing it
+    # would answer "does this node hold any record" for free. node-check tells the operator.
     if len(data) == 0:
-        raise NodeSetupError(f"data unavailable: data-path {policy.data_path!r} has no records", refusals.DATA)
-    if policy.delta >= 1.0 / len(data):  # the node's own log only: the count never leaves
+        log.warning("data-path %r has no records: every release of this node is noise only", policy.data_path)
+    elif policy.delta >= 1.0 / len(data):  # the node's own log only: the count never leaves
         log.warning("delta = %g >= 1/%d records on this node: the guarantee is weak; set a smaller node-config delta",
                     policy.delta, len(data))
     state_dir = policy.state_dir or str(Path.home() / ".fedsyn" / "state")

@@ -20,6 +20,7 @@ a node's records can lose, and what runs on them, comes from here, never from th
 | embedders         | ``embedder`` (default ``all-MiniLM-L6-v2``) | run config ``embedder``       |
 | finetune modes    | ``finetune`` (default ``lora,full``)    | run config ``finetune``          |
 | ledger            | ``state-dir``, ``ledger-id``            | a temp dir per run               |
+| unconfirmed holds | ``max-unconfirmed-holds`` (default 1)   | 1                                |
 
 ``policy-file`` names a TOML file with the same keys (node-config keys win), so an
 institution can keep its policy under version control. An unknown key, in the node config
@@ -55,7 +56,7 @@ DEFAULT_EMBEDDERS = ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2
 DEFAULT_FINETUNE = FINETUNE_MODES
 NODE_KEYS = ("tier", "data-path", "text-column", "control-columns", "table-schema", "control-codes", "epsilon", "delta",
              "max-epsilon-train", "max-epsilon-profile", "max-epsilon-vote", "cap-window-days", "model", "embedder",
-             "finetune", "state-dir", "ledger-id", "audit-dir", "policy-file")
+             "finetune", "state-dir", "ledger-id", "max-unconfirmed-holds", "audit-dir", "policy-file")
 SIMULATION_KEYS = ("partition-id", "num-partitions")  # set by Flower's simulation engine
 
 class PolicyError(ValueError):
@@ -110,6 +111,7 @@ class NodePolicy:
     ledger_id: str = ""
     phase_caps: tuple[tuple[str, float], ...] = ()  # (phase, max epsilon across runs in the window)
     cap_window_days: float = 0.0  # 0: the caps count the ledger's whole life
+    max_unconfirmed_holds: int = 1  # pre-flight holds no release confirmed yet, at a time (fedsyn_client.holds)
     models: tuple[str, ...] = DEFAULT_MODELS
     embedders: tuple[str, ...] = DEFAULT_EMBEDDERS
     finetune_modes: tuple[str, ...] = DEFAULT_FINETUNE
@@ -237,6 +239,9 @@ def policy_from_node_config(node_config: Mapping[str, Any]) -> NodePolicy:
     window = _float("cap-window-days", values.get("cap-window-days", 0.0))
     if not 0 <= window < math.inf:
         raise PolicyError(f"node-config cap-window-days = {window:g} must be >= 0 (0: the ledger's whole life)")
+    max_holds = _float("max-unconfirmed-holds", values.get("max-unconfirmed-holds", 1))
+    if not (math.isfinite(max_holds) and max_holds >= 0 and max_holds == int(max_holds)):
+        raise PolicyError(f"node-config max-unconfirmed-holds = {max_holds:g} must be an integer >= 0 (default 1)")
     models = {key: _names(values[key]) if key in values else default for key, default in
               (("model", DEFAULT_MODELS), ("embedder", DEFAULT_EMBEDDERS), ("finetune", DEFAULT_FINETUNE))}
     for key, names in models.items():
@@ -268,7 +273,7 @@ def policy_from_node_config(node_config: Mapping[str, Any]) -> NodePolicy:
         tier=tier, epsilon=epsilon, delta=delta, text_column=text_column, control_columns=columns,
         control_codes=codes, table_schema=table_schema, data_path=data_path, state_dir=str(values.get("state-dir", "")),
         ledger_id=str(values.get("ledger-id", "")), phase_caps=tuple(caps), cap_window_days=window,
-        models=models["model"], embedders=models["embedder"], finetune_modes=models["finetune"], warnings=notes,
+        max_unconfirmed_holds=int(max_holds), models=models["model"], embedders=models["embedder"], finetune_modes=models["finetune"], warnings=notes,
     )
 
 

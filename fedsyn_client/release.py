@@ -42,6 +42,7 @@ from common.rows import canonical
 from fedsyn_client.ledger import Release
 from fedsyn_client.node import Node
 from fedsyn_client.policy import Ask, NodePolicy
+from fedsyn_client.refusals import NodeSetupError
 from fedsyn_client.replies import check_run_key, request_digest
 
 log = get_logger(__name__)
@@ -111,8 +112,21 @@ def authorise(msg: Message, context: Context, policy: NodePolicy, cfg: RunConfig
     return Request(run_id=key, phase=kind, epsilon=budget * share, delta=float(conf["delta"]) * share,
                    phase_budget=budget, vocabulary=vocabulary, round=int(conf.get("server-round", 0)),
                    params={k: v for k, v in conf.items() if k not in ("codes", "delta", "resume-key")},
-                   digest=request_digest(msg.content),
+                   digest=request_digest(msg.content, computation_terms(cfg)),
                    cap=(cap, policy.cap_window_days) if cap is not None else None)
+
+
+# The run-config terms a node's computation reads (besides the message): a request under other
+# terms is another request, so it never gets a stored reply or takes over a dead reservation.
+COMPUTATION_TERMS = ("model", "finetune", "lora_rank", "embedder", "vote_window", "max_length", "text_column",
+                     "control_columns", "table_schema", "prompt", "zero_shot_template", "batch_size", "local_steps",
+                     "num_server_rounds", "learning_rate", "max_grad_norm", "precision", "seed", "epsilon",
+                     "epsilon_profile", "voters", "dataset", "partitioning", "strong_fraction", "test_fraction")
+
+
+def computation_terms(cfg: RunConfig) -> dict[str, Any]:
+    """The values of ``COMPUTATION_TERMS`` in ``cfg`` (JSON-ready)."""
+    return {k: (list(v) if isinstance(v := getattr(cfg, k), tuple) else v) for k in COMPUTATION_TERMS}
 
 
 @dataclass
@@ -160,8 +174,25 @@ class GaussianHistogram(Mechanism):
 
     name = GAUSSIAN
 
-    def __init__(self, histogram: str, compute: Callable[[], np.ndarray], sensitivity: float) -> None:
+    def __init__(self, histogram: str, compute: Callable[[], np.ndarray], sensitivity: float,
+                 prepare: Callable[[], object] | None = None) -> None:
         self.histogram, self.compute, self.sensitivity = histogram, compute, float(sensitivity)
+        self.prepare = prepare  # loads what the computation needs (an embedder): a public fact
+
+    def check(self, request: Request) -> None:
+        """What the computation needs is loaded before the reservation: a model that is not
+        installed is a fact of the node, refused (and not charged) before the data is opened."""
+        if self.prepare is not None:
+            try:
+                self.prepare()
+            except Exception as err:  # noqa: BLE001 - any failure to load is the node's set-up
+                raise NodeSetupError(f"{self.histogram}: cannot load what it needs: {type(err).__name__}: "
+                                     f"{str(err)[:300]}") from None
+
+    def binding(self, request: Request) -> dict[str, Any]:
+        """A run's rounds of a phase share one split: the first round fixes each round's (epsilon,
+        delta), hence their number; a round asking another share under the same run key is refused."""
+        return {"epsilon": float(request.epsilon), "delta": float(request.delta)}
 
     def public(self, request: Request) -> dict[str, Any]:  # noqa: D102
         return {"histogram": self.histogram, "sensitivity": self.sensitivity,

@@ -45,9 +45,11 @@ def check_run_key(key: str) -> str:
     return key
 
 
-def request_digest(content: RecordDict) -> str:
-    """SHA-256 over everything a request carries (configs, candidates, weights), in a fixed order."""
+def request_digest(content: RecordDict, terms: dict[str, Any] | None = None) -> str:
+    """SHA-256 over everything a request carries (configs, candidates, weights), in a fixed order,
+    and the run-config ``terms`` its computation reads (``release.computation_terms``)."""
     h = hashlib.sha256()
+    h.update(json.dumps(terms or {}, sort_keys=True, default=str).encode())
     for name, rec in sorted(content.config_records.items()):
         h.update(json.dumps([name, dict(rec)], sort_keys=True, default=str).encode())
     for name, rec in sorted(content.array_records.items()):

@@ -103,10 +103,10 @@ def check_node(node_config: dict[str, Any]) -> str:
         policy = _deployed_policy(dict(node_config))
     except (PolicyError, ValueError) as err:
         raise NodeSetupError(str(err)) from None
-    node = _open(policy, None)
-    if len(node.data) == 0:
-        raise NodeSetupError(f"data-path {policy.data_path!r} has no records (after the policy's columns, codes and "
+    if len(_data(policy, None)) == 0:  # before the ledger: nothing is opened for a node that cannot start
+        raise NodeSetupError(f"data-path {policy.data_path!r} has no records (after the policy's columns and "
                              "schema): the node would release noise only; check the file and the node config")
+    node = _open(policy, None)
     return (f"node ready: tier={policy.tier} records={len(node.data)} budget epsilon={policy.epsilon:g} "
             f"ledger={node.ledger.path} (spent {node.ledger.spent():.4g})")
 
@@ -139,18 +139,7 @@ def _policy(run_id: str, node_config_items: tuple[tuple[str, str], ...], cfg: Ru
 
 @lru_cache(maxsize=16)
 def _open(policy: NodePolicy, sim_cfg: RunConfig | None) -> Node:
-    if sim_cfg is not None:
-        from common.federation import simulation_node_data
-
-        data = simulation_node_data(sim_cfg, *policy.partition)[1]
-    else:
-        try:
-            schema = load_schema(policy.table_schema) if policy.table_schema else None
-            data = load_node_data(policy.data_path, policy.text_column, list(policy.control_columns), schema)
-        except (OSError, ValueError, KeyError) as err:
-            # The detail (file, line, field counts) is for the node's log; the server gets DATA.
-            raise NodeSetupError(f"data unavailable: data-path {policy.data_path!r} cannot be used: "
-                                 f"{type(err).__name__}: {str(err)[:300]}", refusals.DATA) from None
+    data = _data(policy, sim_cfg)
     # An empty data set is served like any other (every release is defined on it): refusing it
     # would answer "does this node hold any record" for free. node-check tells the operator.
     if len(data) == 0:
@@ -162,3 +151,18 @@ def _open(policy: NodePolicy, sim_cfg: RunConfig | None) -> Node:
     ledger = PrivacyLedger.open(state_dir, policy.epsilon, policy.ledger_id, dataset_fingerprint(data))
     log.info("node ready: tier=%s records=%d budget=%s ledger=%s", policy.tier, len(data), policy.epsilon, ledger.path)
     return Node(policy, data, ledger, ReplyStore(ledger.path.with_name(f"{ledger.path.stem}-replies")))
+
+
+def _data(policy: NodePolicy, sim_cfg: RunConfig | None) -> TextData:
+    """The node's records under ``policy`` (a simulated node: its partition of the run's data)."""
+    if sim_cfg is not None:
+        from common.federation import simulation_node_data
+
+        return simulation_node_data(sim_cfg, *policy.partition)[1]
+    try:
+        schema = load_schema(policy.table_schema) if policy.table_schema else None
+        return load_node_data(policy.data_path, policy.text_column, list(policy.control_columns), schema)
+    except (OSError, ValueError, KeyError) as err:
+        # The detail (file, line, field counts) is for the node's log; the server gets DATA.
+        raise NodeSetupError(f"data unavailable: data-path {policy.data_path!r} cannot be used: "
+                             f"{type(err).__name__}: {str(err)[:300]}", refusals.DATA) from None

@@ -172,7 +172,7 @@ def test_node_check_names_the_file_and_reason_before_a_supernode_starts(tmp_path
     assert "node ready: tier=weak records=4 budget epsilon=8" in capsys.readouterr().out
     assert main(["node-check", "--node-config", conf.format(empty, tmp_path / "s2")]) == 1
     err = capsys.readouterr().err
-    assert f"data unavailable: data-path '{empty}' cannot be used" in err and "\n" not in err.strip()
+    assert f"data-path '{empty}' has no records" in err and "\n" not in err.strip()
     assert not (tmp_path / "s2").exists()  # nothing opened for a node that cannot start
     assert main(["node-check", "--node-config", conf.format(tmp_path / "none.csv", tmp_path / "s3")]) == 1
     assert "does not exist" in capsys.readouterr().err

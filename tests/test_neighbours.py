@@ -24,7 +24,9 @@ from tests.neighbours import BUDGET, CODES, Step, first_difference, play, write_
 EXAMPLES = int(os.environ.get("FEDSYN_NEIGHBOUR_EXAMPLES", "12"))
 X, Y, Z = CODES
 
-codes = st.lists(st.sampled_from(CODES), min_size=1, max_size=3, unique=True).map(sorted).map(tuple)
+# one code alone as often as a mix: a one-code view is where one record moves a view's size most
+codes = st.one_of(st.sampled_from(CODES).map(lambda c: (c,)),
+                  st.lists(st.sampled_from(CODES), min_size=1, max_size=3, unique=True).map(sorted).map(tuple))
 run_keys = st.sampled_from(["a", "b"])
 deltas = st.sampled_from([1e-5, 1e-5, None])  # None: a request without delta (malformed)
 rounds = st.sampled_from([0, 1, 2, 3])
@@ -62,9 +64,17 @@ tier_steps = st.builds(
 ledger_steps = st.builds(
     lambda k, token: Step(R.MSG_LEDGER, conf=(("hold-token", token), ("resume-key", k))),
     run_keys, st.sampled_from(["t1", "t2"]))
+# A phase-1 run as a server would drive it: rounds 1, 2, ... under one key and one run config,
+# each round free to ask another view (the issue's case is a later round on another code).
+train_runs = st.builds(
+    lambda key, views, rc: [Step(R.MSG_TRAIN, rc=rc, conf=_conf(v, key, i + 1, 1e-5)) for i, v in enumerate(views)],
+    run_keys, st.lists(codes, min_size=2, max_size=3), st.sampled_from([(), (), (("batch-size", 2),)]))
 # training and votes are where the view matters most: drawn twice as often
-sequences = st.lists(st.one_of(train_steps, train_steps, profile_steps, vote_steps, vote_steps, tier_steps,
-                               ledger_steps), min_size=1, max_size=5)
+steps_ = st.lists(st.one_of(train_steps, train_steps, profile_steps, vote_steps, vote_steps, tier_steps,
+                            ledger_steps), min_size=1, max_size=5)
+sequences = st.one_of(steps_, st.tuples(train_runs, st.lists(st.one_of(profile_steps, vote_steps, tier_steps,
+                                                                         ledger_steps), max_size=2))
+                      .map(lambda pair: pair[0] + pair[1]))
 
 # The corpus: sequences that found a free bit before issue 31's fixes.
 PHASE1_OTHER_VIEW = [  # round 1 on x, round 2 asks y only: D' has one y record fewer

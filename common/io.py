@@ -80,7 +80,7 @@ def atomic_write_npz(path: str | Path, arrays: dict[str, Any]) -> Path:
 
 def atomic_write_json(path: str | Path, obj: Any) -> Path:
     """Write ``obj`` as indented JSON, atomically (non-finite floats become strings)."""
-    return atomic_write_text(path, json.dumps(_jsonable(obj), indent=2, sort_keys=False) + "\n")
+    return atomic_write_text(path, json.dumps(jsonable(obj), indent=2, sort_keys=False) + "\n")
 
 
 # Line breaks that JSON leaves unescaped outside ASCII but ``str.splitlines`` (and some
@@ -91,7 +91,7 @@ _UNSAFE_IN_LINES = str.maketrans({"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2
 def jsonl_line(obj: Any) -> str:
     """One JSON object as a single line (no trailing newline): UTF-8 text kept readable,
     only the Unicode line separators escaped so no reader sees the record split."""
-    return json.dumps(_jsonable(obj), ensure_ascii=False).translate(_UNSAFE_IN_LINES)
+    return json.dumps(jsonable(obj), ensure_ascii=False).translate(_UNSAFE_IN_LINES)
 
 
 def atomic_write_jsonl(path: str | Path, rows: Iterable[dict]) -> Path:
@@ -137,16 +137,17 @@ def read_json(path: str | Path) -> Any:
     return json.loads(Path(path).read_text(encoding="utf-8"))
 
 
-def _jsonable(obj: Any) -> Any:
-    # JSON has no inf/nan; "inf" keeps epsilon = inf readable in reports.
+def jsonable(obj: Any) -> Any:
+    """``obj`` with every non-finite float written as a string ("inf", "nan") and arrays as lists:
+    JSON has no inf/nan, and "inf" keeps epsilon = inf readable in reports."""
     if isinstance(obj, float) and (obj != obj or obj in (float("inf"), float("-inf"))):
         return str(obj)
     if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
+        return {str(k): jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
+        return [jsonable(v) for v in obj]
     if hasattr(obj, "item") and callable(obj.item) and getattr(obj, "ndim", 1) == 0:
-        return _jsonable(obj.item())
+        return jsonable(obj.item())
     if hasattr(obj, "tolist"):
-        return _jsonable(obj.tolist())
+        return jsonable(obj.tolist())
     return obj

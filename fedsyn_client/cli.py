@@ -39,6 +39,8 @@ def add_ledger(subparsers: argparse._SubParsersAction) -> None:
                    help="archive the ledger and start an empty one (e.g. new data); needs --reason")
     p.add_argument("--budget", type=float, default=None, metavar="EPSILON",
                    help="with --reset: the budget of the new ledger (required when the old one is damaged or missing)")
+    p.add_argument("--unlimited", action="store_true",
+                   help="with --set-budget inf or --budget inf: yes, this node's records get no privacy at all")
     p.add_argument("--reason", default="", help="why (kept in the ledger)")
     p.add_argument("--release-holds", action="store_true",
                    help="end every pre-flight hold (e.g. of a run that crashed and will not be resumed)")
@@ -73,9 +75,16 @@ def _run_node_check(args: argparse.Namespace) -> int:
 
 
 def _run_ledger(args: argparse.Namespace) -> int:
+    from common.io import jsonable
     from fedsyn_client.ledger import PrivacyLedger, ledger_path, reset_ledger, set_budget
 
     try:
+        if args.reset and args.set_budget is not None:
+            raise ValueError("--reset takes the new ledger's budget as --budget EPSILON, not --set-budget")
+        for flag, value in (("--set-budget", args.set_budget), ("--budget", args.budget)):
+            if value is not None and not (value > 0 and math.isfinite(value)) and not args.unlimited:
+                raise ValueError(f"{flag} {value:g}: a budget is a finite epsilon > 0; an unlimited budget (no "
+                                 "privacy at all) needs --unlimited as well")
         if args.reset:
             archive = reset_ledger(args.state_dir, args.reason, args.ledger_id, args.budget)
             print("ledger reset" + (f"; the old one is archived at {archive}" if archive else
@@ -96,7 +105,8 @@ def _run_ledger(args: argparse.Namespace) -> int:
     except NodeSetupError as err:
         print(f"fedsyn ledger: {err}", file=sys.stderr)
         return 1
-    print(json.dumps(summary, indent=2) if args.json else format_ledger(summary))
+    # JSON has no Infinity: an unlimited budget is written "inf", as in the ledger file
+    print(json.dumps(jsonable(summary), indent=2) if args.json else format_ledger(summary))
     return 0
 
 
@@ -104,16 +114,16 @@ def format_ledger(summary: dict) -> str:
     """A node's ledger summary as a readable table."""
     lines = [
         f"ledger           {summary['ledger']}",
-        f"budget           epsilon = {summary['budget']:g}",
+        f"budget           epsilon = {float(summary['budget']):g}",
         f"spent            epsilon = {summary['epsilon_spent']:.4g} (basic composition), "
         f"{summary['epsilon_pld']:.4g} (PLD at delta = {summary['delta_spent']:.3g})",
-        f"remaining        epsilon = {summary['epsilon_remaining']:.4g}"
+        f"remaining        epsilon = {float(summary['epsilon_remaining']):.4g}"
         + (f" ({summary['epsilon_held']:.4g} held for runs under way: {', '.join(summary['holds'])})"
            if summary.get("holds") else ""),
         f"delta spent      {summary['delta_spent']:.3g}",
     ]
     for change in summary["budget_changes"]:
-        lines.append(f"budget change    {change['from']:g} -> {change['to']:g} at {_when(change['time'])}"
+        lines.append(f"budget change    {float(change['from']):g} -> {float(change['to']):g} at {_when(change['time'])}"
                      + (f": {change['reason']}" if change.get("reason") else ""))
     for reset in summary["resets"]:
         spent = reset["previous_epsilon_spent"]

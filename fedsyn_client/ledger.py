@@ -369,7 +369,12 @@ def reset_ledger(state_dir: str | Path, reason: str, ledger_id: str = "", budget
     with open(ledger._lock_path, "a+") as lock:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
         try:
-            archive = ledger.path.with_name(f"{ledger.path.stem}.{time.strftime('%Y%m%d-%H%M%S')}.archived.json")
+            stamp = time.strftime('%Y%m%d-%H%M%S')
+            archive = ledger.path.with_name(f"{ledger.path.stem}.{stamp}.archived.json")
+            for n in range(1, 10_000):  # two resets in one second keep both archives
+                if not archive.exists():
+                    break
+                archive = ledger.path.with_name(f"{ledger.path.stem}.{stamp}-{n}.archived.json")
             try:
                 data = ledger._load() if ledger.path.exists() else None
             except LedgerError:

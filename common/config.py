@@ -283,3 +283,33 @@ def _to_bool(raw: Any) -> bool:
 def _to_tuple(raw: Any) -> tuple[str, ...]:
     items = raw if isinstance(raw, (list, tuple)) else str(raw).split(",")
     return tuple(s.strip() for s in items if str(s).strip())
+
+
+def parse_pairs(values: list[str], flag: str) -> dict[str, Any]:
+    """``key=value`` pairs (``--run-config``, ``--node-config``, ...) parsed as Flower parses them.
+
+    Flower's parser answers a string value without double quotes (``tier=weak``) with a click
+    exception and a long traceback; here it is one ``ConfigError`` naming the pairs to quote.
+    """
+    from click import ClickException
+    from flwr.common.config import parse_config_args
+
+    try:
+        return dict(parse_config_args(values))
+    except (ClickException, ValueError) as err:
+        bare = [tok.split("=", 1) for v in values for tok in v.split()
+                if "=" in tok and not _toml_scalar(tok.split("=", 1)[1])]
+        quoted = [f'{k}="{v}"' for k, v in bare]
+        hint = (f"quote string values ({', '.join(quoted)}) and the whole argument in single quotes, e.g. "
+                f"{flag} '{' '.join(quoted)}'" if bare else "values must be bool, int, float or a double-quoted string")
+        raise ConfigError(f"{flag} {' '.join(values)!r} cannot be read: {hint}") from None
+
+
+def _toml_scalar(text: str) -> bool:
+    import tomllib
+
+    try:
+        tomllib.loads(f"v = {text}")
+    except tomllib.TOMLDecodeError:
+        return False
+    return True

@@ -62,12 +62,12 @@ def add_node_check(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_node_check(args: argparse.Namespace) -> int:
-    from flwr.common.config import parse_config_args
-
+    from common.config import parse_pairs
     from fedsyn_client.node import check_node
 
+    config = parse_pairs([args.node_config], "--node-config")
     try:
-        print(check_node(parse_config_args([args.node_config])))
+        print(check_node(config))
     except NodeSetupError as err:
         print(f"fedsyn node-check: {err}", file=sys.stderr)
         return 1

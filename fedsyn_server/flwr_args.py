@@ -70,9 +70,9 @@ def run_config_values(args: list[str]) -> tuple[list[int], list[str]]:
 
 def overrides(args: list[str]) -> dict[str, Any]:
     """The run-config overrides ``args`` give, parsed as Flower parses them (ValueError on bad syntax)."""
-    from flwr.common.config import parse_config_args
+    from common.config import parse_pairs
 
-    return dict(parse_config_args(run_config_values(args)[1]))
+    return parse_pairs(run_config_values(args)[1], "--run-config")
 
 
 def effective_run_config(args: list[str]) -> dict[str, Any]:

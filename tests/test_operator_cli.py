@@ -1,4 +1,4 @@
-"""`fedsyn ledger` as an operator meets it (issue 32's review): unlimited budgets, resets, budget flags."""
+"""`fedsyn ledger` and `fedsyn node-check` as an operator meets them (issue 32's review)."""
 
 from __future__ import annotations
 
@@ -38,3 +38,11 @@ def test_budget_flags_say_what_they_do(tmp_path, capsys):
     assert PrivacyLedger(tmp_path / "ledger.json").budget == math.inf
     assert main(["ledger", str(tmp_path), "--reset", "--budget", "5", "--reason", "new data"]) == 0
     assert PrivacyLedger(tmp_path / "ledger.json").budget == 5.0
+
+
+def test_an_unquoted_node_config_value_is_one_line_saying_how_to_quote(tmp_path, capsys):
+    assert main(["node-check", "--node-config", f"tier=weak epsilon=8 state-dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and 'tier="weak"' in err and "Traceback" not in err
+    assert main(["run", ".", "--dry-run", "--run-config", "dataset=notes.csv"]) == 2
+    assert 'dataset="notes.csv"' in capsys.readouterr().err

@@ -14,6 +14,11 @@
 #   --auth          SuperNode authentication (needs --tls): a key pair per node
 #                   (generate_node_keys.sh), registered with `flwr supernode register`
 #   --name NAME     the SuperLink connection written to the CLI's config.toml (fedsyn-local)
+#   --app DIR       the app every node approves in its FAB gate (default: this checkout)
+#
+# Each SuperNode runs behind its own FAB gate (WORK/nodes/NAME/gate/flwr-clientapp, first in its
+# PATH) with its own allow-list (WORK/nodes/NAME/allow-list.txt) approving the FAB of --app: a
+# try-out approves what you run; an institution reviews first (deploy/start_node.sh).
 #
 # Prints the PIDs it started and writes them to WORK/pids ("PID ROLE NAME" lines);
 # deploy/stop_local_deployment.sh WORK stops exactly those (and their children).
@@ -25,6 +30,7 @@ usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' 
 
 data_dir=$1; shift
 work=./fedsyn-local; strong=1; epsilon=8.0; port=""; tls=""; auth=0; name=fedsyn-local
+app=$(cd "$(dirname "$0")/.." && pwd)
 while [[ $# -gt 0 ]]; do
     case $1 in
         --work) work=$2; shift 2 ;;
@@ -34,6 +40,7 @@ while [[ $# -gt 0 ]]; do
         --tls) tls=$2; shift 2 ;;
         --auth) auth=1; shift ;;
         --name) name=$2; shift 2 ;;
+        --app) app=$(cd "$2" && pwd); shift 2 ;;
         *) echo "error: unknown option $1" >&2; usage >&2; exit 2 ;;
     esac
 done
@@ -140,10 +147,14 @@ for file in "${files[@]}"; do
         node_args+=(--auth-supernode-private-key "$dir/node_key")
     fi
     node_config="tier=\"$tier\" data-path=\"$file\" state-dir=\"$dir/state\" epsilon=$epsilon"
-    # Flower runs no app code at SuperNode start: check the data now, not at the first request.
-    "$bin_dir/fedsyn" node-check --node-config "$node_config" > "$dir/node-check.log" 2>&1 \
-        || fail "SuperNode $node cannot start: its data or node config is unusable" "$dir/node-check.log"
-    FLWR_HOME="$dir/flwr-home" nohup "$bin_dir/flower-supernode" "${node_args[@]}" \
+    # The node's FAB gate: its launcher first in its PATH, its allow-list approving --app.
+    "$bin_dir/fedsyn" node install-launcher "$dir/gate" --allow-list "$dir/allow-list.txt" > /dev/null
+    "$bin_dir/fedsyn" node approve "$app" --allow-list "$dir/allow-list.txt" \
+        --note "start_local_deployment.sh" > "$dir/approve.log" 2>&1 || fail "cannot approve $app" "$dir/approve.log"
+    # Flower runs no app code at SuperNode start: check the data and the gate now, not at the first request.
+    PATH="$dir/gate:$PATH" "$bin_dir/fedsyn" node-check --node-config "$node_config" > "$dir/node-check.log" 2>&1 \
+        || fail "SuperNode $node cannot start: its data, node config or FAB gate is unusable" "$dir/node-check.log"
+    PATH="$dir/gate:$PATH" FLWR_HOME="$dir/flwr-home" nohup "$bin_dir/flower-supernode" "${node_args[@]}" \
         --node-config "$node_config" > "$dir/supernode.log" 2>&1 < /dev/null &
     echo "$! supernode $node" >> "$pidfile"
     echo "SuperNode  PID $!  $node ($tier, epsilon=$epsilon)  ledger $dir/state  log $dir/supernode.log"

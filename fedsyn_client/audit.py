@@ -10,6 +10,7 @@ the leak tests read it to prove no record text ever leaves.
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -32,6 +33,21 @@ def audit_dir(context: Context) -> Path | None:
     """The audit folder for this node, or None when auditing is off."""
     value = context.node_config.get("audit-dir") or os.environ.get(AUDIT_ENV)
     return Path(str(value)) if value else None
+
+
+def check_audit_dir(folder: Path | None) -> None:
+    """Raise ``NodeSetupError`` unless ``folder`` (None: no audit) can be created and written: a
+    node fact, checked before a request is authorised so that no release is charged and then
+    withheld for want of its audit line."""
+    if folder is None:
+        return
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-check-"):
+            pass
+    except OSError as err:
+        raise refusals.NodeSetupError(f"audit-dir {folder} cannot be written ({err.strerror or err}); fix its "
+                                      "permissions or unset audit-dir") from None
 
 
 def describe_reply(reply: Message) -> dict[str, Any]:

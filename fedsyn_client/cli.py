@@ -1,4 +1,4 @@
-"""The node operator's commands, run on the node: ``fedsyn ledger`` and ``fedsyn node-check``.
+"""The node operator's commands, run on the node: ``fedsyn ledger``, ``fedsyn node-check``, ``fedsyn node``.
 
 They are registered with the ``fedsyn`` command through the ``fedsyn.commands`` entry point
 (``pyproject.toml``), so the server's CLI never imports the node's code.
@@ -8,8 +8,10 @@ They are registered with the ``fedsyn`` command through the ``fedsyn.commands`` 
   node-config ``epsilon`` differs from its ledger's refuses to serve); ``--reset --reason ...``
   starts over, recorded (``--budget`` where the ledger is damaged or missing);
   ``--release-holds`` ends every pre-flight hold.
-- ``fedsyn node-check --node-config '...'``: the start-up check of a SuperNode. Reads, writes
-  nothing but a new node's first ledger, spends nothing.
+- ``fedsyn node-check --node-config '...'``: the start-up check of a SuperNode (its policy, data,
+  the models it allows, its audit folder, its FAB gate). Reads, writes nothing but a new node's
+  first ledger, spends nothing.
+- ``fedsyn node fab-hash|approve|install-launcher``: the FAB gate (``fedsyn_client.fab_gate``).
 """
 
 from __future__ import annotations
@@ -58,19 +60,64 @@ def add_node_check(subparsers: argparse._SubParsersAction) -> None:
                     "changes a budget.",
     )
     p.add_argument("--node-config", required=True, help='e.g. \'tier="weak" data-path="site.csv" epsilon=8\'')
+    p.add_argument("--allow-any-fab", action="store_true",
+                   help="ready without a FAB gate on PATH (a test bed: any app the server sends runs on the records)")
     p.set_defaults(handler=_run_node_check)
 
 
 def _run_node_check(args: argparse.Namespace) -> int:
     from common.config import parse_pairs
+    from fedsyn_client.approval import gate_status
     from fedsyn_client.node import check_node
 
     config = parse_pairs([args.node_config], "--node-config")
     try:
-        print(check_node(config))
+        ready = check_node(config)
+        try:
+            gate = gate_status()
+        except (ValueError, RuntimeError) as err:
+            if not args.allow_any_fab:
+                raise NodeSetupError(f"FAB gate: {err}") from None
+            gate = f"NO FAB GATE (--allow-any-fab): any app the server sends runs on the records ({err})"
     except NodeSetupError as err:
         print(f"fedsyn node-check: {err}", file=sys.stderr)
         return 1
+    print(f"{ready}\n{gate}")
+    return 0
+
+
+def add_node(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``fedsyn node fab-hash|approve|install-launcher`` (the FAB gate, on the node)."""
+    p = subparsers.add_parser(
+        "node", help="the node's FAB gate: hash, approve and pin the app it runs",
+        description="A SuperNode runs the ClientApp the server ships in its FAB. The gate (fedsyn_client/fab_gate.py) "
+                    "runs only FABs whose SHA-256 is in the node's allow-list. Build the hash from the checkout "
+                    "you reviewed; the server's `flwr run` must build from identical files.",
+    )
+    sub = p.add_subparsers(dest="node_command", required=True)
+    h = sub.add_parser("fab-hash", help="print the SHA-256 of the FAB `flwr run CHECKOUT` would send")
+    h.add_argument("checkout")
+    a = sub.add_parser("approve", help="add the FAB hash of a reviewed checkout to the node's allow-list")
+    a.add_argument("checkout")
+    a.add_argument("--allow-list", required=True, help="the node's allow-list file (created if missing)")
+    a.add_argument("--note", default="", help="who reviewed it, or why (kept as a comment)")
+    i = sub.add_parser("install-launcher", help="write DIR/flwr-clientapp, the gate; put DIR first in the SuperNode's PATH")
+    i.add_argument("dir")
+    i.add_argument("--allow-list", required=True, help="the node's allow-list file")
+    p.set_defaults(handler=_run_node)
+
+
+def _run_node(args: argparse.Namespace) -> int:
+    from fedsyn_client.approval import approve, describe_checkout, fab_hash, install_launcher
+
+    if args.node_command == "fab-hash":
+        print(f"{fab_hash(args.checkout)}  ({describe_checkout(args.checkout)})")
+    elif args.node_command == "approve":
+        print(f"approved {approve(args.checkout, args.allow_list, args.note)} in {args.allow_list}")
+    else:
+        path = install_launcher(args.dir, args.allow_list)
+        print(f"wrote {path}; start the SuperNode with PATH={path.parent}:$PATH (and fedsyn node-check in the same "
+              "environment)")
     return 0
 
 

@@ -27,7 +27,7 @@ from common.config import ConfigError, RunConfig
 from common.dp import PROFILE, STRONG, TRAIN, VOTE
 from common.logs import get_logger, plain_console
 from fedsyn_client import refusals
-from fedsyn_client.audit import audit_mod
+from fedsyn_client.audit import audit_dir, audit_mod, check_audit_dir
 from common.models import load_embedder
 from fedsyn_client.histograms import vote_histogram
 from fedsyn_client.node import Node, node_policy, open_node
@@ -50,6 +50,7 @@ def _handler(kind: str) -> Callable[[Handler], Callable[[Message, Context], Mess
             try:
                 cfg = RunConfig.from_flower(context.run_config)
                 policy = node_policy(run_key(msg, context), dict(context.node_config), cfg)
+                check_audit_dir(audit_dir(context))
                 if policy.simulated:
                     record_placement(policy.state_dir, kind, policy.partition[0])
                 request = authorise(msg, context, policy, cfg, kind)

@@ -103,12 +103,38 @@ def check_node(node_config: dict[str, Any]) -> str:
         policy = _deployed_policy(dict(node_config))
     except (PolicyError, ValueError) as err:
         raise NodeSetupError(str(err)) from None
-    if len(_data(policy, None)) == 0:  # before the ledger: nothing is opened for a node that cannot start
+    data = _data(policy, None)
+    if len(data) == 0:  # before the ledger: nothing is opened for a node that cannot start
         raise NodeSetupError(f"data-path {policy.data_path!r} has no records (after the policy's columns and "
                              "schema): the node would release noise only; check the file and the node config")
+    if policy.control_codes and not set(data.codes) & set(policy.control_codes):
+        seen = ", ".join(sorted(set(data.codes))[:3])
+        raise NodeSetupError(f"control-codes pins {', '.join(policy.control_codes[:3])}... but none of the "
+                             f"{len(data)} records has one of them (theirs look like: {seen}); check control-codes "
+                             "and control-columns")
+    _check_models(policy, node_config)
     node = _open(policy, None)
     return (f"node ready: tier={policy.tier} records={len(node.data)} budget epsilon={policy.epsilon:g} "
             f"ledger={node.ledger.path} (spent {node.ledger.spent():.4g})")
+
+
+def _check_models(policy: NodePolicy, node_config: dict[str, Any]) -> None:
+    """Load every embedder the policy allows (every node may vote), every generator it allows on a
+    strong node, and write to its audit folder: what a request would need is there before a
+    request can be charged for it. Raises ``NodeSetupError`` naming the one that failed."""
+    from common.dp import STRONG
+    from common.models import load_embedder, load_generator
+    from fedsyn_client.audit import check_audit_dir
+
+    check_audit_dir(Path(str(node_config["audit-dir"])) if node_config.get("audit-dir") else None)
+    wanted = [("embedder", name, load_embedder) for name in policy.embedders]
+    wanted += [("model", name, load_generator) for name in policy.models] if policy.tier == STRONG else []
+    for key, name, load in wanted:
+        try:
+            load(name)
+        except Exception as err:  # noqa: BLE001 - any failure to load is the operator's to fix
+            raise NodeSetupError(f"node-config {key} allows {name!r}, which cannot be loaded here "
+                                 f"({type(err).__name__}: {str(err)[:200]}); install it or take it out of {key}") from None
 
 
 def _deployed_policy(node_config: dict[str, Any]) -> NodePolicy:

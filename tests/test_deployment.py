@@ -167,14 +167,15 @@ class Deployment:
 
     def start_node(self, name: str, process: str = "") -> None:
         """Start (or restart, as ``process``) the SuperNode of institution ``name``: its own data,
-        state-dir (ledger) and budget, on a fresh Runtime API port."""
+        state-dir (ledger) and budget, on a fresh Runtime API port, behind its own FAB gate (its
+        launcher first in PATH, its allow-list holding the hash of the app the tests run)."""
         node = self.nodes[name]
         node_config = (f'tier="{node["tier"]}" data-path="{node["data"]}" state-dir="{node["state"]}" '
                        f"epsilon={EPSILON} {node.get('policy', '')}").strip()
         _start(self, process or name, [
             str(BIN / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{self.port}",
             "--port", str(free_port()), "--node-config", node_config,
-        ], self.root / f"home-{process or name}")
+        ], self.root / f"home-{process or name}", path_first=node["gate"])
 
     def wait_for(self, condition, run: subprocess.Popen, log_name: str, what: str) -> None:
         """Poll ``condition`` until it holds; fail (with the logs) if ``run`` ends first or time runs out."""
@@ -212,12 +213,26 @@ class Deployment:
             return {"raw": listed.stdout + listed.stderr}
 
 
-def _start(dep: Deployment, name: str, args: list[str], home: Path) -> None:
+def _start(dep: Deployment, name: str, args: list[str], home: Path, path_first: Path | None = None) -> None:
     home.mkdir(parents=True, exist_ok=True)
     log = (dep.root / f"{name}.log").open("w")
-    dep.procs[name] = subprocess.Popen(args, env=dep.env(home), stdout=log, stderr=subprocess.STDOUT,
+    env = dep.env(home)
+    if path_first is not None:
+        env["PATH"] = f"{path_first}{os.pathsep}{env['PATH']}"
+    dep.procs[name] = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT,
                                        stdin=subprocess.DEVNULL, cwd=dep.root)
     log.close()
+
+
+def _gate(folder: Path, approved: str) -> Path:
+    """A node's FAB gate as the institution installs it: ``folder/flwr-clientapp`` and an
+    allow-list holding ``approved``; returns the folder to put first in the SuperNode's PATH."""
+    from fedsyn_client.approval import install_launcher
+
+    allow_list = folder / "allow-list.txt"
+    folder.mkdir(parents=True, exist_ok=True)
+    allow_list.write_text(f"{approved}  # the app under test\n")
+    return install_launcher(folder / "bin", allow_list).parent
 
 
 @contextmanager
@@ -228,11 +243,13 @@ def _deploy(tmp_path: Path, tiers: dict[str, str], policies: dict[str, str] | No
     root = Path(tempfile.mkdtemp(prefix="fedsyn-deploy-", dir=tmp_path))
     nodes = {}
     node_texts = []
+    approved = _approved_hash()
     for offset, (name, tier) in zip(range(100, 1000, 100), tiers.items()):
         data = root / f"{name}.csv"
         node_texts += _write_csv(data, offset)
         nodes[name] = {"data": data, "state": root / f"state-{name}", "tier": tier,
-                       "policy": (policies or {}).get(name, "")}  # more node-config keys of the institution
+                       "policy": (policies or {}).get(name, ""),  # more node-config keys of the institution
+                       "gate": _gate(root / f"gate-{name}", approved)}
     public = root / "public.csv"  # the server's public dataset: vocabulary + held-out loss
     dep = Deployment(root=root, port=free_port(), cli_home=root / "home-cli", nodes=nodes,
                      public_texts=_write_csv(public, 900, n=30), node_texts=node_texts)
@@ -276,6 +293,13 @@ def _deploy(tmp_path: Path, tiers: dict[str, str], policies: dict[str, str] | No
         assert not survivors, f"processes still alive after teardown: {survivors}"
 
 
+def _approved_hash() -> str:
+    """The FAB hash of the app the tests run (``flwr run APP_DIR``), as an operator approves it."""
+    from fedsyn_client.approval import fab_hash
+
+    return fab_hash(APP_DIR)
+
+
 @pytest.fixture
 def deployment(tmp_path):
     with _deploy(tmp_path, {"strong": "strong", "weak": "weak"}) as dep:
@@ -283,6 +307,38 @@ def deployment(tmp_path):
 
 
 # --------------------------------------------------------------------------- the test
+def test_deployment_a_fab_one_line_off_the_approved_one_is_refused_before_it_is_imported(deployment):
+    """Issue 32: the server ships a ClientApp that differs from the reviewed one by one line (it
+    reads a record at import). Both nodes refuse its FAB before a byte is unpacked: no line of it
+    runs, their records and ledgers are untouched, and the server gets only the gate's fixed text.
+    (The approved FAB runs whole runs through the same gate in every other deployment test.)"""
+    import shutil
+
+    dep = deployment
+    evil = dep.root / "evil-app"
+    shutil.copytree(APP_DIR, evil, ignore=shutil.ignore_patterns(
+        ".git", ".venv", ".ci-venv", "outputs", "__pycache__", "*.egg-info", ".pytest_cache", "docs", "tests",
+        "benchmarks", "examples"))
+    marker = dep.root / "a-record-left"
+    with (evil / "fedsyn_client" / "client_app.py").open("a") as fh:
+        fh.write(f"\n__import__('pathlib').Path({str(marker)!r}).write_text(open({str(dep.nodes['weak']['data'])!r}).read())\n")
+    res = dep.flwr("run", str(evil), CONNECTION, "--stream", "--run-config",
+                   _overrides({**TINY, "dataset": str(dep.root / "public.csv"), "out-dir": str(dep.root / "out"),
+                               "run-name": "evil"}), timeout=RUN_TIMEOUT)
+    output = res.stdout + res.stderr
+    diag = output[-4000:] + dep.diagnostics()
+    assert dep.status(output).get("status") == "finished:failed", diag
+    # Flower's reply for an exception in flwr-clientapp: the gate's class and fixed text, nothing else
+    assert output.count("<class '__main__.FabNotApproved'>:<'fab not approved on this node'>") == 2, diag
+    assert not marker.exists(), "the unapproved ClientApp ran on a node"
+    for name, node in dep.nodes.items():
+        assert "refused before anything was unpacked" in dep.log(name), (name, dep.log(name)[-3000:])
+        assert not list((dep.root / f"home-{name}").rglob("client_app.py")), f"{name} unpacked the FAB"
+        book = _ledger(node["state"]) if list(node["state"].glob("ledger*.json")) else {"releases": []}
+        assert book["releases"] == [] and not book.get("holds"), (name, book)
+    assert not any(text in output for text in dep.node_texts), "a node's record reached the server"
+
+
 def test_deployment_two_supernodes_then_budget_refusal(deployment):
     dep = deployment
     out = dep.root / "out"

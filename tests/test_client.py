@@ -168,7 +168,7 @@ def test_node_check_names_the_file_and_reason_before_a_supernode_starts(tmp_path
     pd.DataFrame([{"text": f"record {i}", "topic": "x"} for i in range(4)]).to_csv(good, index=False)
     empty.write_text("text,topic\n")
     conf = 'tier="weak" data-path="{}" state-dir="{}" epsilon=8'
-    assert main(["node-check", "--node-config", conf.format(good, tmp_path / "s")]) == 0
+    assert main(["node-check", "--allow-any-fab", "--node-config", conf.format(good, tmp_path / "s")]) == 0
     assert "node ready: tier=weak records=4 budget epsilon=8" in capsys.readouterr().out
     assert main(["node-check", "--node-config", conf.format(empty, tmp_path / "s2")]) == 1
     err = capsys.readouterr().err

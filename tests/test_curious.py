@@ -303,7 +303,7 @@ def test_node_check_never_changes_a_budget_and_a_damaged_ledger_is_one_line(twin
 
     state = tmp_path / "s"
     base = f'tier="weak" data-path="{twins[0]}" state-dir="{state}"'
-    assert main(["node-check", "--node-config", base + " epsilon=8"]) == 0
+    assert main(["node-check", "--allow-any-fab", "--node-config", base + " epsilon=8"]) == 0
     capsys.readouterr()
     assert main(["node-check", "--node-config", base + " epsilon=80"]) == 1
     assert "--set-budget 80" in capsys.readouterr().err
@@ -321,4 +321,4 @@ def test_node_check_never_changes_a_budget_and_a_damaged_ledger_is_one_line(twin
     summary = PrivacyLedger.open(state, 8.0).summary()
     assert summary["resets"][-1]["previous_epsilon_spent"].startswith("unknown")
     assert Path(summary["resets"][-1]["archive"]).read_text() == "{}"
-    assert main(["node-check", "--node-config", base + " epsilon=8"]) == 0
+    assert main(["node-check", "--allow-any-fab", "--node-config", base + " epsilon=8"]) == 0

@@ -5,7 +5,6 @@ was computed. (The property over generated request sequences is ``tests/test_nei
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 
@@ -153,13 +152,21 @@ def test_a_takeover_fails_closed_when_the_holder_cannot_be_seen(monkeypatch):
         assert claims.process_start(entry["claim"]["pid"]) is None and not claims.cut_off(entry, "D")
 
 
-def test_a_failing_audit_write_is_a_fixed_text(pair, tmp_path):
+def test_the_audit_folder_is_checked_first_and_a_failing_write_is_a_fixed_text(pair, tmp_path, monkeypatch):
+    from fedsyn_client import audit
+
     blocked = tmp_path / "audit"
     blocked.write_text("a file where the folder should be")
-    os.environ["FEDSYN_AUDIT_DIR"] = str(blocked)
-    try:
-        (seen,) = play([Step(R.MSG_PROFILE, conf=_conf((X,), rnd=0), tier="weak")], pair[0], tmp_path / "s")
-    finally:
-        del os.environ["FEDSYN_AUDIT_DIR"]
+    monkeypatch.setenv("FEDSYN_AUDIT_DIR", str(blocked))
+    profile = Step(R.MSG_PROFILE, conf=_conf((X,), rnd=0), tier="weak")
+    (seen,) = play([profile], pair[0], tmp_path / "s")
+    # refused as a node fact before authorisation (nothing spent); the refusal itself cannot be audited
+    # either, so the mod withholds it too: every reply leaves audited, or as the fixed failure text
     assert seen.error == (R.ERR_INTERNAL, "failed on the node (see the node's log); a reserved release stays spent")
-    assert math.isclose(PrivacyLedger(tmp_path / "s" / "ledger.json").spent(), 1.0)
+    assert not (tmp_path / "s" / "ledger.json").exists()
+    # a write that fails after the release (a full disk): the reply is withheld, the release stays charged
+    monkeypatch.setenv("FEDSYN_AUDIT_DIR", str(tmp_path / "audit-ok"))
+    monkeypatch.setattr(audit, "jsonl_line", lambda obj: (_ for _ in ()).throw(OSError(28, "No space left", "/x")))
+    (seen,) = play([profile], pair[0], tmp_path / "s2")
+    assert seen.error == (R.ERR_INTERNAL, "failed on the node (see the node's log); a reserved release stays spent")
+    assert math.isclose(PrivacyLedger(tmp_path / "s2" / "ledger.json").spent(), 1.0)

@@ -171,12 +171,15 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
+    from common.io import read_json
     from fedsyn_server.generate_more import generate_more
 
     if args.n is None and not args.allocation:
         raise ValueError("say how many texts: -n N (allocated as the run allocated its pool) or --allocation")
     out = generate_more(args.run_dir, n=args.n, allocation=args.allocation, seed=args.seed, out=args.out)
-    print(f"{sum(1 for _ in out.open())} texts written to {out} (privacy: {out.with_suffix('.privacy.json')})")
+    counts = read_json(out.with_suffix(".privacy.json"))["allocation"]
+    print(f"{sum(1 for _ in out.open())} texts written to {out} ("
+          + ", ".join(f"{code}: {c}" for code, c in counts.items()) + f"; privacy: {out.with_suffix('.privacy.json')})")
     return 0
 
 

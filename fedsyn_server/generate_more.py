@@ -19,7 +19,7 @@ from common.config import RunConfig
 from common.io import atomic_write_json, atomic_write_jsonl, read_json
 from common.logs import get_logger
 from fedsyn_server.outputs import text_row
-from strategies.allocation import allocate
+from strategies.allocation import allocate_exactly
 
 log = get_logger(__name__)
 MORE = "more"  # <run-dir>/more/<name>.jsonl
@@ -35,9 +35,10 @@ def run_config_of(run_dir: Path) -> RunConfig:
 
 
 def run_allocation(run_dir: Path, n: int) -> dict[str, int]:
-    """N texts allocated as the run allocated its pool: the run's noisy global profile scaled to N."""
+    """N texts allocated as the run allocated its pool: the run's noisy global profile scaled to N,
+    rounded so that they are exactly N (the run's own pool uses the paper's per-code rounding)."""
     profile = read_json(run_dir / "profile.json")
-    counts = allocate(np.asarray(profile["global_profile"], dtype=np.float64), n)
+    counts = allocate_exactly(np.asarray(profile["global_profile"], dtype=np.float64), n)
     return {code: int(c) for code, c in zip(profile["vocabulary"], counts)}
 
 

@@ -26,3 +26,21 @@ def allocate(noisy_profile: np.ndarray, num_synthetic: int) -> np.ndarray:
     total = p.sum()
     share = p / total if total > 0 else np.full(p.size, 1.0 / p.size)
     return np.rint(num_synthetic * share).astype(np.int64)
+
+
+def allocate_exactly(noisy_profile: np.ndarray, num_synthetic: int) -> np.ndarray:
+    """As ``allocate``, but the counts sum to exactly ``num_synthetic`` (largest remainders).
+
+    For a user who asks for N texts (``fedsyn generate -n N``): the paper's per-code rounding can
+    give N ± (number of codes). Each code gets the floor of its share, and the codes with the
+    largest remainders one more each (ties: the lower index), until the total is N.
+    """
+    p = np.clip(np.asarray(noisy_profile, dtype=np.float64), 0.0, None)
+    if p.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    share = p / p.sum() if p.sum() > 0 else np.full(p.size, 1.0 / p.size)
+    exact = num_synthetic * share
+    counts = np.floor(exact).astype(np.int64)
+    extra = num_synthetic - int(counts.sum())
+    counts[np.argsort(-(exact - counts), kind="stable")[:extra]] += 1
+    return counts

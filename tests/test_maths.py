@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from fedsyn_client.voting import knn_votes
-from strategies.allocation import aggregate_profiles, allocate
+from strategies.allocation import aggregate_profiles, allocate, allocate_exactly
 from strategies.resampling import resample_by_code, sample_size, sample_without_replacement
 
 
@@ -19,6 +19,19 @@ def _unit(rows):
 def test_allocation_follows_profile_and_clamps_negatives():
     alloc = allocate(np.array([30.0, 10.0, -4.0, 60.0]), 200)
     assert alloc.tolist() == [60, 20, 0, 120]
+
+
+def test_an_exact_allocation_sums_to_what_was_asked():
+    """`fedsyn generate -n 3` on a 5-code profile wrote 5 texts (one per code after rounding)."""
+    profile = np.array([10.0, 11.0, 9.0, 10.0, 10.0])
+    assert allocate(profile, 3).sum() == 5  # the paper's rounding: each 0.6 rounds up
+    assert allocate_exactly(profile, 3).tolist() == [1, 1, 0, 1, 0]  # largest remainders, ties by index
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        p, n = rng.normal(5, 5, size=rng.integers(1, 9)), int(rng.integers(1, 50))
+        got = allocate_exactly(p, n)
+        assert got.sum() == n and (got >= 0).all()
+        assert np.abs(got - allocate(p, n)).max() <= 1  # never further than the paper's rounding by more than 1
 
 
 def test_allocation_rounds_like_the_paper():

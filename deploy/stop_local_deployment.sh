@@ -28,7 +28,7 @@ for line in "${lines[@]}"; do
     read -r pid role node <<< "$line"
     [[ "$pid" =~ ^[0-9]+$ ]] || continue
     if ! alive "$pid"; then echo "$role $node (PID $pid): not running"; continue; fi
-    if ! tr '\0' ' ' < "/proc/$pid/cmdline" | grep -qE 'flower-super(link|node)'; then
+    if ! tr '\0' ' ' < "/proc/$pid/cmdline" | grep -qE 'flower-super(link|node|exec)'; then
         echo "$role $node (PID $pid): now another program, left alone"; continue
     fi
     tree=$(descendants "$pid" | tr '\n' ' ')

@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# Start this institution's SuperNode behind its FAB gate: the node side of a fedsyn deployment.
+#
+# Usage: deploy/start_node.sh --superlink HOST:PORT --node-config '...' --allow-list FILE [options]
+#
+#   --superlink HOST:PORT   the operator's SuperLink
+#   --node-config '...'     this node's policy: tier, data-path, state-dir, epsilon, ... (docs/deployment.md)
+#   --allow-list FILE       the FABs this node runs: fedsyn node approve CHECKOUT --allow-list FILE
+#   --work DIR              the gate, FLWR_HOME, logs and pids (default ./fedsyn-node)
+#   --run-as USER           run every ClientApp as USER (process isolation: flower-superexec started
+#                           as USER, who must not own the gate, the allow-list or the venv). As root.
+#   --root-certificates CA  TLS to the SuperLink with this CA certificate (else --insecure)
+#   --auth-key KEY          SuperNode authentication: this node's private key
+#   --port P                this SuperNode's Runtime API port, on 127.0.0.1 (default: free)
+#
+# What it does, in order, and stops at the first problem with one line:
+#  1. writes the gate WORK/gate/flwr-clientapp (fedsyn_client/fab_gate.py, the allow-list's path
+#     fixed in it) and makes it and the allow-list writable by their owner only;
+#  2. runs `fedsyn node-check` with the gate first in PATH (as USER with --run-as): the policy,
+#     the data, the models it allows, the ledger, the gate and its allow-list;
+#  3. starts flower-supernode with that PATH; with --run-as in process isolation, and
+#     flower-superexec as USER, so ClientApps run as USER and pass through the gate.
+# Writes WORK/pids ("PID ROLE NAME"); deploy/stop_local_deployment.sh WORK stops exactly those.
+# Flower's and fedsyn's binaries come from FLWR_BIN (a folder) or PATH.
+set -euo pipefail
+
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
+[[ $# -ge 1 && "$1" != "-h" && "$1" != "--help" ]] || { usage; [[ $# -ge 1 ]] && exit 0 || exit 2; }
+
+superlink=""; node_config=""; allow_list=""; work=./fedsyn-node; run_as=""; ca=""; auth_key=""; port=""
+while [[ $# -gt 0 ]]; do
+    case $1 in
+        --superlink) superlink=$2; shift 2 ;;
+        --node-config) node_config=$2; shift 2 ;;
+        --allow-list) allow_list=$2; shift 2 ;;
+        --work) work=$2; shift 2 ;;
+        --run-as) run_as=$2; shift 2 ;;
+        --root-certificates) ca=$2; shift 2 ;;
+        --auth-key) auth_key=$2; shift 2 ;;
+        --port) port=$2; shift 2 ;;
+        *) echo "error: unknown option $1" >&2; usage >&2; exit 2 ;;
+    esac
+done
+die() { echo "error: $*" >&2; exit 1; }
+[[ -n "$superlink" && -n "$node_config" && -n "$allow_list" ]] || die "--superlink, --node-config and --allow-list are required"
+[[ -f "$allow_list" ]] || die "$allow_list does not exist: approve the reviewed app first (fedsyn node approve CHECKOUT --allow-list $allow_list)"
+allow_list=$(cd "$(dirname "$allow_list")" && pwd)/$(basename "$allow_list")
+
+if [[ -n "${FLWR_BIN:-}" ]]; then bin_dir=$FLWR_BIN; else
+    command -v flower-supernode > /dev/null || die "flower-supernode is not on PATH; set FLWR_BIN to the node venv's bin folder"
+    bin_dir=$(dirname "$(command -v flower-supernode)")
+fi
+for b in flower-supernode flower-superexec fedsyn python; do
+    [[ -x "$bin_dir/$b" ]] || die "$bin_dir/$b not found (set FLWR_BIN to the node venv's bin folder)"
+done
+if [[ -n "$run_as" ]]; then
+    [[ $(id -u) == 0 ]] || die "--run-as needs root (it starts flower-superexec as $run_as)"
+    id "$run_as" > /dev/null 2>&1 || die "no user $run_as"
+    as_user() { runuser -u "$run_as" -- "$@"; }
+else
+    as_user() { "$@"; }
+fi
+
+mkdir -p "$work"
+work=$(cd "$work" && pwd)
+pidfile="$work/pids"
+if [[ -s "$pidfile" ]]; then
+    while read -r pid _; do [[ -d /proc/$pid ]] && die "$pidfile lists running PID $pid; stop it first"; done < "$pidfile"
+fi
+: > "$pidfile"
+
+# 1. the gate: owned by whoever runs this script, writable by nobody else
+"$bin_dir/fedsyn" node install-launcher "$work/gate" --allow-list "$allow_list" > /dev/null
+chmod go-w "$work/gate" "$work/gate/flwr-clientapp" "$allow_list"
+export PATH="$work/gate:$bin_dir:$PATH"
+export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1
+export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1} TRANSFORMERS_OFFLINE=${TRANSFORMERS_OFFLINE:-1} TOKENIZERS_PARALLELISM=false
+
+# 2. the start-up check, as the ClientApps will run
+as_user env PATH="$PATH" "$bin_dir/fedsyn" node-check --node-config "$node_config" > "$work/node-check.log" 2>&1 \
+    || { cat "$work/node-check.log" >&2; die "the node cannot start (above)"; }
+cat "$work/node-check.log"
+
+# 3. the SuperNode (and, with --run-as, its SuperExec as the ClientApp user)
+port=${port:-$("$bin_dir/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
+args=(--superlink "$superlink" --port "$port" --node-config "$node_config")
+if [[ -n "$ca" ]]; then args+=(--root-certificates "$ca"); else args+=(--insecure); fi
+[[ -n "$auth_key" ]] && args+=(--auth-supernode-private-key "$auth_key")
+[[ -n "$run_as" ]] && args+=(--isolation process)
+mkdir -p "$work/flwr-home"
+FLWR_HOME="$work/flwr-home" nohup "$bin_dir/flower-supernode" "${args[@]}" > "$work/supernode.log" 2>&1 < /dev/null &
+echo "$! supernode node" >> "$pidfile"
+echo "SuperNode  PID $!  runtime API 127.0.0.1:$port  log $work/supernode.log"
+if [[ -n "$run_as" ]]; then
+    home="$work/clientapp-home"  # where the ClientApp user unpacks the approved FABs
+    mkdir -p "$home" && chown "$run_as" "$home"
+    nohup runuser -u "$run_as" -- env PATH="$PATH" FLWR_HOME="$home" "$bin_dir/flower-superexec" --insecure \
+        --runtime-api-address "127.0.0.1:$port" --parent-pid "$(awk '/ supernode /{print $1}' "$pidfile")" \
+        > "$work/superexec.log" 2>&1 < /dev/null &
+    echo "$! superexec $run_as" >> "$pidfile"
+    echo "SuperExec  PID $!  ClientApps run as $run_as behind $work/gate/flwr-clientapp  log $work/superexec.log"
+fi
+echo "Stop it: $(dirname "$0")/stop_local_deployment.sh $work"

@@ -28,7 +28,7 @@ X, Y, Z = CODES
 codes = st.one_of(st.sampled_from(CODES).map(lambda c: (c,)),
                   st.lists(st.sampled_from(CODES), min_size=1, max_size=3, unique=True).map(sorted).map(tuple))
 run_keys = st.sampled_from(["a", "b"])
-deltas = st.sampled_from([1e-5, 1e-5, None])  # None: a request without delta (malformed)
+deltas = st.sampled_from([1e-5, 1e-5, 1e-5, 1e-5, None])  # None: a request without delta (malformed)
 rounds = st.sampled_from([0, 1, 2, 3])
 
 
@@ -54,8 +54,10 @@ vote_steps = st.builds(
     lambda c, k, r, d, h, v, s, cand, rc: Step(
         R.MSG_VOTE, rc=rc, conf=_conf(c, k, r, d, **{"histogram": h, "num-votes": v, "epsilon-share": s}),
         tier="weak", candidates=cand),
-    codes, run_keys, rounds, deltas, st.sampled_from(["knn-vote", "nearest-neighbour", "similarity", "unknown"]),
-    st.sampled_from([1, 2, 0]), st.sampled_from([1.0, 0.5, 0.25, 0.0]), candidates,
+    # mostly valid (the release paths), sometimes malformed (an unknown histogram, K = 0, share 0)
+    codes, run_keys, rounds, deltas,
+    st.sampled_from(["knn-vote", "knn-vote", "nearest-neighbour", "similarity", "unknown"]),
+    st.sampled_from([1, 2, 1, 0]), st.sampled_from([1.0, 0.5, 1.0, 0.25, 0.0]), candidates,
     st.sampled_from([(), (("max-length", 24),), (("embedder", "all-MiniLM-L6-v2"),)]))
 tier_steps = st.builds(
     lambda c, k, t, token: Step(R.MSG_TIER, conf=tuple(sorted({"codes": list(c), "resume-key": k,

@@ -53,16 +53,18 @@ fi
 for b in flower-supernode flower-superexec fedsyn python; do
     [[ -x "$bin_dir/$b" ]] || die "$bin_dir/$b not found (set FLWR_BIN to the node venv's bin folder)"
 done
+mkdir -p "$work"
+work=$(cd "$work" && pwd)
 if [[ -n "$run_as" ]]; then
     [[ $(id -u) == 0 ]] || die "--run-as needs root (it starts flower-superexec as $run_as)"
     id "$run_as" > /dev/null 2>&1 || die "no user $run_as"
-    as_user() { runuser -u "$run_as" -- "$@"; }
+    # the ClientApp user's home: the FABs it unpacks and the model cache, nothing else of its own
+    home="$work/clientapp-home"
+    mkdir -p "$home" && chown "$run_as" "$home"
+    as_user() { runuser -u "$run_as" -- env HOME="$home" "$@"; }
 else
     as_user() { "$@"; }
 fi
-
-mkdir -p "$work"
-work=$(cd "$work" && pwd)
 pidfile="$work/pids"
 if [[ -s "$pidfile" ]]; then
     while read -r pid _; do [[ -d /proc/$pid ]] && die "$pidfile lists running PID $pid; stop it first"; done < "$pidfile"
@@ -92,11 +94,10 @@ FLWR_HOME="$work/flwr-home" nohup "$bin_dir/flower-supernode" "${args[@]}" > "$w
 echo "$! supernode node" >> "$pidfile"
 echo "SuperNode  PID $!  runtime API 127.0.0.1:$port  log $work/supernode.log"
 if [[ -n "$run_as" ]]; then
-    home="$work/clientapp-home"  # where the ClientApp user unpacks the approved FABs
-    mkdir -p "$home" && chown "$run_as" "$home"
-    nohup runuser -u "$run_as" -- env PATH="$PATH" FLWR_HOME="$home" "$bin_dir/flower-superexec" --insecure \
-        --runtime-api-address "127.0.0.1:$port" --parent-pid "$(awk '/ supernode /{print $1}' "$pidfile")" \
-        > "$work/superexec.log" 2>&1 < /dev/null &
+    # No --parent-pid: Flower's check (os.kill(pid, 0)) takes another user's process for a dead one.
+    # The stop script stops this SuperExec by its PID with the SuperNode.
+    nohup runuser -u "$run_as" -- env HOME="$home" PATH="$PATH" FLWR_HOME="$home/flwr" "$bin_dir/flower-superexec" \
+        --insecure --runtime-api-address "127.0.0.1:$port" > "$work/superexec.log" 2>&1 < /dev/null &
     echo "$! superexec $run_as" >> "$pidfile"
     echo "SuperExec  PID $!  ClientApps run as $run_as behind $work/gate/flwr-clientapp  log $work/superexec.log"
 fi

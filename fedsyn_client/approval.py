@@ -58,6 +58,7 @@ def approve(checkout: str | Path, allow_list: str | Path, note: str = "") -> str
     header = "" if old else "# FABs this node runs: SHA-256 per line (fedsyn node approve CHECKOUT --allow-list FILE)\n"
     atomic_write_text(path, old + ("" if not old or old.endswith("\n") else "\n") + header + line
                       + (f"; {note}" if note else "") + "\n")
+    os.chmod(path, 0o644)  # read by the ClientApp user (hashes are not secret), written by the operator only
     return digest
 
 

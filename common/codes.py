@@ -47,6 +47,15 @@ def zero_shot_prompt(code: str, template: str) -> str:
     return template.replace("{fields}", fields)
 
 
+def make_prompt(code: str, style: str = "code", template: str = "") -> str:
+    """The one prompt of ``code`` that phase 1 trains on and generation uses (run-config
+    ``prompt``): ``"code"`` the paper's bare code (``code_prompt``); ``"instruction"`` and
+    ``"zero-shot"`` the instruction ``template`` filled with the code (``zero_shot_prompt``).
+    With ``"instruction"`` and a LoRA adapter initialised to zero, the model before the first
+    DP step is exactly the zero-shot generator: DP steps refine what it knows."""
+    return code_prompt(code) if style == "code" else zero_shot_prompt(code, template)
+
+
 def _clean(value: object) -> str:
     # Separators inside a value would make the code unparseable; they are replaced,
     # not escaped, because codes are labels, not free text.

@@ -19,7 +19,9 @@ from common.plugins import AGGREGATORS, FINETUNE_MODES, REFINEMENTS, is_class_pa
 if TYPE_CHECKING:
     from common.rows import Schema
 
-PROMPTS = ("code", "zero-shot")
+# code: the paper's bare code; instruction: phase 1 trains on the zero-shot template filled with the
+# code, and generation uses it; zero-shot: the pretrained model with that template (no phase 1)
+PROMPTS = ("code", "instruction", "zero-shot")
 VOTERS = ("weak", "all")
 ON_NODE_SHORTFALL = ("refuse", "continue-without")
 PRECISIONS = ("auto", "fp32")
@@ -43,6 +45,7 @@ class RunConfig:
     model: str = "smollm2-135m"
     finetune: str = "lora"
     lora_rank: int = 2
+    lora_layers: int = 0  # LoRA on the top N transformer blocks only (0 = every block)
     max_grad_norm: float = 1.0
     precision: str = "auto"  # auto: bf16 autocast where the device computes bf16 natively; fp32: never
     dataset: str = "bbc-news"
@@ -125,6 +128,7 @@ class RunConfig:
             ("finetune", self.finetune in FINETUNE_MODES, f"one of {list(FINETUNE_MODES)}"),
             ("precision", self.precision in PRECISIONS, f"one of {list(PRECISIONS)}"),
             ("lora-rank", self.lora_rank >= 1, "an integer >= 1"),
+            ("lora-layers", self.lora_layers >= 0, "an integer >= 0 (0 = every transformer block)"),
             ("max-grad-norm", self.max_grad_norm > 0, "a float > 0"),
             ("control-columns", len(self.control_columns) >= 1, "one or more comma-separated column names"),
             ("strong-fraction", 0.0 <= self.strong_fraction <= 1.0, "a float in [0, 1]"),

@@ -7,6 +7,8 @@ read a record the same way.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -15,8 +17,10 @@ from common.codes import code_prompt
 IGNORE = -100  # label value that takes no loss (prompt tokens, padding)
 
 
-def encode_examples(tokenizer, texts: list[str], codes: list[str], max_length: int) -> dict[str, torch.Tensor]:
-    """Tokenise ``code_prompt(code) + text + eos`` per record, right-padded to the longest.
+def encode_examples(tokenizer, texts: list[str], codes: list[str], max_length: int,
+                    prompt: Callable[[str], str] = code_prompt) -> dict[str, torch.Tensor]:
+    """Tokenise ``prompt(code) + text + eos`` per record, right-padded to the longest
+    (``prompt``: ``common.codes.make_prompt`` of the run; the paper's bare code by default).
 
     Returns ``input_ids``, ``attention_mask``, ``labels`` and ``position_ids`` (long tensors,
     shape [n, width], width <= max_length). The prompt is tokenised on its own exactly as
@@ -33,10 +37,10 @@ def encode_examples(tokenizer, texts: list[str], codes: list[str], max_length: i
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
     rows = []
     for text, code in zip(texts, codes):
-        prompt = list(tokenizer(code_prompt(code))["input_ids"])
+        prompt_ids = list(tokenizer(prompt(code))["input_ids"])
         body = list(tokenizer(text, add_special_tokens=False)["input_ids"]) + ([eos] if eos is not None else [])
-        ids = (prompt + body)[:max_length]
-        rows.append((ids, min(len(prompt), len(ids))))
+        ids = (prompt_ids + body)[:max_length]
+        rows.append((ids, min(len(prompt_ids), len(ids))))
     width = max([len(ids) for ids, _ in rows] + [1])
     n = len(rows)
     input_ids = torch.full((n, width), pad, dtype=torch.long)

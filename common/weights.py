@@ -17,13 +17,16 @@ from common.plugins import FINETUNE_MODES
 _WRAPPER_PREFIX = "_module."  # Opacus' GradSampleModule wraps the model as `_module`
 
 
-def prepare_model(model, finetune: str, lora_rank: int, seed: int = 0):
+def prepare_model(model, finetune: str, lora_rank: int, seed: int = 0, lora_layers: int = 0):
     """Make ``model`` ready for phase-1 finetuning and return it.
 
     ``"lora"``: wrap with a peft LoRA adapter (r=lora_rank, alpha=2r, no dropout, peft's
     default target modules for the architecture: ``c_attn`` for GPT-2, ``q_proj``/``v_proj``
     for Llama); the adapter init is seeded, so every party building it from the same
     base model and seed gets the same tensors; only adapter weights are trainable.
+    ``lora_layers`` = N > 0 puts the adapter on the top N transformer blocks only: fewer noised
+    coordinates per DP step, and the backward pass stops at the lowest adapted block (nothing
+    below it needs a gradient), so fewer FLOPs per token.
     ``"full"``: every parameter is trainable. GPT-2 and SmolLM2 tie the input embedding to
     the output layer: that is one ``Parameter`` (``named_parameters`` lists it once), and
     Opacus sums the per-sample gradients of both uses into one per-sample gradient before
@@ -40,8 +43,12 @@ def prepare_model(model, finetune: str, lora_rank: int, seed: int = 0):
     from peft import LoraConfig, get_peft_model
     from transformers.pytorch_utils import Conv1D
 
+    blocks = int(getattr(model.config, "num_hidden_layers", 0) or getattr(model.config, "n_layer", 0))
+    if lora_layers and not 0 < lora_layers <= blocks:
+        raise ValueError(f"lora-layers = {lora_layers}: the model has {blocks} transformer blocks")
+    top = list(range(blocks - lora_layers, blocks)) if lora_layers and lora_layers < blocks else None
     config = LoraConfig(
-        r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0, task_type="CAUSAL_LM",
+        r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0, task_type="CAUSAL_LM", layers_to_transform=top,
         # GPT-2's projections are Conv1D (weights stored transposed); peft would otherwise
         # flip this itself with a warning.
         fan_in_fan_out=any(isinstance(m, Conv1D) for m in model.modules()),

@@ -118,7 +118,7 @@ def authorise(msg: Message, context: Context, policy: NodePolicy, cfg: RunConfig
 
 # The run-config terms a node's computation reads (besides the message): a request under other
 # terms is another request, so it never gets a stored reply or takes over a dead reservation.
-COMPUTATION_TERMS = ("model", "finetune", "lora_rank", "embedder", "vote_window", "max_length", "text_column",
+COMPUTATION_TERMS = ("model", "finetune", "lora_rank", "lora_layers", "embedder", "vote_window", "max_length", "text_column",
                      "control_columns", "table_schema", "prompt", "zero_shot_template", "batch_size", "local_steps",
                      "num_server_rounds", "learning_rate", "max_grad_norm", "precision", "seed", "epsilon",
                      "epsilon_profile", "voters", "dataset", "partitioning", "strong_fraction", "test_fraction")

@@ -79,6 +79,7 @@ class DpSgdRound(Mechanism):
         return {"epsilon": float(request.phase_budget), "delta": float(request.delta), "rounds": cfg.num_server_rounds,
                 "local_steps": cfg.local_steps, "batch_size": cfg.batch_size, "model": cfg.model,
                 "finetune": cfg.finetune, "lora_rank": cfg.lora_rank if cfg.finetune == "lora" else 0,
+                "lora_layers": cfg.lora_layers if cfg.finetune == "lora" else 0,
                 # what selects the data the first round sampled from, and how each record is read
                 "vocabulary": sorted(request.vocabulary), "text_column": cfg.text_column,
                 "control_columns": list(cfg.control_columns), "table_schema": cfg.table_schema,
@@ -110,7 +111,8 @@ class DpSgdRound(Mechanism):
             if arr.size and float(np.abs(arr).max()) > WEIGHT_LIMIT:
                 raise BadWeights(f"train: weight {name} has |w| up to {float(np.abs(arr).max()):.3g} > {WEIGHT_LIMIT:g}")
         model, self.tokenizer = load_generator(self.cfg.model, seed=self.cfg.seed)
-        self.model = prepare_model(model, self.cfg.finetune, self.cfg.lora_rank, seed=self.cfg.seed)
+        self.model = prepare_model(model, self.cfg.finetune, self.cfg.lora_rank, seed=self.cfg.seed,
+                                   lora_layers=self.cfg.lora_layers)
         try:
             load_trainable_state(self.model, state)
         except ValueError as err:
@@ -154,7 +156,7 @@ class DpSgdRound(Mechanism):
             local_steps=cfg.local_steps, batch_size=cfg.batch_size, learning_rate=cfg.learning_rate,
             max_length=cfg.max_length, max_grad_norm=cfg.max_grad_norm, noise_multiplier=nm, precision=cfg.precision,
             private=cfg.private, seed=cfg.seed * 100_003 + request.round * 101 + int(self.node_id % 100_000),
-            sample_rate=q,
+            sample_rate=q, prompt=cfg.prompt, template=cfg.zero_shot_template,
         )
         result = dp_train(model, tokenizer, records.texts, records.codes, settings, delta, history)
         # The local loss is an un-noised statistic of the records: it stays in this log.

@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 from tqdm.auto import tqdm
 
+from common.codes import make_prompt
 from common.config import PRECISIONS
 from common.devices import autocast, to_device
 from common.lm_loss import conditional_lm_loss, encode_examples, fused_conditional_lm_loss, head_and_decoder
@@ -59,6 +60,9 @@ class TrainSettings:
     # later rounds of a phase pass the first round's, so that no round's q (hence its epsilon,
     # hence whether it fits the reservation) depends on the view it happens to get.
     sample_rate: float | None = None
+    # the prompt each record is trained under (common.codes.make_prompt): what generation will use
+    prompt: str = "code"
+    template: str = ""
 
     def __post_init__(self) -> None:
         if self.local_steps < 1 or self.batch_size < 1:
@@ -113,7 +117,8 @@ def dp_train(model, tokenizer, texts: list[str], codes: list[str], settings: Tra
     if not params:
         raise ValueError("the model has no trainable parameters (call common.weights.prepare_model first)")
     torch.manual_seed(settings.seed)
-    enc = encode_examples(tokenizer, texts, codes, settings.max_length)
+    enc = encode_examples(tokenizer, texts, codes, settings.max_length,
+                          lambda code: make_prompt(code, settings.prompt, settings.template))
     dataset = TensorDataset(*(enc[k] for k in _KEYS))
     sampler_rng, noise_rng = _generators(settings, prior_steps=sum(h[2] for h in history), device=params[0].device)
     # AdamW (weight decay 0) by default, not SGD: the paper's learning rates (5e-4 for DP

@@ -13,7 +13,7 @@ from flwr.app import ArrayRecord
 
 from common.logs import get_logger
 from common import records as R
-from common.codes import code_prompt, zero_shot_prompt
+from common.codes import make_prompt
 from common.config import RunConfig
 from common.data import TextData
 from common.devices import to_device
@@ -63,7 +63,7 @@ class ServerModel(Generator):
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
         model, self.tokenizer = load_generator(cfg.model, seed=cfg.seed)
-        self.model = prepare_model(model, cfg.finetune, cfg.lora_rank, seed=cfg.seed)
+        self.model = prepare_model(model, cfg.finetune, cfg.lora_rank, seed=cfg.seed, lora_layers=cfg.lora_layers)
         self._report: dict[str, Any] = {}
         schema = cfg.schema()
         self.row_schema = None if schema is None else generated_part(schema, cfg.control_columns)
@@ -216,10 +216,8 @@ class ServerModel(Generator):
         return max(1, self.cfg.max_length - longest)
 
     def prompt(self, code: str) -> str:
-        """The generation prompt for ``code``: the code itself, or a zero-shot instruction."""
-        if self.cfg.prompt == "zero-shot":
-            return zero_shot_prompt(code, self.cfg.zero_shot_template)
-        return code_prompt(code)
+        """The generation prompt for ``code``, the one phase 1 trained on (``common.codes.make_prompt``)."""
+        return make_prompt(code, self.cfg.prompt, self.cfg.zero_shot_template)
 
     def heldout_loss(self, arrays: ArrayRecord, test: TextData) -> dict[str, float] | None:
         """Mean conditional LM loss (eq. 5) of the global model on held-out records."""
@@ -232,7 +230,7 @@ class ServerModel(Generator):
         tok = self.tokenizer
         old_side, tok.padding_side = tok.padding_side, "right"
         try:
-            batch = encode_examples(tok, sub.texts, sub.codes, self.cfg.max_length)
+            batch = encode_examples(tok, sub.texts, sub.codes, self.cfg.max_length, self.prompt)
         finally:
             tok.padding_side = old_side
         losses = []

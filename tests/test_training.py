@@ -342,3 +342,38 @@ def test_smollm2_lora_dp_steps():
     print(f"SmolLM2-135M LoRA r=8, DP-SGD, batch 4 x 64 tokens: {per_step:.2f} s/step")
     assert all(math.isfinite(x) for x in result.losses if not math.isnan(x))
     assert all("lora_" in k for k in result.state) and 0 < result.epsilon < math.inf
+
+
+# --- issue 33: the instruction prompt and LoRA on the top blocks ------------------------------
+def test_the_instruction_prompt_is_what_phase_1_trains_on_and_generation_uses():
+    from common.codes import make_prompt, zero_shot_prompt
+    from common.config import RunConfig
+    from fedsyn_server.synthesis import ServerModel
+
+    template = "Write a news article about {fields}:\n\n"
+    model, tok = _model("lora")
+    prompt = lambda code: make_prompt(code, "instruction", template)  # noqa: E731
+    enc = encode_examples(tok, ["The match ended."], ["topic=sport"], max_length=64, prompt=prompt)
+    n_prompt = len(tok(zero_shot_prompt("topic=sport", template))["input_ids"])
+    assert (enc["labels"][0, :n_prompt] == -100).all() and (enc["labels"][0, n_prompt] != -100)
+    assert enc["input_ids"][0, :n_prompt].tolist() == tok(prompt("topic=sport"))["input_ids"]
+    cfg = RunConfig(model="tiny-gpt2", prompt="instruction", zero_shot_template=template, max_length=16)
+    assert cfg.trains and ServerModel(cfg).prompt("topic=sport") == "Write a news article about topic: sport:\n\n"
+    assert make_prompt("topic=sport") == code_prompt("topic=sport")  # the paper's, by default
+    settings = _settings(local_steps=1, prompt="instruction", template=template)
+    assert dp_train(model, tok, TEXTS[:8], CODES[:8], settings, DELTA, []).steps == 1
+
+
+def test_lora_on_the_top_blocks_trains_only_them():
+    base, tok = tiny_gpt2(0)
+    blocks = base.config.n_layer
+    top = prepare_model(base, "lora", 2, lora_layers=1)
+    names = [n for n, p in top.named_parameters() if p.requires_grad]
+    assert names and all(f".h.{blocks - 1}." in n for n in names)
+    everywhere = prepare_model(tiny_gpt2(0)[0], "lora", 2)
+    assert sum(p.numel() for p in everywhere.parameters() if p.requires_grad) == blocks * sum(
+        p.numel() for p in top.parameters() if p.requires_grad)
+    with pytest.raises(ValueError, match="transformer blocks"):
+        prepare_model(tiny_gpt2(0)[0], "lora", 2, lora_layers=blocks + 1)
+    result = dp_train(top, tok, TEXTS[:8], CODES[:8], _settings(local_steps=1), DELTA, [])
+    assert set(result.state) == set(trainable_state(top))

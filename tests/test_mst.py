@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime as dt
 import itertools
-import time
 
 import numpy as np
 import pandas as pd
@@ -196,15 +195,13 @@ def _dependent_records(n: int = 400) -> pd.DataFrame:
 
 @pytest.fixture(scope="module")
 def mst_run():
+    # its time is a benchmark's concern (benchmarks/README.md), not this test's
     real = _dependent_records()
-    start = time.perf_counter()
-    first = M.mst_synthesise(real, E2E_SCHEMA, epsilon=50.0, delta=1e-5, rows=400, seed=7)
-    seconds = time.perf_counter() - start
-    return real, first, seconds
+    return real, M.mst_synthesise(real, E2E_SCHEMA, epsilon=50.0, delta=1e-5, rows=400, seed=7)
 
 
 def test_mst_keeps_the_dependence_and_stays_inside_the_schema(mst_run):
-    real, syn, seconds = mst_run
+    real, syn = mst_run
     assert list(syn.columns) == list(E2E_SCHEMA.names) and len(syn) == 400
     means = syn.groupby("y")["x"].mean()
     assert means["a"] > means["b"] + 30, means  # real: about 85 against 15
@@ -216,11 +213,10 @@ def test_mst_keeps_the_dependence_and_stays_inside_the_schema(mst_run):
     assert syn["y"].dtype == real["y"].dtype and all(isinstance(v, dt.date) for v in syn["day"])
     assert np.allclose(syn["z"], np.round(syn["z"], 1))
     assert 3 < syn["z"].mean() < 7 and syn["day"].nunique() > 20  # the bins' values are spread out
-    assert seconds < 60
 
 
 def test_mst_is_reproducible_from_its_seed(mst_run):
-    real, first, _ = mst_run
+    real, first = mst_run
     again = M.mst_synthesise(real, E2E_SCHEMA, epsilon=50.0, delta=1e-5, rows=400, seed=7)
     pd.testing.assert_frame_equal(first, again)
     # pandas datetimes in, pandas datetimes out; the same records otherwise

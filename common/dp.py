@@ -62,6 +62,12 @@ def gaussian_release(values: Sequence[float] | np.ndarray, sigma: float, rng: np
     return arr + rng.normal(0.0, sigma, size=arr.shape)
 
 
+def poisson_sample_rate(batch_size: int, num_records: int) -> float:
+    """DP-SGD's Poisson rate q = min(1, B / |D|), and 1 for an empty dataset (every step is then
+    noise only). A node takes it once, at its phase's first round (``fedsyn_client.train_release``)."""
+    return min(1.0, batch_size / num_records) if num_records else 1.0
+
+
 def dpsgd_noise_multiplier(epsilon: float, delta: float, sample_rate: float, steps: int) -> float:
     """Noise multiplier for ``steps`` Poisson-subsampled DP-SGD steps at ``sample_rate``.
 

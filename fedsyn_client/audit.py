@@ -13,6 +13,7 @@ import os
 import tempfile
 import time
 import traceback
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,12 @@ AUDIT_ENV = "FEDSYN_AUDIT_DIR"
 
 def audit_dir(context: Context) -> Path | None:
     """The audit folder for this node, or None when auditing is off."""
-    value = context.node_config.get("audit-dir") or os.environ.get(AUDIT_ENV)
+    return audit_folder(context.node_config)
+
+
+def audit_folder(node_config: Mapping[str, Any]) -> Path | None:
+    """The audit folder a node config names (``audit-dir``, else ``FEDSYN_AUDIT_DIR``), or None."""
+    value = node_config.get("audit-dir") or os.environ.get(AUDIT_ENV)
     return Path(str(value)) if value else None
 
 

@@ -49,7 +49,7 @@ from common.dp import GAUSSIAN, composed_epsilon, preflight
 from common.io import atomic_write_json, read_json
 from fedsyn_client import holds, refusals
 from fedsyn_client.claims import claim, cut_off
-from fedsyn_client.holds import HOLD_SECONDS, HOLD_UNCONFIRMED_SECONDS, MAX_UNCONFIRMED_HOLDS  # noqa: F401 (re-exported)
+from fedsyn_client.holds import MAX_UNCONFIRMED_HOLDS
 from fedsyn_client.refusals import BudgetExceeded, NodeSetupError
 
 FORMAT = 2

@@ -112,21 +112,21 @@ def check_node(node_config: dict[str, Any]) -> str:
         raise NodeSetupError(f"control-codes pins {', '.join(policy.control_codes[:3])}... but none of the "
                              f"{len(data)} records has one of them (theirs look like: {seen}); check control-codes "
                              "and control-columns")
-    _check_models(policy, node_config)
+    _check_requirements(policy, node_config)
     node = _open(policy, None)
     return (f"node ready: tier={policy.tier} records={len(node.data)} budget epsilon={policy.epsilon:g} "
             f"ledger={node.ledger.path} (spent {node.ledger.spent():.4g})")
 
 
-def _check_models(policy: NodePolicy, node_config: dict[str, Any]) -> None:
+def _check_requirements(policy: NodePolicy, node_config: dict[str, Any]) -> None:
     """Load every embedder the policy allows (every node may vote), every generator it allows on a
     strong node, and write to its audit folder: what a request would need is there before a
     request can be charged for it. Raises ``NodeSetupError`` naming the one that failed."""
     from common.dp import STRONG
     from common.models import load_embedder, load_generator
-    from fedsyn_client.audit import check_audit_dir
+    from fedsyn_client.audit import audit_folder, check_audit_dir
 
-    check_audit_dir(Path(str(node_config["audit-dir"])) if node_config.get("audit-dir") else None)
+    check_audit_dir(audit_folder(node_config))
     wanted = [("embedder", name, load_embedder) for name in policy.embedders]
     wanted += [("model", name, load_generator) for name in policy.models] if policy.tier == STRONG else []
     for key, name, load in wanted:

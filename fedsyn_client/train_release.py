@@ -44,7 +44,7 @@ from common import records as R
 from common.config import ConfigError, RunConfig
 from common.data import TextData
 from common.devices import hidden_gpu_warning, model_device
-from common.dp import DPSGD, dpsgd_epsilon, dpsgd_noise_multiplier
+from common.dp import DPSGD, dpsgd_epsilon, dpsgd_noise_multiplier, poisson_sample_rate
 from common.logs import get_logger
 from fedsyn_client.refusals import BadWeights
 from fedsyn_client.release import Mechanism, Output, Request
@@ -172,9 +172,12 @@ class DpSgdRound(Mechanism):
         """(q, noise multiplier, delta): the first round's, stored with the accountant, for every round."""
         stored = self.state
         history = stored.get("history") or []
-        # ledgers written before q was stored keep it in the accountant history's first entry
-        q = float(stored.get("sample_rate") or (history[0][1] if history else 0.0) or
-                  (min(1.0, self.cfg.batch_size / num_records) if num_records else 1.0))
+        if stored.get("sample_rate"):
+            q = float(stored["sample_rate"])
+        elif history:  # ledgers written before q was stored keep it in the history's first entry
+            q = float(history[0][1])
+        else:  # the first round
+            q = poisson_sample_rate(self.cfg.batch_size, num_records)
         delta = float(stored.get("delta", request.delta))
         if not self.cfg.private:
             return q, 0.0, delta

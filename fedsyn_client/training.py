@@ -25,7 +25,7 @@ from common.codes import make_prompt
 from common.config import PRECISIONS
 from common.devices import autocast, to_device
 from common.lm_loss import conditional_lm_loss, encode_examples, fused_conditional_lm_loss, head_and_decoder
-from common.dp import dpsgd_epsilon
+from common.dp import dpsgd_epsilon, poisson_sample_rate
 from common.logs import get_logger
 from common.weights import trainable_state
 
@@ -155,7 +155,7 @@ def sample_rate(settings: TrainSettings, num_records: int) -> float:
     """q: ``settings.sample_rate`` when given, else min(1, B / |D|) (1 for an empty dataset)."""
     if settings.sample_rate is not None:
         return float(settings.sample_rate)
-    return min(1.0, settings.batch_size / num_records) if num_records else 1.0
+    return poisson_sample_rate(settings.batch_size, num_records)
 
 
 def _generators(settings: TrainSettings, prior_steps: int, device) -> tuple[torch.Generator, torch.Generator]:

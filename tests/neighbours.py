@@ -99,7 +99,7 @@ def base_run_config(data: str, table: bool = False) -> dict[str, Any]:
 def play(steps: list[Step], data: str, state: Path, table: bool = False) -> list[Observation]:
     """Send ``steps`` in order to one node holding ``data`` (state in ``state``); what it saw."""
     out = []
-    arrays = _initial_arrays(base_run_config(data, table))
+    arrays = initial_arrays(base_run_config(data, table))
     for step in steps:
         reply = _send(step, data, state, arrays, table)
         out.append(_observe(reply, state))
@@ -165,10 +165,11 @@ def _plain(d: dict[str, Any]) -> dict[str, Any]:
 _ARRAYS: dict[str, ArrayRecord] = {}
 
 
-def _initial_arrays(rc: dict[str, Any]) -> ArrayRecord:
+def initial_arrays(rc: dict[str, Any]) -> ArrayRecord:
+    """The server's initial trainable weights for run config ``rc`` (built once per model terms)."""
     from fedsyn_server.synthesis import ServerModel
 
-    key = json.dumps({k: rc[k] for k in ("model", "finetune", "lora-rank", "seed")}, sort_keys=True)
+    key = json.dumps({k: rc[k] for k in ("model", "finetune", "lora-rank", "lora-layers", "seed")}, sort_keys=True)
     if key not in _ARRAYS:
         _ARRAYS[key] = ServerModel(RunConfig.from_flower(rc)).initial_arrays()
     return _ARRAYS[key]

@@ -24,9 +24,11 @@ from common.dp import dpsgd_epsilon
 from fedsyn_client import node as node_module
 from fedsyn_client.client_app import app
 from fedsyn_client.histograms import VOTE_HISTOGRAMS
-from fedsyn_client.ledger import HOLD_UNCONFIRMED_SECONDS, LedgerError, PrivacyLedger
+from fedsyn_client.holds import HOLD_UNCONFIRMED_SECONDS
+from fedsyn_client.ledger import LedgerError, PrivacyLedger
 from fedsyn_client.refusals import FIXED_REPLIES
 from tests.fakes import client_node, set_task_identity
+from tests.neighbours import initial_arrays
 
 VOCAB = ["topic=x", "topic=y"]
 BUDGET = 3.0
@@ -83,12 +85,6 @@ def _same_fixed_error(a: Message, b: Message) -> str:
     assert a.error.reason in FIXED_REPLIES
     assert not re.search(r"\d|/|Error|Exception", a.error.reason), a.error.reason
     return a.error.reason
-
-
-def _initial_arrays(rc: dict) -> ArrayRecord:
-    from fedsyn_server.synthesis import ServerModel
-
-    return ServerModel(RunConfig.from_flower(rc)).initial_arrays()
 
 
 # --------------------------------------------------------------------------- 1. failures are charged and uniform
@@ -170,7 +166,7 @@ def test_a_resume_under_other_terms_is_refused_and_the_ledger_covers_the_account
     data, state = twins[0], tmp_path / "s"
     node_config = {"epsilon": 100.0}
     rc = _rc(data)
-    arrays = _initial_arrays(rc)
+    arrays = initial_arrays(rc)
     first = _send(data, state, R.MSG_TRAIN, rc=rc, tier="strong", arrays=arrays, node_config=node_config,
                   **{"server-round": 1, "resume-key": "run-a"})
     assert not first.has_error(), first.error
@@ -192,7 +188,7 @@ def test_a_resume_under_other_terms_is_refused_and_the_ledger_covers_the_account
 def test_bad_weights_are_refused_before_anything_is_spent(twins, tmp_path, poison):
     data, state = twins[0], tmp_path / "s"
     rc = _rc(data)
-    state_dict = R.state_from_arrays(_initial_arrays(rc))
+    state_dict = R.state_from_arrays(initial_arrays(rc))
     name = next(iter(state_dict))
     arr = state_dict[name].copy()
     if poison == "shape":

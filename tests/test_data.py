@@ -60,6 +60,30 @@ def test_bbc_news_table():
     assert df["title"].iloc[0] == "Ad sales boost Time Warner profit"  # business/001.txt
 
 
+def test_rotten_tomatoes_table_is_sentiment_labelled_short_text():
+    df = T.load_table("rotten-tomatoes")
+    assert list(df.columns) == ["text", "sentiment"]
+    assert df["sentiment"].value_counts().to_dict() == {"negative": 4265, "positive": 4265}
+    assert (df["text"].str.strip() != "").all() and not df["text"].str.contains("  |\n").any()
+    assert df["text"].str.len().median() < 200  # snippets, not IMDB's long reviews
+    # Pang & Lee's first positive snippet: label 1 is "positive", not the other way round.
+    assert df.loc[df["text"].str.startswith("the rock is destined"), "sentiment"].tolist() == ["positive"]
+    data = D.to_text_data(df, "text", ["sentiment"])
+    assert sorted(set(data.codes)) == ["sentiment=negative", "sentiment=positive"]
+
+
+def test_rotten_tomatoes_preset_names_the_shipped_set_and_its_label():
+    import tomllib
+    from pathlib import Path
+
+    from common.codes import make_prompt
+
+    preset = tomllib.loads((Path(__file__).parents[1] / "presets" / "rotten-tomatoes.toml").read_text())
+    assert preset["dataset"] == "rotten-tomatoes" and preset["control-columns"] == "sentiment"
+    prompt = make_prompt("sentiment=negative", "instruction", preset["zero-shot-template"])
+    assert prompt == "Please write a short movie review with sentiment: negative:\n\n"
+
+
 def test_bbc_news_cache_returns_copies():
     df = T.load_table("bbc-news")
     df.loc[0, "text"] = "mutated"

@@ -30,7 +30,9 @@ REFINEMENTS: dict[str, str] = {
     "knn-vote": "strategies.knn_vote:KnnVoteRefinement",
     "uniform": "strategies.knn_vote:UniformRefinement",
     "none": "strategies.knn_vote:NoRefinement",
+    "contrastive-vote": "strategies.knn_vote:ContrastiveVoteRefinement",
     "pe": "strategies.private_evolution:PrivateEvolution",
+    "pe-contrastive": "strategies.private_evolution:ContrastivePrivateEvolution",
     "popri": "strategies.popri:POPri",
     "grpo": "strategies.grpo:GRPO",
 }

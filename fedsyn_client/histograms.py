@@ -19,7 +19,7 @@ import numpy as np
 from common.config import ConfigError, RunConfig
 from common.data import TextData, dataset_fingerprint
 from common.logs import get_logger
-from fedsyn_client.voting import finite_rows, knn_votes, similarity_scores
+from fedsyn_client.voting import contrastive_votes, finite_rows, knn_votes, similarity_scores
 
 Compute = Callable[[], np.ndarray]
 log = get_logger(__name__)
@@ -28,11 +28,25 @@ log = get_logger(__name__)
 def knn_vote_histogram(records: TextData, texts: list[str], codes: list[str], params: Mapping[str, Any],
                        cfg: RunConfig) -> tuple[Compute, float]:
     """Paper A.2: each record gives +1 to its K nearest same-code candidates; sensitivity sqrt(K)."""
+    k = _num_votes(params)
+    # each record adds +1 to at most K distinct candidates: the L2 norm of its change is sqrt(K)
+    return _on_embeddings(records, texts, codes, cfg, lambda *emb: knn_votes(*emb, k)), math.sqrt(k)
+
+
+def contrastive_vote_histogram(records: TextData, texts: list[str], codes: list[str], params: Mapping[str, Any],
+                               cfg: RunConfig) -> tuple[Compute, float]:
+    """Issue 34: each record +1 to its K nearest same-code candidates and -1 to its K nearest
+    other-code candidates; sensitivity sqrt(2K)."""
+    k = _num_votes(params)
+    # K entries +1 and K other entries -1 per record: the L2 norm of its change is sqrt(2K)
+    return _on_embeddings(records, texts, codes, cfg, lambda *emb: contrastive_votes(*emb, k)), math.sqrt(2 * k)
+
+
+def _num_votes(params: Mapping[str, Any]) -> int:
     k = params.get("num-votes")
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ConfigError(f"num-votes = {k!r}; must be an integer >= 1")
-    # each record adds +1 to at most K distinct candidates: the L2 norm of its change is sqrt(K)
-    return _on_embeddings(records, texts, codes, cfg, lambda *emb: knn_votes(*emb, k)), math.sqrt(k)
+    return k
 
 
 def nearest_neighbour_histogram(records: TextData, texts: list[str], codes: list[str], params: Mapping[str, Any],
@@ -67,6 +81,7 @@ def _on_embeddings(records: TextData, texts: list[str], codes: list[str], cfg: R
 # name -> builder of (compute, L2 sensitivity); each bound is tested in tests/test_privacy.py
 VOTE_HISTOGRAMS: dict[str, Callable[..., tuple[Compute, float]]] = {
     "knn-vote": knn_vote_histogram,
+    "contrastive-vote": contrastive_vote_histogram,
     "nearest-neighbour": nearest_neighbour_histogram,
     "similarity": similarity_histogram,
 }

@@ -63,6 +63,37 @@ def knn_votes(
     return votes
 
 
+def contrastive_votes(
+    local_emb: np.ndarray, local_codes: list[str], syn_emb: np.ndarray, syn_codes: list[str], k: int
+) -> np.ndarray:
+    """Un-noised contrastive vote vector over the synthetic texts (issue 34).
+
+    Input as for ``knn_votes``. Each local record gives +1 to its K nearest synthetic texts *of
+    its own code* (as ``knn_votes``) and -1 to its K nearest texts *of every other code*, pooled
+    (fewer when there are fewer). A text that sits among another code's records loses what a
+    text near its own code's records gains, so the votes reward carrying the code, not only
+    looking like some record: MiniLM places texts by subject, and a "positive" review of the
+    right film wins kNN votes although it reads negative.
+
+    Each record touches at most K texts with +1 and K other texts with -1 (the two sets are
+    disjoint: different codes), so adding or removing one record changes the vector by at most
+    sqrt(2K) in L2: the sensitivity the node calibrates for. A record whose code has no text
+    still gives its -1s (it says where its code's records are, and no text of its code is there).
+    """
+    votes = knn_votes(local_emb, local_codes, syn_emb, syn_codes, k)
+    local_codes_arr, syn_codes_arr = np.asarray(local_codes), np.asarray(syn_codes)
+    for code in set(local_codes):
+        other = np.flatnonzero(syn_codes_arr != code)
+        if other.size == 0:
+            continue
+        loc, kk, syn = local_emb[local_codes_arr == code], min(k, other.size), syn_emb[other]
+        for rows in _blocks(len(loc), other.size):
+            sims = loc[rows] @ syn.T
+            top = np.argpartition(-sims, kk - 1, axis=1)[:, :kk]
+            votes -= np.bincount(other[top.ravel()], minlength=votes.size)
+    return votes
+
+
 def similarity_scores(
     local_emb: np.ndarray, local_codes: list[str], syn_emb: np.ndarray, syn_codes: list[str]
 ) -> np.ndarray:

@@ -2,6 +2,9 @@
 
 - ``knn-vote`` (Algorithm 1 stages 4-5): one vote round of DP kNN votes (A.2) on the pool of
   s, then A.4 resampling by the votes, per code.
+- ``contrastive-vote`` (issue 34): the same round with votes that reward carrying the code: each
+  record +1 to its K nearest texts of its code, -1 to its K nearest texts of the other codes
+  (``fedsyn_client.voting.contrastive_votes``, sensitivity sqrt(2K)); A.4 clamps negatives to 0.
 - ``uniform`` (paper Table A.14): the same pool and final size, A.4 with equal weights, no votes.
 - ``none``: generate the final size directly (``max(1, floor(r*s))``) and keep all of it, so
   every method ends with the same number of texts and compares fairly.
@@ -20,11 +23,21 @@ class KnnVoteRefinement(Refinement):
     """Paper Algorithm 1 stages 4-5: resample the pool by its aggregated DP kNN votes."""
 
     name = "knn-vote"
+    histogram = "knn-vote"  # the node-side statistic (fedsyn_client.histograms.VOTE_HISTOGRAMS)
 
     def refine(self, ctx: RefinementContext) -> Refined:  # noqa: D102
-        votes = ctx.vote(ctx.texts, ctx.codes, histogram="knn-vote", epsilon_share=1.0, **{"num-votes": ctx.cfg.num_votes})
+        votes = ctx.vote(ctx.texts, ctx.codes, histogram=self.histogram, epsilon_share=1.0,
+                         **{"num-votes": ctx.cfg.num_votes})
         selected = resample_by_code(ctx.codes, votes, ctx.cfg.sampling_rate, ctx.cfg.seed)
         return Refined(ctx.texts, ctx.codes, selected, votes)
+
+
+class ContrastiveVoteRefinement(KnnVoteRefinement):
+    """kNN-vote's round and A.4 with contrastive votes: +1 near the text's own code's records,
+    -1 near the other codes' records (K = ``num-votes`` each)."""
+
+    name = "contrastive-vote"
+    histogram = "contrastive-vote"
 
 
 class UniformRefinement(Refinement):

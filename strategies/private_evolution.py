@@ -15,6 +15,10 @@ Choices where the papers leave room (written down here): survivors are the top h
 noisy votes (PE draws parents in proportion to votes; Aug-PE keeps the top ones), survivors
 stay in the population (Aug-PE), and there is no vote threshold H (A.4 clamps negatives).
 With T = 1 this is ``knn-vote`` with K = 1.
+
+``pe-contrastive`` (issue 34) votes with ``contrastive-vote`` at K = 1 instead (each record +1 to
+its nearest text of its code, -1 to its nearest text of another code; sensitivity sqrt(2)), so
+the survivors, and the variations made of them, are the texts that carry their code.
 """
 
 from __future__ import annotations
@@ -57,6 +61,8 @@ class PrivateEvolution(Refinement):
     """T rounds of DP nearest-neighbour votes, each followed by variations of the best texts."""
 
     name = "pe"
+    histogram = HISTOGRAM
+    histogram_params: dict[str, int] = {}
 
     def refine(self, ctx: RefinementContext) -> Refined:  # noqa: D102
         rounds = ctx.cfg.refinement_rounds
@@ -65,7 +71,8 @@ class PrivateEvolution(Refinement):
         history: list[dict] = []
         votes = np.zeros(len(texts))
         for t in range(1, rounds + 1):
-            votes = ctx.vote(texts, codes, histogram=HISTOGRAM, epsilon_share=1.0 / rounds)
+            votes = ctx.vote(texts, codes, histogram=self.histogram, epsilon_share=1.0 / rounds,
+                             **self.histogram_params)
             notes.append({"round": t, "population": len(texts), "mean_votes": float(np.mean(votes)) if len(votes) else 0.0})
             log.info("[pe] round %d/%d: %d texts voted, mean noisy votes %.2f", t, rounds, len(texts), notes[-1]["mean_votes"])
             if t == rounds:
@@ -81,3 +88,11 @@ class PrivateEvolution(Refinement):
             codes = [codes[i] for i in survivors] + [codes[i] for i in parents]
         selected = resample_by_code(codes, votes, ctx.cfg.sampling_rate, ctx.cfg.seed)
         return Refined(texts, codes, selected, votes, notes={"rounds": notes}, history=history)
+
+
+class ContrastivePrivateEvolution(PrivateEvolution):
+    """PE whose rounds vote with ``contrastive-vote`` (K = 1): variations of the texts that carry their code."""
+
+    name = "pe-contrastive"
+    histogram = "contrastive-vote"
+    histogram_params = {"num-votes": 1}

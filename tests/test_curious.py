@@ -119,6 +119,8 @@ ATTACKS = {
     "finetune": dict(node_config={"finetune": "lora"}, rc_over={"finetune": "full"}, message=R.MSG_TRAIN,
                      tier="strong"),
     "embedder": dict(rc_over={"embedder": "/tmp/evil-embedder"}, message=R.MSG_VOTE),
+    # the contrastive histogram's K is checked like kNN-vote's, before anything is reserved
+    "contrastive-k": dict(conf={"histogram": "contrastive-vote", "num-votes": 0}, message=R.MSG_VOTE),
     "cap": dict(node_config={"max-epsilon-profile": 1.0}),
     "budget": dict(node_config={"epsilon": 1.0}, rc_over={"epsilon": 1.0, "epsilon-profile": 0.5}, twice=True),
     "key": dict(conf={"resume-key": "../other"}),
@@ -135,7 +137,7 @@ def test_refusals_are_one_fixed_text_whatever_the_records(attack, twins, tmp_pat
                     node_config=spec.get("node_config"), **spec.get("conf", {}))
         if spec.get("message") == R.MSG_VOTE:
             args["candidates"] = {"texts": ["a", "b"], "codes": VOCAB}
-            args["num-votes"] = 1
+            args.setdefault("num-votes", 1)
         if spec.get("message") == R.MSG_TRAIN:
             args["arrays"], args["server-round"] = ArrayRecord(), 1
         message = spec.get("message", R.MSG_PROFILE)

@@ -56,7 +56,7 @@ vote_steps = st.builds(
         tier="weak", candidates=cand),
     # mostly valid (the release paths), sometimes malformed (an unknown histogram, K = 0, share 0)
     codes, run_keys, rounds, deltas,
-    st.sampled_from(["knn-vote", "knn-vote", "nearest-neighbour", "similarity", "unknown"]),
+    st.sampled_from(["knn-vote", "knn-vote", "contrastive-vote", "nearest-neighbour", "similarity", "unknown"]),
     st.sampled_from([1, 2, 1, 0]), st.sampled_from([1.0, 0.5, 1.0, 0.25, 0.0]), candidates,
     st.sampled_from([(), (("max-length", 24),), (("embedder", "all-MiniLM-L6-v2"),)]))
 tier_steps = st.builds(

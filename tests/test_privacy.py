@@ -51,23 +51,29 @@ def test_profile_noise_through_the_handler_has_the_calibrated_sigma(dataset, tmp
     assert abs(noise.mean()) < 4 * sigma / math.sqrt(noise.size)
 
 
-def test_vote_noise_through_the_handler_has_sigma_for_sqrt_k(dataset, tmp_path):
+# histogram -> (the node's L2 sensitivity at K = 3, the sum of the true votes of 36 records)
+VOTE_SENSITIVITY = {"knn-vote": (math.sqrt(3), 36 * 3), "contrastive-vote": (math.sqrt(6), 36 * 3 - 36 * 3)}
+
+
+@pytest.mark.parametrize("histogram", sorted(VOTE_SENSITIVITY))
+def test_vote_noise_through_the_handler_has_sigma_for_its_sensitivity(dataset, tmp_path, histogram):
+    sensitivity, true_sum = VOTE_SENSITIVITY[histogram]
     rc = RunConfig(dataset=dataset, test_fraction=0.0, strong_fraction=0.0, num_votes=3).to_flower()
     cands = [f"{base} synthetic {j}" for base in TOPICS.values() for j in range(4)]
     codes = [f"topic={t}" for t in TOPICS for _ in range(4)]
     content = RecordDict({R.CANDIDATES: ConfigRecord({"texts": cands, "codes": codes}),
                           R.CONFIG: ConfigRecord({"codes": [f"topic={t}" for t in TOPICS], "num-votes": 3,
-                                                  "delta": 1e-5})})
+                                                  "histogram": histogram, "delta": 1e-5})})
     draws = []
     for run_id in range(300):
         node = client_node(client_app, 1, {"partition-id": 0, "num-partitions": 1,
                                            "state-dir": str(tmp_path / str(run_id))}, rc, run_id=10_000 + run_id)
         draws.append(_query(node, R.MSG_VOTE, content))
     draws = np.stack(draws)
-    # every local record votes 3 times: the true votes sum to 36 * 3
-    assert draws.mean(axis=0).sum() == pytest.approx(108, abs=5 * math.sqrt(12) * draws.std() / math.sqrt(300))
+    # every local record votes +1 three times (and, contrastive, -1 three times)
+    assert draws.mean(axis=0).sum() == pytest.approx(true_sum, abs=5 * math.sqrt(12) * draws.std() / math.sqrt(300))
     noise = (draws - draws.mean(axis=0)).ravel() * math.sqrt(300 / 299)
-    sigma = analytic_gaussian_sigma(6.0, 1e-5, math.sqrt(3))
+    sigma = analytic_gaussian_sigma(6.0, 1e-5, sensitivity)
     assert abs(noise.std() / sigma - 1) < 0.05  # 3,600 draws: ~1.2% standard error
 
 

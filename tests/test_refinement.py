@@ -14,7 +14,7 @@ from common import records as R
 from common.config import ConfigError, RunConfig
 from common.io import read_jsonl
 from fedsyn_client.histograms import VOTE_HISTOGRAMS
-from fedsyn_client.voting import knn_votes, similarity_scores
+from fedsyn_client.voting import contrastive_votes, knn_votes, similarity_scores
 from fedsyn_server.outputs import write_outputs
 from strategies.popri import preference_pairs
 from strategies.private_evolution import next_generation
@@ -55,6 +55,7 @@ def _unit(rng, n, d=16):
 PURE = {
     "knn-vote": (lambda *a: knn_votes(*a, 3), math.sqrt(3)),
     "nearest-neighbour": (lambda *a: knn_votes(*a, 1), 1.0),
+    "contrastive-vote": (lambda *a: contrastive_votes(*a, 3), math.sqrt(6)),
     "similarity": (similarity_scores, 1.0),
 }
 
@@ -81,6 +82,24 @@ def test_adding_one_record_moves_a_histogram_by_at_most_its_sensitivity(name):
         worst = max(worst, float(np.linalg.norm(v1 - v0)))
     assert worst <= bound + 1e-9
     assert worst > 0.5 * bound  # the bound is not vacuous: a record does move the histogram
+
+
+def test_contrastive_votes_take_from_a_text_that_sits_among_another_codes_records():
+    # Two "a" records near e0, two "b" records near e1. Text 1 is coded "a" but reads like "b";
+    # kNN votes (K=1) cannot tell it from text 0; contrastive votes push it below zero.
+    e = np.eye(3)
+    loc = np.array([e[0], e[0], e[1], e[1]])
+    loc_codes = ["a", "a", "b", "b"]
+    syn = np.array([e[0], e[1], e[2], e[1]])
+    syn_codes = ["a", "a", "b", "b"]
+    assert knn_votes(loc, loc_codes, syn, syn_codes, 1).tolist() == [2, 0, 0, 2]
+    v = contrastive_votes(loc, loc_codes, syn, syn_codes, 1)
+    # "a" records: +1 to text 0, -1 to the nearest "b" text (ties: 2 and 3 are both 0 from e0;
+    # the pick is one of them); "b" records: +1 to text 3, -1 to text 1 (the "a" text like "b")
+    assert v[0] == 2 and v[1] == -2 and v[2] + v[3] == 0 and v.sum() == 0
+    # a record whose code has no candidate still gives its -1, to a text nearest to it (1 or 3)
+    only = contrastive_votes(np.array([e[1]]), ["c"], syn, syn_codes, 1)
+    assert only.tolist() in ([0, -1, 0, 0], [0, 0, 0, -1])
 
 
 def test_similarity_scores_clip_each_record_and_ignore_other_codes():
@@ -136,13 +155,15 @@ def _vote_releases(res, node):
     return [r for r in res.ledgers[node]["releases"] if r["phase"] == "vote"]
 
 
-def test_knn_vote_gives_the_papers_selection_exactly(dataset, tmp_path):
-    """Pinned against the maths: without noise, the final set is A.4 on the exact kNN votes of
-    the weak nodes' records, and the request is the paper's (K votes, the whole epsilon_vote)."""
+@pytest.mark.parametrize("method,votes_of", [("knn-vote", knn_votes), ("contrastive-vote", contrastive_votes)])
+def test_a_vote_refinement_gives_its_selection_exactly(dataset, tmp_path, method, votes_of):
+    """Pinned against the maths: without noise, the final set is A.4 on the exact votes of the
+    weak nodes' records (kNN: the paper's; contrastive: issue 34's), and the request is one round
+    of K votes at the whole epsilon_vote."""
     from common.federation import simulation_node_data
     from common.models import embed, load_embedder
 
-    rc = run_config(dataset, epsilon="inf", **{"num-server-rounds": 0})
+    rc = run_config(dataset, epsilon="inf", refinement=method, **{"num-server-rounds": 0})
     res, grid, _ = run(rc, nodes_for(rc, 3, tmp_path))
     cfg = RunConfig.from_flower(rc)
     exact = np.zeros(len(res.pool_texts))
@@ -150,12 +171,12 @@ def test_knn_vote_gives_the_papers_selection_exactly(dataset, tmp_path):
     syn = embed(emb, res.pool_texts, max_tokens=cfg.vote_window)  # compared within 2 x the generator's window
     for pid in (1, 2):  # the weak nodes
         part = simulation_node_data(cfg, pid, 3)[1]
-        exact += knn_votes(embed(emb, part.texts, max_tokens=cfg.vote_window), part.codes, syn, res.pool_codes,
-                           cfg.num_votes)
+        exact += votes_of(embed(emb, part.texts, max_tokens=cfg.vote_window), part.codes, syn, res.pool_codes,
+                          cfg.num_votes)
     assert np.array_equal(res.votes, exact)
     assert np.array_equal(res.selected, resample_by_code(res.pool_codes, exact, cfg.sampling_rate, cfg.seed))
     [conf] = _vote_configs(grid)
-    assert (conf["histogram"], conf["epsilon-share"], conf["num-votes"]) == ("knn-vote", 1.0, cfg.num_votes)
+    assert (conf["histogram"], conf["epsilon-share"], conf["num-votes"]) == (method, 1.0, cfg.num_votes)
 
 
 def test_dpo_trains_the_adapter_in_fp32_without_checkpointing_on_a_cpu_and_generation_keeps_its_cache():
@@ -183,7 +204,7 @@ def test_dpo_trains_the_adapter_in_fp32_without_checkpointing_on_a_cpu_and_gener
     assert calls and all(kw["use_cache"] for kw in calls)
 
 
-@pytest.mark.parametrize("method", ["pe", "popri"])
+@pytest.mark.parametrize("method", ["pe", "pe-contrastive", "popri"])
 def test_multi_round_refinements_split_epsilon_vote_across_their_rounds(dataset, tmp_path, method):
     rc = run_config(dataset, refinement=method, **{"num-server-rounds": 1, "refinement-rounds": 3,
                                                    "popri-samples-per-prompt": 3, "popri-rejected-rank": 2})
@@ -207,7 +228,11 @@ def test_multi_round_refinements_split_epsilon_vote_across_their_rounds(dataset,
     assert all(len(by_round[t]) == sum(res.allocation.values()) for t in (1, 2, 3)) and len(rows) == 3 * len(by_round[1])
     assert all(r["topic"] == r["control_code"].removeprefix("topic=") for r in rows)
     last = by_round[3]
-    if method == "pe":
+    if method.startswith("pe"):
+        # pe votes nearest-neighbour (sensitivity 1); pe-contrastive contrastive-vote at K = 1 (sqrt(2))
+        histogram, sensitivity = ("nearest-neighbour", 1.0) if method == "pe" else ("contrastive-vote", math.sqrt(2))
+        assert {(c["histogram"], c.get("num-votes", 1)) for c in _vote_configs(grid)} == {(histogram, 1)}
+        assert [r["sensitivity"] for r in _vote_releases(res, 101)] == pytest.approx([sensitivity] * 3)
         assert len(res.pool_texts) == sum(res.allocation.values())
         assert all(per_code[c] == max(1, math.floor(cfg.sampling_rate * n)) for c, n in res.allocation.items() if n)
         assert len(res.refinement["rounds"]) == 3 and not res.generator_refined

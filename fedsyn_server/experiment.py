@@ -169,6 +169,9 @@ def collect(grid: Grid) -> list[dict[str, Any]]:
             continue
         row: dict[str, Any] = {"cell": cell.name, "method": cell.method, "seed": cell.seed, **dict(cell.params)}
         row.update(flatten(json.loads(path.read_text())))
+        metrics = path.with_name("metrics.json")
+        if metrics.exists():  # the run's phase times, for quality per second (benchmarks/front.py)
+            row.update(flatten(json.loads(metrics.read_text()).get("timings_s", {}), "seconds/"))
         rows.append(row)
     return rows
 

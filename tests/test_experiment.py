@@ -85,14 +85,29 @@ def test_summary_resumes_from_finished_cells_and_writes_tables_and_plots(tmp_pat
         run.mkdir(parents=True)
         (run / "evaluation.json").write_text(json.dumps({"utility": {"topic": {"accuracy": 0.5 + 0.01 * i}}}))
         (run / "pool.jsonl").write_text("\n".join(json.dumps({"text": "t", "votes": float(v)}) for v in range(5)))
+        (run / "metrics.json").write_text(json.dumps({"timings_s": {"finetune": 10.0 * i, "total": 20.0 + 10 * i}}))
     rows = collect(grid)
     assert len(rows) == len(done)
+    assert [r["seconds/total"] for r in rows] == [20.0 + 10 * i for i in range(len(done))]  # quality per second
     write_summary(grid, rows)
     assert (grid.out_dir / "results.csv").read_text().count("\n") == len(done) + 1
     md = (grid.out_dir / "results.md").read_text()
     assert "utility/topic/accuracy" in md and "±" in md
     assert (grid.out_dir / "plots" / "metric_vs_strong_fraction.png").exists()
     assert (grid.out_dir / "plots" / "vote_distributions.png").exists()
+    from benchmarks.front import main as front_main
+
+    assert front_main([str(grid.out_dir / "results.csv"), "--out", str(tmp_path / "front.png")]) == 0
+    assert (tmp_path / "front.png").stat().st_size > 0
+
+
+def test_the_front_keeps_exactly_the_points_nothing_beats_on_both_time_and_quality():
+    from benchmarks.front import front
+
+    pts = [{"label": k, "t": t, "y": y} for k, t, y in
+           [("fast", 60, 0.6), ("slow-better", 300, 0.8), ("slow-worse", 300, 0.5), ("mid", 150, 0.7),
+            ("mid-dominated", 160, 0.69), ("tie", 150, 0.7)]]
+    assert [p["label"] for p in front(pts)] == ["fast", "mid", "tie", "slow-better"]  # equal points both stay
 
 
 def test_flatten_and_summarise():

@@ -36,7 +36,7 @@ class RunConfig:
     """All run-config keys (kebab-case in TOML, snake_case here) with their defaults."""
 
     num_server_rounds: int = 2
-    local_steps: int = 12
+    local_steps: int = 3
     batch_size: int = 32
     learning_rate: float = 5e-3
     server_learning_rate: float = 1.0
@@ -67,7 +67,7 @@ class RunConfig:
     num_votes: int = 4
     temperature: float = 1.0
     top_p: float = 1.0
-    prompt: str = "code"
+    prompt: str = "instruction"
     zero_shot_template: str = "Please generate a news article about {fields}:\n\n"
     refinement: str = "knn-vote"
     refinement_rounds: int = 2  # pe, popri, grpo: vote rounds T (epsilon_vote split evenly)

@@ -179,3 +179,20 @@ def test_a_worker_embeds_a_rounds_candidates_once_for_all_its_simulated_nodes(mo
     assert histograms.candidate_embeddings(["a\0b"], "e", 64)[0, 0] == 2.0  # not the same list
     assert histograms.candidate_embeddings(["a", "b"], "e", 128)[0, 0] == 3.0  # nor the same window
     assert len(calls) == 3
+
+
+def test_embedder_label_agreement_is_chance_for_a_blind_embedder_and_one_for_a_perfect_one():
+    from benchmarks.embedder_label import chance_agreement, neighbour_agreement
+
+    labels = np.array(["a"] * 30 + ["b"] * 10)
+    # a perfect embedder: each label's rows are one direction (plus a little noise to break ties)
+    rng = np.random.default_rng(0)
+    centre = {"a": np.array([1.0, 0, 0]), "b": np.array([0, 1.0, 0])}
+    emb = np.array([centre[l] + 0.01 * rng.normal(size=3) for l in labels])
+    emb /= np.linalg.norm(emb, axis=1, keepdims=True)
+    assert neighbour_agreement(emb, labels) == 1.0
+    blind = rng.normal(size=(4000, 8))
+    blind /= np.linalg.norm(blind, axis=1, keepdims=True)
+    many = rng.choice(["a", "b"], size=4000, p=[0.75, 0.25])
+    assert chance_agreement(many) == pytest.approx(0.75 ** 2 + 0.25 ** 2, abs=0.02)
+    assert neighbour_agreement(blind, many) == pytest.approx(chance_agreement(many), abs=0.03)

@@ -1,6 +1,7 @@
 """The experiment runner's grid parsing, resumption and summaries (no simulation needed)."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -165,3 +166,9 @@ def test_run_app_times_out_a_silent_command(tmp_path, monkeypatch):
     with open(tmp_path / "log", "wb") as out:
         assert flwr_runner._run_to(["printf", "\x1b[92mINFO\x1b[0m: hi\\n"], {}, out, timeout=30) == (0, False)
     assert (tmp_path / "log").read_bytes() == b"INFO: hi\n"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (Path(__file__).parents[1] / "benchmarks").glob("*.toml")))
+def test_every_shipped_grid_loads_and_every_cell_is_a_valid_run_config(name):
+    grid = load_grid(Path(__file__).parents[1] / "benchmarks" / name)
+    assert grid.cells and all(cell.run_config for cell in grid.cells)

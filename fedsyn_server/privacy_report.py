@@ -61,7 +61,8 @@ def privacy_report(cfg: RunConfig, res: FedSynResult) -> dict[str, Any]:
                                 "phase's epsilon is reserved at round 1)",
                        "profile": "analytic Gaussian, L2 sensitivity 1",
                        "vote": "analytic Gaussian at the named histogram's L2 sensitivity (knn-vote sqrt(K), "
-                               "contrastive-vote sqrt(2K), nearest-neighbour 1, similarity 1); a refinement's vote rounds split epsilon_vote"},
+                               "contrastive-vote sqrt(2K), nearest-neighbour 1, similarity 1); a refinement's "
+                               "vote rounds split epsilon_vote"},
         "epsilon_split": {"epsilon": cfg.epsilon, "epsilon_profile": cfg.epsilon_profile,
                           "voters": cfg.voters},
         "nodes": nodes,

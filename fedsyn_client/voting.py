@@ -52,15 +52,22 @@ def knn_votes(
     votes = np.zeros(len(syn_codes), dtype=np.int64)
     local_codes_arr, syn_codes_arr = np.asarray(local_codes), np.asarray(syn_codes)
     for code in set(local_codes) & set(syn_codes):
-        loc = local_emb[local_codes_arr == code]
-        syn_idx = np.flatnonzero(syn_codes_arr == code)
-        kk, syn = min(k, syn_idx.size), syn_emb[syn_idx]
-        for rows in _blocks(len(loc), syn_idx.size):
-            sims = loc[rows] @ syn.T  # cosine: rows are unit vectors
-            # argpartition picks each row's kk largest (distinct columns by construction).
-            top = np.argpartition(-sims, kk - 1, axis=1)[:, :kk]
-            votes += np.bincount(syn_idx[top.ravel()], minlength=votes.size)
+        own = np.flatnonzero(syn_codes_arr == code)
+        votes += _nearest_counts(local_emb[local_codes_arr == code], syn_emb, own, k)
     return votes
+
+
+def _nearest_counts(loc: np.ndarray, syn_emb: np.ndarray, candidates: np.ndarray, k: int) -> np.ndarray:
+    """How many rows of ``loc`` have each synthetic text among their ``min(k, len(candidates))``
+    nearest of ``candidates`` (indices into ``syn_emb``), as one count per synthetic text. A row
+    counts each text at most once: argpartition picks distinct columns."""
+    counts = np.zeros(len(syn_emb), dtype=np.int64)
+    kk, syn = min(k, candidates.size), syn_emb[candidates]
+    for rows in _blocks(len(loc), candidates.size):
+        sims = loc[rows] @ syn.T  # cosine: rows are unit vectors
+        top = np.argpartition(-sims, kk - 1, axis=1)[:, :kk]
+        counts += np.bincount(candidates[top.ravel()], minlength=counts.size)
+    return counts
 
 
 def contrastive_votes(
@@ -84,13 +91,8 @@ def contrastive_votes(
     local_codes_arr, syn_codes_arr = np.asarray(local_codes), np.asarray(syn_codes)
     for code in set(local_codes):
         other = np.flatnonzero(syn_codes_arr != code)
-        if other.size == 0:
-            continue
-        loc, kk, syn = local_emb[local_codes_arr == code], min(k, other.size), syn_emb[other]
-        for rows in _blocks(len(loc), other.size):
-            sims = loc[rows] @ syn.T
-            top = np.argpartition(-sims, kk - 1, axis=1)[:, :kk]
-            votes -= np.bincount(other[top.ravel()], minlength=votes.size)
+        if other.size:
+            votes -= _nearest_counts(local_emb[local_codes_arr == code], syn_emb, other, k)
     return votes
 
 

@@ -60,6 +60,7 @@ class RunConfig:
     epsilon_profile: float = 2.0
     delta: str = "1e-5"
     embedder: str = "all-MiniLM-L6-v2"
+    eval_embedder: str = "all-MiniLM-L6-v2"  # the server's metrics: fixed, so methods with other vote embedders compare
     num_synthetic: int = 120
     max_new_tokens: int = 0  # 0 = from the data: max-length minus the code prompt (what phase 1 trained)
     generation_batch_size: int = 0  # 0 = auto: from free memory, at most 128 on CPU, 512 on CUDA

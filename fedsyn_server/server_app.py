@@ -127,7 +127,7 @@ def evaluate_run(run_dir: Path, cfg: RunConfig, result: FedSynResult, bench: Ben
     try:
         scores = evaluate_sets([result.pool_texts[i] for i in final], [result.pool_codes[i] for i in final],
                                bench.test.texts, bench.test.codes, list(cfg.control_columns),
-                               embedder=cfg.embedder, seed=cfg.seed, mauve=mauve_available())
+                               embedder=cfg.eval_embedder, seed=cfg.seed, mauve=mauve_available())
     except Exception as err:  # noqa: BLE001 - the synthetic set is written already
         log.error("evaluation against the held-out split failed: %s", err)
         return

@@ -16,6 +16,8 @@ def test_flwr_run_tiny_model_writes_all_outputs(tmp_path):
         "model": "tiny-gpt2", "num-server-rounds": 1, "local-steps": 2, "batch-size": 4,
         "num-synthetic": 20, "max-new-tokens": 8, "out-dir": str(tmp_path), "run-name": "tiny",
         "test-fraction": 0.02, "strong-fraction": 0.34,
+        # the weak nodes vote with the sentiment-seeing embedder; the server still scores with MiniLM
+        "embedder": "all-MiniLM-L6-v2+vader",
     }, federation_config="num-supernodes=3", timeout=1200)
     assert res.ok, f"{res.status}\n{res.output[-4000:]}"
     run_dir = tmp_path / "tiny"
@@ -38,6 +40,7 @@ def test_flwr_run_tiny_model_writes_all_outputs(tmp_path):
     evaluation = json.loads((run_dir / "evaluation.json").read_text())
     assert 0.0 <= evaluation["utility"]["topic"]["accuracy"] <= 1.0
     assert evaluation["n_synthetic"] == len(synthetic) and evaluation["n_real"] > 0
+    assert evaluation["embedder"] == "all-MiniLM-L6-v2"
 
 
 @pytest.mark.slow

@@ -70,7 +70,7 @@ class RunConfig:
     top_p: float = 1.0
     prompt: str = "instruction"
     zero_shot_template: str = "Please generate a news article about {fields}:\n\n"
-    refinement: str = "knn-vote"
+    refinement: str = "contrastive-vote"  # the paper's is "knn-vote"; chosen by measurement (docs/results.md)
     refinement_rounds: int = 2  # pe, popri, grpo: vote rounds T (epsilon_vote split evenly)
     popri_samples_per_prompt: int = 10  # POPri's J
     popri_rejected_rank: int = 5  # POPri's l

@@ -176,7 +176,8 @@ def _open(policy: NodePolicy, sim_cfg: RunConfig | None) -> Node:
     state_dir = policy.state_dir or str(Path.home() / ".fedsyn" / "state")
     ledger = PrivacyLedger.open(state_dir, policy.epsilon, policy.ledger_id, dataset_fingerprint(data))
     log.info("node ready: tier=%s records=%d budget=%s ledger=%s", policy.tier, len(data), policy.epsilon, ledger.path)
-    return Node(policy, data, ledger, ReplyStore(ledger.path.with_name(f"{ledger.path.stem}-replies")))
+    replies = ReplyStore(ledger.path.with_name(f"{ledger.path.stem}-replies"), policy.keep_replies_days)
+    return Node(policy, data, ledger, replies)
 
 
 def _data(policy: NodePolicy, sim_cfg: RunConfig | None) -> TextData:

@@ -21,6 +21,7 @@ a node's records can lose, and what runs on them, comes from here, never from th
 | finetune modes    | ``finetune`` (default ``lora,full``)    | run config ``finetune``          |
 | ledger            | ``state-dir``, ``ledger-id``            | a temp dir per run               |
 | unconfirmed holds | ``max-unconfirmed-holds`` (default 1)   | 1                                |
+| reply retention   | ``keep-replies-days`` (default 30; 0 = forever) | 30 (the store is the run's)  |
 
 ``policy-file`` names a TOML file with the same keys (node-config keys win), so an
 institution can keep its policy under version control. An unknown key, in the node config
@@ -56,7 +57,8 @@ DEFAULT_EMBEDDERS = ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2
 DEFAULT_FINETUNE = FINETUNE_MODES
 NODE_KEYS = ("tier", "data-path", "text-column", "control-columns", "table-schema", "control-codes", "epsilon", "delta",
              "max-epsilon-train", "max-epsilon-profile", "max-epsilon-vote", "cap-window-days", "model", "embedder",
-             "finetune", "state-dir", "ledger-id", "max-unconfirmed-holds", "audit-dir", "policy-file")
+             "finetune", "state-dir", "ledger-id", "max-unconfirmed-holds", "keep-replies-days", "audit-dir",
+             "policy-file")
 SIMULATION_KEYS = ("partition-id", "num-partitions")  # set by Flower's simulation engine
 
 class PolicyError(ValueError):
@@ -112,6 +114,7 @@ class NodePolicy:
     phase_caps: tuple[tuple[str, float], ...] = ()  # (phase, max epsilon across runs in the window)
     cap_window_days: float = 0.0  # 0: the caps count the ledger's whole life
     max_unconfirmed_holds: int = 1  # pre-flight holds no release confirmed yet, at a time (fedsyn_client.holds)
+    keep_replies_days: float = 30.0  # a run's stored replies (for resuming it) live this long; 0: forever
     models: tuple[str, ...] = DEFAULT_MODELS
     embedders: tuple[str, ...] = DEFAULT_EMBEDDERS
     finetune_modes: tuple[str, ...] = DEFAULT_FINETUNE
@@ -242,6 +245,10 @@ def policy_from_node_config(node_config: Mapping[str, Any]) -> NodePolicy:
     max_holds = _float("max-unconfirmed-holds", values.get("max-unconfirmed-holds", 1))
     if not (math.isfinite(max_holds) and max_holds >= 0 and max_holds == int(max_holds)):
         raise PolicyError(f"node-config max-unconfirmed-holds = {max_holds:g} must be an integer >= 0 (default 1)")
+    keep_days = _float("keep-replies-days", values.get("keep-replies-days", 30.0))
+    if not 0 <= keep_days < math.inf:
+        raise PolicyError(f"node-config keep-replies-days = {keep_days:g} must be >= 0 (default 30; 0: keep every "
+                          "run's replies forever)")
     models = {key: _names(values[key]) if key in values else default for key, default in
               (("model", DEFAULT_MODELS), ("embedder", DEFAULT_EMBEDDERS), ("finetune", DEFAULT_FINETUNE))}
     for key, names in models.items():
@@ -273,7 +280,8 @@ def policy_from_node_config(node_config: Mapping[str, Any]) -> NodePolicy:
         tier=tier, epsilon=epsilon, delta=delta, text_column=text_column, control_columns=columns,
         control_codes=codes, table_schema=table_schema, data_path=data_path, state_dir=str(values.get("state-dir", "")),
         ledger_id=str(values.get("ledger-id", "")), phase_caps=tuple(caps), cap_window_days=window,
-        max_unconfirmed_holds=int(max_holds), models=models["model"], embedders=models["embedder"], finetune_modes=models["finetune"], warnings=notes,
+        max_unconfirmed_holds=int(max_holds), keep_replies_days=keep_days, models=models["model"],
+        embedders=models["embedder"], finetune_modes=models["finetune"], warnings=notes,
     )
 
 

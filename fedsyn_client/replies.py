@@ -15,6 +15,13 @@ The run key is the request's ``resume-key`` (a resumed run repeats its original 
 or the Flower run id. Replies are written atomically (temp file, then rename). Phase-1
 replies are whole weight sets, so only each run's latest round is kept: a resumed run
 re-asks at most the round that was cut off.
+
+A node runs for years, so a run's replies are kept ``keep-replies-days`` (node config, default
+30) after its last release, then deleted with its folder. That bounds how long a stopped run
+can be resumed on this node, nothing else: the ledger keeps every release for good, and it
+refuses a second release under a released run, phase and round (``refused: budget: round``),
+so a request whose stored reply is gone gets the same fixed refusal, never fresh noise.
+Deleting depends on the clock alone, never on the records.
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -67,8 +76,9 @@ class ReplyStore:
     """The node's released replies as ``<root>/<run key>/<phase>-<round>.npz`` (the node keeps
     them next to its ledger: ``<state-dir>/ledger-replies/``)."""
 
-    def __init__(self, root: str | Path) -> None:
+    def __init__(self, root: str | Path, keep_days: float = 0.0) -> None:
         self.root = Path(root)
+        self.keep_days = float(keep_days)  # 0: keep every run's replies forever
 
     def _path(self, key: str, phase: str, rnd: int) -> Path:
         return self.root / check_run_key(key) / f"{phase}-{int(rnd)}.npz"
@@ -102,4 +112,23 @@ class ReplyStore:
             for old in path.parent.glob(f"{TRAIN}-*.npz"):
                 if old != path:
                     old.unlink(missing_ok=True)
+        self.prune(keep=path.parent)
         return path
+
+    def prune(self, now: float | None = None, keep: Path | None = None) -> list[str]:
+        """Delete the folders of runs whose newest reply is older than ``keep_days`` (none when it
+        is 0), except ``keep``; return the run keys deleted, oldest first."""
+        if self.keep_days <= 0 or not self.root.is_dir():
+            return []
+        cutoff = (time.time() if now is None else now) - self.keep_days * 86400.0
+        stale = []
+        for folder in self.root.iterdir():
+            if not folder.is_dir() or folder == keep:
+                continue
+            times = [f.stat().st_mtime for f in folder.iterdir() if f.is_file()]
+            newest = max(times, default=folder.stat().st_mtime)
+            if newest < cutoff:
+                stale.append((newest, folder))
+        for _, folder in sorted(stale):
+            shutil.rmtree(folder, ignore_errors=True)  # another process pruning the same folder is no error
+        return [folder.name for _, folder in sorted(stale)]

@@ -278,11 +278,35 @@ def test_a_deleted_ledger_beside_released_replies_is_refused_not_restarted(twins
         PrivacyLedger.open(state, BUDGET)
 
 
+def test_a_run_whose_replies_expired_is_refused_not_answered_again(twins, tmp_path):
+    """A node keeps a run's replies keep-replies-days (30 by default) after its last release, so its
+    store does not grow for years. A curious server that replays an expired run's request gets the
+    fixed refusal (the ledger keeps the release for good), never fresh noise, and nothing more is
+    charged: the same for twin data sets."""
+    import os
+
+    replies = []
+    for i, data in enumerate(twins):
+        state = tmp_path / f"s{i}"
+        config = {"epsilon": 10.0}
+        assert not _send(data, state, R.MSG_PROFILE, node_config=config, **{"resume-key": "old"}).has_error()
+        old = state / "ledger-replies" / "old"
+        month_ago = time.time() - 31 * 86400
+        for f in [old, *old.iterdir()]:
+            os.utime(f, (month_ago, month_ago))
+        assert not _send(data, state, R.MSG_PROFILE, node_config=config, **{"resume-key": "new"}).has_error()
+        assert not old.exists() and (state / "ledger-replies" / "new").is_dir()
+        spent = _spent(state)
+        replies.append(_send(data, state, R.MSG_PROFILE, node_config=config, **{"resume-key": "old"}))
+        assert _spent(state) == spent == 4.0
+    assert _same_fixed_error(*replies) == "refused: budget: round released before"
+
+
 # --------------------------------------------------------------------------- a policy means what it says
 @pytest.mark.parametrize("extra,fragment", [
     ({"epsilom": 3}, "epsilom"), ({"max-eps-vote": 1}, "max-eps-vote"),
     ({"max-epsilon-train": -5}, "max-epsilon-train"), ({"max-epsilon-vote": 9}, "max-epsilon-vote"),
-    ({"finetune": "lora,qlora"}, "finetune"), ({"model": ""}, "model"),
+    ({"finetune": "lora,qlora"}, "finetune"), ({"model": ""}, "model"), ({"keep-replies-days": -1}, "keep-replies-days"),
 ])
 def test_a_misspelt_or_inconsistent_node_config_stops_the_node(twins, tmp_path, capsys, extra, fragment):
     from fedsyn_server.cli import main

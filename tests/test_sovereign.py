@@ -14,6 +14,7 @@ import textwrap
 import threading
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
@@ -399,3 +400,35 @@ def test_a_strong_node_killed_mid_round_rejoins_later_rounds_without_paying_twic
 
 def _ledger_entries(state: Path) -> list[dict]:
     return json.loads((state / "ledger.json").read_text())["releases"]
+
+
+def test_the_reply_store_forgets_runs_older_than_its_window_and_only_those(tmp_path):
+    """``ReplyStore.prune``: a run's folder goes once its newest reply is older than keep_days;
+    a newer run, the run being written and a store kept forever (0) stay."""
+    import os
+    import time
+
+    from fedsyn_client.replies import ReplyStore
+
+    def store(keep_days):
+        return ReplyStore(tmp_path / f"replies-{keep_days}", keep_days)
+
+    for keep in (0.0, 30.0):
+        s = store(keep)
+        for key in ("a", "b", "c"):
+            s.put(key, "vote", 1, "d", np.zeros(3), {"epsilon": 1.0})
+        now = time.time()
+        for key, age in (("a", 40), ("b", 10)):
+            for f in [s.root / key, *(s.root / key).iterdir()]:
+                os.utime(f, (now - age * 86400, now - age * 86400))
+        # "c" is the run being written: kept whatever its age
+        old_c = now - 90 * 86400
+        for f in [s.root / "c", *(s.root / "c").iterdir()]:
+            os.utime(f, (old_c, old_c))
+        gone = s.prune(now, keep=s.root / "c")
+        left = sorted(p.name for p in s.root.iterdir())
+        if keep:
+            assert gone == ["a"] and left == ["b", "c"]
+            assert s.get("a", "vote", 1, "d") is None and s.get("b", "vote", 1, "d") is not None
+        else:
+            assert gone == [] and left == ["a", "b", "c"]

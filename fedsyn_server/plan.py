@@ -33,7 +33,6 @@ if TYPE_CHECKING:
     from strategies.result import FedSynResult
 
 BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "throughput_cpu.json"
-VOTE_SENSITIVITY = {"knn-vote": "sqrt(K)", "pe": "1", "popri": "1"}
 DEFAULT_SIMULATED_NODES = 2  # Flower's simulation default since 1.32
 PLAN_LINE = "plan: "  # the ServerApp's plan-only log lines start with it
 LOCAL_SUPERLINK = ":local:"  # Flower's address of the SuperLink `flwr run` starts itself (simulation)
@@ -181,17 +180,29 @@ def _phase_lines(cfg: RunConfig, tier: str, records: int | None, delta: float, s
                      f"(q = {q:.3g}, {steps} steps, C = {cfg.max_grad_norm:g}); {tokens:,} tokens"
                      + (f", about {tokens / rate:.0f} s" if rate else ""))
     eps_vote = phase_epsilon(cfg.epsilon, cfg.epsilon_profile, tier, cfg.voters, VOTE)
-    if eps_vote and cfg.refinement in VOTE_SENSITIVITY:
-        rounds = cfg.refinement_rounds if cfg.refinement in ("pe", "popri") else 1
-        sens = math.sqrt(cfg.num_votes) if cfg.refinement == "knn-vote" else 1.0
+    terms = _vote_terms(cfg)
+    if eps_vote and terms is not None:
+        rounds, sens, formula = terms
         rate = speed.get("embedding_vote_window_texts_per_s") or speed.get("embedding_texts_per_s")
         lines.append(f"vote: epsilon {eps_vote:g} in {rounds} round(s), delta {delta:g}, Gaussian sigma "
                      f"{analytic_gaussian_sigma(eps_vote / rounds, delta / rounds, sens):.3g} per round (sensitivity "
-                     f"{VOTE_SENSITIVITY[cfg.refinement]})"
+                     f"{formula})"
                      + (f"; embedding {records} records, about {records / rate:.0f} s" if rate and records else ""))
     elif eps_vote:
         lines.append(f"vote: epsilon {eps_vote:g} in the rounds refinement {cfg.refinement!r} asks for (never more)")
     return lines
+
+
+def _vote_terms(cfg: RunConfig) -> tuple[int, float, str] | None:
+    """(vote rounds, L2 sensitivity, its formula) of a shipped refinement's votes, None for others.
+
+    A prediction for the plan only: each node computes the sensitivity it noises with itself
+    (``fedsyn_client.histograms``), and the privacy report shows what the nodes booked.
+    """
+    k, t = cfg.num_votes, cfg.refinement_rounds
+    return {"knn-vote": (1, math.sqrt(k), "sqrt(K)"), "contrastive-vote": (1, math.sqrt(2 * k), "sqrt(2K)"),
+            "pe": (t, 1.0, "1"), "pe-contrastive": (t, math.sqrt(2), "sqrt(2)"),
+            "popri": (t, 1.0, "1")}.get(cfg.refinement)
 
 
 def _server_lines(cfg: RunConfig, parts: list[tuple[str, Any]], speed: dict[str, Any]) -> list[str]:

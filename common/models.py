@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import numpy as np
-
-    from common.sentiment_embedder import SentimentEmbedder
     from sentence_transformers import SentenceTransformer
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from common.sentiment_embedder import SentimentEmbedder
 
 TINY_GPT2 = "tiny-gpt2"
 SMOLLM2 = "smollm2-135m"
@@ -235,8 +235,8 @@ def _cached_embedder(name: str, device: str | None) -> SentenceTransformer | Sen
                       f"{MINILM_VADER!r} (packaged) or a local sentence-transformers folder.") from err
 
 
-def embed(embedder: SentenceTransformer | SentimentEmbedder, texts: list[str], batch_size: int = 64, progress: bool = False,
-          max_tokens: int | None = None) -> np.ndarray:
+def embed(embedder: SentenceTransformer | SentimentEmbedder, texts: list[str], batch_size: int = 64,
+          progress: bool = False, max_tokens: int | None = None) -> np.ndarray:
     """Embed `texts` into a float32 array of shape (len(texts), d) with L2-normalised rows (cosine = dot).
 
     `max_tokens` embeds only each text's first `max_tokens` tokens (at most the embedder's own

@@ -129,6 +129,7 @@ class ReplyStore:
             newest = max(times, default=folder.stat().st_mtime)
             if newest < cutoff:
                 stale.append((newest, folder))
-        for _, folder in sorted(stale):
+        stale.sort()
+        for _, folder in stale:
             shutil.rmtree(folder, ignore_errors=True)  # another process pruning the same folder is no error
-        return [folder.name for _, folder in sorted(stale)]
+        return [folder.name for _, folder in stale]

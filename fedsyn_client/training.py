@@ -222,23 +222,41 @@ def poisson_batches(dataset: TensorDataset, q: float, generator: torch.Generator
         yield tuple(t[keep] for t in dataset.tensors)
 
 
+# Rows x padded width per forward/backward pass of a DP-SGD step. A Poisson batch is as large as
+# q x |D|, and q = min(1, B / |D|) reaches 1 whenever the server asks for B >= |D|: one pass over it
+# would make the node's memory, hence whether it fails, a function of its record count. The batch
+# is split into passes of at most this many tokens (8 x 1024, or 128 x 64: the default batch is
+# one pass); the clipped per-record gradients are summed across passes and noised once, as Opacus'
+# BatchMemoryManager does, so the step is the same as in one pass.
+TOKENS_PER_PASS = 8192
+
+
 def _private_step(gsm, dp_optimizer, tensors, precision: str) -> float:
     dp_optimizer.zero_grad(set_to_none=True)
-    if tensors[0].shape[0] == 0:
+    rows = tensors[0].shape[0]
+    if rows == 0:
         # An empty Poisson batch is still a step: the optimizer releases noise only (zero
         # clipped gradients + N(0, sigma^2 C^2), over B) and the accountant counts it, as
         # Opacus' empty-batch handling intends; the model is just not run on zero rows.
         for p in dp_optimizer.params:
             p.grad_sample = p.new_zeros((0, *p.shape))
-        loss = math.nan
-    else:
-        loss = _loss(gsm, tensors, precision)
+        dp_optimizer.step()
+        return math.nan
+    per_pass = max(1, TOKENS_PER_PASS // tensors[0].shape[1])
+    total = 0.0
+    for start in range(0, rows, per_pass):
+        part = tuple(t[start:start + per_pass] for t in tensors)
+        total += _loss(gsm, part, precision) * part[0].shape[0]
         for p in dp_optimizer.params:  # bf16 autocast leaves bf16 per-sample gradients: clip in fp32
             if getattr(p, "grad_sample", None) is not None and p.grad_sample.dtype != torch.float32:
                 p.grad_sample = p.grad_sample.float()
         zero_nonfinite_samples(dp_optimizer.params)
+        if start + per_pass < rows:  # clip and add to the sum; noise and the step come after the last pass
+            dp_optimizer.signal_skip_step(do_skip=True)
+            dp_optimizer.step()
+            dp_optimizer.zero_grad(set_to_none=True)
     dp_optimizer.step()
-    return loss
+    return total / rows
 
 
 def zero_nonfinite_samples(params) -> int:

@@ -276,6 +276,30 @@ def test_clipping_bounds_and_noise_moves_the_sgd_step():
     assert 0.7 * expected < noisy < 1.3 * expected
 
 
+def test_a_batch_split_into_passes_is_the_same_dp_step(monkeypatch):
+    """A Poisson batch larger than one pass is clipped pass by pass, summed, and noised once: the
+    same update as one pass (memory stays bounded whatever q x |D| is), and the accountant counts
+    one step per batch, not per pass."""
+    import fedsyn_client.training as training
+
+    def train(tokens_per_pass: int):
+        monkeypatch.setattr(training, "TOKENS_PER_PASS", tokens_per_pass)
+        model, tok = _model("lora")
+        for m in model.modules():  # GPT-2's dropout draws depend on the pass shapes; SmolLM2 has none
+            if isinstance(m, torch.nn.Dropout):
+                m.p = 0.0
+        settings = _settings(local_steps=2, batch_size=20, max_length=16, noise_multiplier=0.5)
+        return dp_train(model, tok, TEXTS, CODES, settings, DELTA, [])
+
+    whole, split = train(10_000), train(3 * 16)  # one pass, or passes of 3 rows
+    assert split.accountant_history == whole.accountant_history and sum(h[2] for h in split.accountant_history) == 2
+    np.testing.assert_allclose(split.losses, whole.losses, rtol=1e-5)
+    before = trainable_state(_model("lora")[0])
+    moved = _delta_norm(before, whole.state)
+    assert moved > 1e-3  # it did train: 2 Adam steps of 1e-3
+    assert _delta_norm(whole.state, split.state) < 1e-3 * moved  # the same step, up to float rounding (Adam)
+
+
 def test_empty_poisson_batches_are_noise_steps():
     model, tok = _model("lora")
     settings = _settings(local_steps=8, batch_size=1, max_length=12, seed=1)  # q = 1/40

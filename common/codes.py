@@ -56,6 +56,20 @@ def make_prompt(code: str, style: str = "code", template: str = "") -> str:
     return code_prompt(code) if style == "code" else zero_shot_prompt(code, template)
 
 
+# What stands for a control value in the prompt without a code (classifier-free guidance's other
+# prompt): the same words around it, so that the two prompts differ only in the code.
+ANY_VALUE = "any"
+
+
+def unconditional_prompt(code: str, style: str = "code", template: str = "") -> str:
+    """``make_prompt`` with every value of ``code`` replaced by ``ANY_VALUE``: e.g. ``Please generate
+    a news article about topic: any:\n\n``. Classifier-free guidance (run-config ``guidance``)
+    contrasts the model's next-token distribution under the code's prompt with this one, so the
+    instruction's own words cancel and what the code changes is amplified."""
+    neutral = CODE_FIELD_SEP.join(f"{key}{CODE_KV_SEP}{ANY_VALUE}" for key in parse_code(code))
+    return make_prompt(neutral, style, template)
+
+
 def _clean(value: object) -> str:
     # Separators inside a value would make the code unparseable; they are replaced,
     # not escaped, because codes are labels, not free text.

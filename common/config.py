@@ -68,6 +68,7 @@ class RunConfig:
     num_votes: int = 4
     temperature: float = 1.0
     top_p: float = 1.0
+    guidance: float = 1.0  # classifier-free guidance scale at generation; 1 = off (fedsyn_server.generation)
     prompt: str = "instruction"
     zero_shot_template: str = "Please generate a news article about {fields}:\n\n"
     refinement: str = "contrastive-vote"  # the paper's is "knn-vote"; chosen by measurement (docs/results.md)
@@ -144,6 +145,7 @@ class RunConfig:
             ("num-votes", self.num_votes >= 1, "an integer >= 1"),
             ("temperature", 0 <= self.temperature <= 5, "a float in [0, 5] (0 = greedy)"),
             ("top-p", 0 < self.top_p <= 1, "a float in (0, 1] (1 = plain sampling)"),
+            ("guidance", 1 <= self.guidance <= 10, "a float in [1, 10] (1 = off)"),
             ("prompt", self.prompt in PROMPTS, f"one of {list(PROMPTS)}"),
             ("zero-shot-template", "{fields}" in self.zero_shot_template, "a string containing {fields}"),
             ("refinement", self.refinement in REFINEMENTS or is_class_path(self.refinement),

@@ -20,6 +20,12 @@ model otherwise writes most numbers out of range or not as numbers at all (measu
 ``docs/tables.md``). transformers' ``prefix_allowed_tokens_fn`` does the masking but not the
 end-of-value step (folding the model's comma and line-break mass into eos), so it is ours.
 
+Classifier-free guidance (run-config ``guidance``) is transformers' own
+``UnbatchedClassifierFreeGuidanceLogitsProcessor``: each token's log-probabilities under the
+code's prompt, pushed away from those under the same prompt without the code (Sanchez et al.
+2023). It ignores left padding in its branch's positions, which is harmless here: every
+unconditional prompt of a run is the same string (``common.codes.unconditional_prompt``).
+
 A sequence that ends with eos is padded until its batch ends (transformers' behaviour); freeing
 its slot would need a decode loop of our own, which does not pay on the default data: records are
 longer than ``max-length``, so nearly every row runs to the token limit.
@@ -36,6 +42,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers.generation.logits_process import UnbatchedClassifierFreeGuidanceLogitsProcessor
 
 from common.devices import autocast, model_device, to_device
 
@@ -225,6 +232,8 @@ def generate_samples(
     progress: bool = True,
     precision: str = "auto",
     rules: Sequence[TextRule] | None = None,
+    guidance: float = 1.0,
+    unconditional: Sequence[str] | None = None,
 ) -> list[tuple[str, bool]]:
     """Sample one continuation per prompt; return (text, stopped by the token limit) in the order of
     `prompts`.
@@ -236,7 +245,9 @@ def generate_samples(
     function of (model, prompts, settings, seed, batch size); `precision` "auto" runs the model under
     bf16 autocast where the device has native bf16 (``common.devices.autocast``). The caller's global torch RNG state
     is left untouched and the model's train/eval mode is restored afterwards. ``rules`` (one per
-    prompt) constrain each continuation (``GrammarConstraint``).
+    prompt) constrain each continuation (``GrammarConstraint``). ``guidance`` > 1 with
+    ``unconditional`` (one prompt per prompt) samples under classifier-free guidance:
+    two forward passes per token (``UnbatchedClassifierFreeGuidanceLogitsProcessor``).
     """
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
@@ -253,6 +264,9 @@ def generate_samples(
     sampler = [InverseCdfSampler(temperature, top_p)] if temperature > 0 else []
     if rules is not None and len(rules) != len(prompts):
         raise ValueError(f"{len(rules)} rules for {len(prompts)} prompts")
+    guided = guidance != 1.0 and unconditional is not None
+    if guided and len(unconditional) != len(prompts):
+        raise ValueError(f"{len(unconditional)} unconditional prompts for {len(prompts)} prompts")
     # Batching prompts of similar length wastes less compute on padding.
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     size = batch_size or auto_batch_size(
@@ -273,7 +287,13 @@ def generate_samples(
                 enc = to_device(enc, device)
                 grammar = [] if rules is None else [
                     GrammarConstraint(tokenizer, [rules[i] for i in idx], enc["input_ids"].shape[1])]
-                processors = LogitsProcessorList(grammar + sampler)
+                guide = []
+                if guided:
+                    un = to_device(tokenizer([unconditional[i] for i in idx], return_tensors="pt", padding=True,
+                                             padding_side="left"), device)
+                    guide = [UnbatchedClassifierFreeGuidanceLogitsProcessor(guidance, model, un["input_ids"],
+                                                                            un["attention_mask"])]
+                processors = LogitsProcessorList(guide + grammar + sampler)
                 new = model.generate(**enc, **settings, logits_processor=processors,
                                      stopping_criteria=StoppingCriteriaList([_StepProgress(bar)]))
                 new = new[:, enc["input_ids"].shape[1] :]

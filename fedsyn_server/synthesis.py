@@ -13,7 +13,7 @@ from flwr.app import ArrayRecord
 
 from common.logs import get_logger
 from common import records as R
-from common.codes import make_prompt
+from common.codes import make_prompt, unconditional_prompt
 from common.config import RunConfig
 from common.data import TextData
 from common.devices import to_device
@@ -100,9 +100,12 @@ class ServerModel(Generator):
                 break
             if attempt:
                 log.info("[generate] asking again for %d unusable texts (attempt %d)", len(todo), attempt + 1)
-            sample = self._samples if self.row_schema is None else self._rows
-            samples = sample([prompts[i] for i in todo], limit,
-                             seed if not attempt else int(np.random.SeedSequence([seed, attempt]).generate_state(1)[0]))
+            again_seed = seed if not attempt else int(np.random.SeedSequence([seed, attempt]).generate_state(1)[0])
+            if self.row_schema is None:
+                samples = self._samples([prompts[i] for i in todo], limit, again_seed,
+                                        unconditional=[self.unconditional_prompt(codes[i]) for i in todo])
+            else:
+                samples = self._rows([prompts[i] for i in todo], limit, again_seed)
             again = []
             for i, (text, hit_limit) in zip(todo, samples):
                 text = trim_cut(text, hit_limit)
@@ -197,12 +200,14 @@ class ServerModel(Generator):
                 rows[i] = f"{heads[i]} {values[i]}"
         return [(r, False) for r in rows]
 
-    def _samples(self, prompts: list[str], max_new_tokens: int, seed: int,
-                 rules: list[ValueRule] | None = None) -> list[tuple[str, bool]]:
+    def _samples(self, prompts: list[str], max_new_tokens: int, seed: int, rules: list[ValueRule] | None = None,
+                 unconditional: list[str] | None = None) -> list[tuple[str, bool]]:
+        # Guidance (run-config `guidance`) where a text is written from its code alone; variations
+        # continue a text's first half, and table values are constrained by their column instead.
         return generate_samples(self.model, self.tokenizer, prompts, max_new_tokens=max_new_tokens,
                                 temperature=self.cfg.temperature, top_p=self.cfg.top_p, seed=seed,
                                 batch_size=self.cfg.generation_batch_size, precision=self.cfg.precision,
-                                rules=rules)
+                                rules=rules, guidance=self.cfg.guidance, unconditional=unconditional)
 
     def new_tokens(self, prompts: list[str]) -> int:
         """The token limit of a generated text: ``max-new-tokens``, or (0 = from the data) what
@@ -214,6 +219,10 @@ class ServerModel(Generator):
             return self.cfg.max_length
         longest = max(len(self.tokenizer(p)["input_ids"]) for p in set(prompts))
         return max(1, self.cfg.max_length - longest)
+
+    def unconditional_prompt(self, code: str) -> str:
+        """The prompt of ``code`` with its values replaced (classifier-free guidance's other branch)."""
+        return unconditional_prompt(code, self.cfg.prompt, self.cfg.zero_shot_template)
 
     def prompt(self, code: str) -> str:
         """The generation prompt for ``code``, the one phase 1 trained on (``common.codes.make_prompt``)."""

@@ -106,8 +106,10 @@ def test_no_empty_or_prompt_copy_text_is_written(monkeypatch):
     server = ServerModel(RunConfig(model="tiny-gpt2"))
     calls = []
 
-    def samples(prompts, max_new_tokens, seed):
+    def samples(prompts, max_new_tokens, seed, unconditional=None):
         calls.append(len(prompts))
+        # guidance's other prompt, one per text asked for: the code's keys, no value
+        assert unconditional == [server.unconditional_prompt("topic=x")] * len(prompts)
         out = []
         for i, p in enumerate(prompts):
             if len(calls) == 1:  # first attempt: every kind of unusable text, and two good ones
@@ -181,10 +183,45 @@ def test_the_token_limit_defaults_to_the_window_phase_1_trained():
     longest = max(len(server.tokenizer(p)["input_ids"]) for p in prompts)
     assert server.new_tokens(prompts) == 40 - longest < 40  # records were cut at max-length, prompt included
     seen = []
-    server._samples = lambda ps, n, seed: seen.append(n) or [("A usable text.", False)] * len(ps)
+    server._samples = lambda ps, n, seed, unconditional=None: seen.append(n) or [("A usable text.", False)] * len(ps)
     server.generate({"topic=sport": 1, "topic=entertainment": 1}, seed=0)
     assert seen == [40 - longest]
     server.variation(["one two three four"], ["topic=sport"], seed=0)
     assert seen[-1] == (40 - len(server.tokenizer(prompts[0])["input_ids"])) // 2
     assert ServerModel(RunConfig(model="tiny-gpt2", max_new_tokens=7)).new_tokens(prompts) == 7  # explicit wins
     assert ServerModel(RunConfig(model="tiny-gpt2", prompt="zero-shot", max_length=40)).new_tokens(prompts) == 40
+
+
+def test_guidance_draws_from_the_guided_distribution_and_one_is_off(tiny):
+    """Greedy decoding under guidance g picks argmax(u + g (c - u)) of the log-probabilities after
+    the prompt (c) and after its unconditional prompt (u), computed here by hand; g = 1 is plain
+    sampling; the unconditional prompt keeps the code's keys and drops its values."""
+    from common.codes import unconditional_prompt
+    from common.config import ConfigError, RunConfig
+    from fedsyn_server.generation import generate_samples
+
+    model, tok = tiny
+    template = "Please generate a news article about {fields}:\n\n"
+    assert unconditional_prompt("topic=sport|region=uk", "instruction", template) == (
+        "Please generate a news article about topic: any, region: any:\n\n")
+    prompts = [f"topic: {t}\n\n" for t in ("sport", "business", "tech")]
+    plain = [unconditional_prompt(f"topic={t}", "code") for t in ("sport", "business", "tech")]
+    assert set(plain) == {"topic: any\n\n"}
+
+    def logprobs(text: str) -> torch.Tensor:
+        with torch.inference_mode():
+            return torch.log_softmax(model(**tok(text, return_tensors="pt")).logits[0, -1].float(), dim=-1)
+
+    greedy = {"max_new_tokens": 1, "temperature": 0, "batch_size": 1, "progress": False,
+              "precision": "fp32"}  # as the reference below; one row a call: no padding, no near-tie flips
+    unguided = generate_samples(model, tok, prompts, **greedy)
+    assert generate_samples(model, tok, prompts, guidance=1.0, unconditional=plain, **greedy) == unguided
+    guided = generate_samples(model, tok, prompts, guidance=4.0, unconditional=plain, **greedy)
+    u = logprobs(plain[0])
+    want = [tok.decode(int(torch.argmax(u + 4.0 * (logprobs(p) - u)))).strip() for p in prompts]
+    assert [t for t, _ in guided] == want and guided != unguided
+    with pytest.raises(ValueError, match="unconditional prompts"):
+        generate_samples(model, tok, prompts, guidance=2.0, unconditional=plain[:1], **greedy)
+    for bad in (0.5, 11.0):
+        with pytest.raises(ConfigError, match="guidance"):
+            RunConfig(guidance=bad).validate()

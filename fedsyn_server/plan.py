@@ -207,8 +207,10 @@ def _vote_terms(cfg: RunConfig) -> tuple[int, float, str] | None:
 
 def _server_lines(cfg: RunConfig, parts: list[tuple[str, Any]], speed: dict[str, Any]) -> list[str]:
     rate = speed.get("generation_tokens_per_s")
-    tokens = cfg.num_synthetic * (cfg.max_new_tokens or cfg.max_length)
+    passes = 1 if cfg.guidance == 1 else 2  # guidance runs the model once more per token
+    tokens = passes * cfg.num_synthetic * (cfg.max_new_tokens or cfg.max_length)
     return [f"server: generates {cfg.num_synthetic} texts of at most {cfg.max_new_tokens or cfg.max_length} tokens"
+            + (f" under guidance {cfg.guidance:g}" if passes == 2 else "")
             + (f", about {tokens / rate:.0f} s" if rate else "")
             + (f" (times from {BENCHMARK.name}: {speed.get('device')}, {speed.get('model')})" if speed else
                " (no benchmark of this machine: `python -m benchmarks.throughput` writes one)")]

@@ -344,3 +344,13 @@ def test_an_inline_table_schema_survives_flowers_key_value_parser(tmp_path):
     assert json.loads(parse_config_args([args[-1]])["table-schema"]) == json.loads(schema)
     with pytest.raises(ValueError, match="TOML file"):
         toml_value("""{"name": "Crohn's"}""")
+
+
+def test_plan_times_guidance_as_a_second_forward_pass_per_token():
+    from common.config import RunConfig
+    from fedsyn_server.plan import _server_lines
+
+    speed = {"generation_tokens_per_s": 64.0, "device": "cpu", "model": "m"}
+    plain = _server_lines(RunConfig(num_synthetic=10, max_length=64), [], speed)[0]
+    guided = _server_lines(RunConfig(num_synthetic=10, max_length=64, guidance=1.5), [], speed)[0]
+    assert "64 tokens, about 10 s" in plain and "64 tokens under guidance 1.5, about 20 s" in guided

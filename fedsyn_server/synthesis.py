@@ -92,6 +92,7 @@ class ServerModel(Generator):
         codes = [code for code, n in allocation.items() for _ in range(n)]
         log.info("[generate] %d texts for %d codes", len(codes), sum(n > 0 for n in allocation.values()))
         prompts = [self.prompt(c) for c in codes]
+        unconditional = [self.unconditional_prompt(c) for c in codes]  # guidance's other branch
         texts: list[str | None] = [None] * len(codes)
         todo, rejected = list(range(len(codes))), Counter()
         limit = self.new_tokens(prompts)
@@ -103,7 +104,7 @@ class ServerModel(Generator):
             again_seed = seed if not attempt else int(np.random.SeedSequence([seed, attempt]).generate_state(1)[0])
             if self.row_schema is None:
                 samples = self._samples([prompts[i] for i in todo], limit, again_seed,
-                                        unconditional=[self.unconditional_prompt(codes[i]) for i in todo])
+                                        unconditional=[unconditional[i] for i in todo])
             else:
                 samples = self._rows([prompts[i] for i in todo], limit, again_seed)
             again = []

@@ -354,3 +354,17 @@ def test_plan_times_guidance_as_a_second_forward_pass_per_token():
     plain = _server_lines(RunConfig(num_synthetic=10, max_length=64), [], speed)[0]
     guided = _server_lines(RunConfig(num_synthetic=10, max_length=64, guidance=1.5), [], speed)[0]
     assert "64 tokens, about 10 s" in plain and "64 tokens under guidance 1.5, about 20 s" in guided
+
+
+def test_every_preset_is_a_run_config_the_app_accepts():
+    """A preset is a public interface (the README and the grids name them): each one, over the app's
+    defaults, must pass the run config's checks, and each of its values must reach the run."""
+    from common.config import RunConfig
+
+    presets = sorted((APP / "presets").glob("*.toml"))
+    assert {p.name for p in presets} >= {"quality-cpu.toml", "gpu.toml", "rotten-tomatoes.toml"}
+    for preset in presets:
+        cfg = effective_run_config([str(APP), "--run-config", str(preset)])
+        RunConfig.from_flower(cfg)  # ConfigError names the key
+        for key, value in tomllib.loads(preset.read_text()).items():
+            assert key == "table-schema" or cfg[key] == value, (preset.name, key)

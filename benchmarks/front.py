@@ -58,7 +58,10 @@ def plot(points: list[dict], metric: str, limit: float | None, out: Path) -> Pat
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(10, 5))
+    # The key lists every point beside the axes: past 16 names it takes a second column, or the
+    # figure would cut it off at the bottom.
+    columns = 1 if len(points) <= 16 else 2
+    fig, ax = plt.subplots(figsize=(10 + 3.5 * (columns - 1), 5))
     # Points sit close together (methods differ by seconds), so each gets a number beside it and
     # its name in the key outside the axes: full names beside the points overlapped.
     for i, p in enumerate(points, 1):
@@ -72,7 +75,7 @@ def plot(points: list[dict], metric: str, limit: float | None, out: Path) -> Pat
         ax.axvline(limit, color="red", linestyle="--", alpha=0.6, label=f"{limit:g} s")
     ax.set_xlabel("run time, seconds (server's whole run, median over seeds)")
     ax.set_ylabel(metric)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, ncol=columns)
     fig.tight_layout()
     return save_figure(fig, out)
 

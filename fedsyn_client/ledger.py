@@ -30,12 +30,15 @@ Each entry: ``id``, ``status`` (reserved | confirmed | failed | cancelled: legac
 ``round``, ``mechanism``, ``epsilon``, ``delta``, ``time``; ``public`` (data-independent
 parameters the server also sees: sigma, sensitivity, histogram) and ``private`` (details
 that may depend on the records, e.g. DP-SGD's sampling rate: they never leave the node).
+
+This module keeps the file, its lock and the operator's acts. The rules a release must pass
+before it is reserved are ``fedsyn_client.admission``; pre-flight holds ``fedsyn_client.holds``;
+takeovers of a dead process's reservation ``fedsyn_client.claims``.
 """
 
 from __future__ import annotations
 
 import fcntl
-import math
 import os
 import time
 import uuid
@@ -47,15 +50,13 @@ from typing import Any
 
 from common.dp import GAUSSIAN, composed_epsilon, preflight
 from common.io import atomic_write_json, read_json
-from fedsyn_client import holds, refusals
+from fedsyn_client import admission, holds
+from fedsyn_client.admission import CONFIRMED, FAILED, RESERVED
 from fedsyn_client.claims import claim, cut_off
 from fedsyn_client.holds import MAX_UNCONFIRMED_HOLDS
-from fedsyn_client.refusals import BudgetExceeded, NodeSetupError
+from fedsyn_client.refusals import NodeSetupError
 
 FORMAT = 2
-# Float slack so that a budget spent exactly (e.g. 6 + 2 = 8) is not refused by rounding.
-_TOLERANCE = 1e-6
-RESERVED, CONFIRMED, FAILED, CANCELLED = "reserved", "confirmed", "failed", "cancelled"
 _KEYS = ("format", "budget", "releases", "accountants", "budget_changes", "resets", "data")
 
 
@@ -199,19 +200,19 @@ class PrivacyLedger:
 
     def spent(self, run_id: str | None = None, phase: str | None = None) -> float:
         """Epsilon spent (basic composition, reservations included), optionally of one run/phase."""
-        return _spent(self._load()["releases"], run_id, phase)
+        return admission.spent(self._load()["releases"], run_id, phase)
 
     def delta_spent(self) -> float:
         """Sum of the deltas of every counted release (basic composition)."""
-        return float(sum(float(r["delta"]) for r in _counted(self._load()["releases"])))
+        return float(sum(float(r["delta"]) for r in admission.counted(self._load()["releases"])))
 
     def remaining(self, run_id: str | None = None) -> float:
         """Budget left (may be inf) for ``run_id``: not spent, and not held for another run."""
-        return _remaining(self._load(), run_id)
+        return admission.remaining(self._load(), run_id)
 
     def run_statements(self, run_id: str) -> list[dict[str, Any]]:
         """What the server may know of this run's releases: each counted release's statement."""
-        return [{**_statement(r), "status": r["status"]} for r in _counted(self._load()["releases"])
+        return [{**_statement(r), "status": r["status"]} for r in admission.counted(self._load()["releases"])
                 if r["run_id"] == run_id]
 
     def accountant_state(self, key: str) -> dict[str, Any]:
@@ -220,7 +221,7 @@ class PrivacyLedger:
 
     def check(self, epsilon: float, what: str) -> None:
         """Raise ``BudgetExceeded`` (saying how much is left) if ``epsilon`` does not fit."""
-        _check(self._load(), epsilon, what)
+        admission.check(self._load(), epsilon, what)
 
     # ----------------------------------------------------------------- updates
     def hold(self, run_id: str, needed: float, token: str = "", max_unconfirmed: int = MAX_UNCONFIRMED_HOLDS) -> Preflight:
@@ -237,10 +238,11 @@ class PrivacyLedger:
         with self._locked() as data:
             now = time.time()
             holds.live(data, now)
-            short = preflight(needed, _spent(data["releases"], run_id), _remaining(data, run_id))
+            short = preflight(needed, admission.spent(data["releases"], run_id), admission.remaining(data, run_id))
             if short <= 0:
                 holds.take(data, run_id, needed, token, now, max_unconfirmed)
-            return Preflight(short, _remaining(data, run_id), _held(data, run_id), str(data.get("ref", "")))
+            return Preflight(short, admission.remaining(data, run_id), admission.held(data, run_id),
+                             str(data.get("ref", "")))
 
     def release_hold(self, run_id: str | None = None, token: str = "") -> list[str]:
         """End ``run_id``'s hold if ``token`` is the one it was made with (the run finished, or
@@ -251,13 +253,14 @@ class PrivacyLedger:
 
     def held(self, run_id: str | None = None) -> float:
         """Epsilon held for live runs other than ``run_id`` and not yet spent by them."""
-        return _held(self._load(), run_id)
+        return admission.held(self._load(), run_id)
 
     def reserve(self, release: Release, run_phase_budget: float, steps: tuple[int, int] | None = None,
                 cap: tuple[float, float] | None = None, binding: dict[str, Any] | None = None,
                 digest: str = "") -> str:
-        """Under the lock: check ``release`` against the total budget, this run's budget for its
-        phase and the policy's cap for the phase, then record it as reserved. Returns the entry id.
+        """Under the lock: try ``release`` on ``fedsyn_client.admission``'s rules (the total budget,
+        this run's budget for its phase, the policy's cap for the phase, the run's terms, one release
+        per round), then record it as reserved and let it confirm its run's hold. Returns the entry id.
 
         ``steps`` = (steps of this release, steps this run's phase may take) bounds DP-SGD
         rounds, whose epsilon is reserved for the whole phase at its first round.
@@ -277,42 +280,9 @@ class PrivacyLedger:
                     and _statement(orphan) == release.statement()):
                 orphan.update(claim=claim(digest), takeovers=int(orphan.get("takeovers", 0)) + 1)
                 return str(orphan["id"])
-            _check(data, release.epsilon, release.phase, release.run_id)
+            bound = admission.admit(data, release.phase, release.epsilon, release.run_id, release.round,
+                                    run_phase_budget, steps, cap, binding)
             holds.confirm(data, release.run_id, time.time())
-            if cap is not None:
-                since = time.time() - cap[1] * 86400.0 if cap[1] > 0 else -math.inf
-                used = sum(float(r["epsilon"]) for r in _counted(data["releases"])
-                           if r["phase"] == release.phase and float(r.get("time", 0.0)) >= since)
-                if used + release.epsilon > cap[0] + _TOLERANCE:
-                    raise BudgetExceeded(refusals.BUDGET_CAP, (
-                        f"{release.phase}: refused, the policy caps {release.phase} at epsilon = {cap[0]:g} across runs "
-                        f"and {used:.4g} is spent; the request needs {release.epsilon:.4g} more"))
-            run = [r for r in _counted(data["releases"]) if r["run_id"] == release.run_id
-                   and r["phase"] == release.phase]
-            bound = next((r["binding"] for r in run if "binding" in r), None)
-            if binding is not None and bound is not None and bound != binding:
-                differs = sorted(k for k in set(bound) | set(binding) if bound.get(k) != binding.get(k))
-                raise BudgetExceeded(refusals.BUDGET_BOUND, (
-                    f"{release.phase}: refused, this run's {release.phase} reservation was made for other terms "
-                    f"({', '.join(differs)} differ); a changed run is a new run (a new resume-key)"))
-            # One release per run, phase and round, ever: a repeat of a released request is answered
-            # from the stored reply before it gets here; anything else under the same name (a second
-            # server process, a round still in flight after `flwr stop`) is refused.
-            same = [r for r in run if int(r.get("round", 0)) == int(release.round)]
-            if same:
-                state = "is in progress or was cut off" if same[0]["status"] == RESERVED else "was released"
-                raise BudgetExceeded(refusals.BUDGET_ROUND, f"{release.phase}: refused, round {release.round} of this "
-                                     f"run {state} on this node; a release is made once per round")
-            already = float(sum(float(r["epsilon"]) for r in run))
-            if math.isfinite(run_phase_budget) and already + release.epsilon > run_phase_budget + _TOLERANCE:
-                raise BudgetExceeded(refusals.BUDGET_PHASE,
-                    f"{release.phase}: refused, this run's {release.phase} budget is epsilon = {run_phase_budget:g} "
-                    f"and {already:.4g} is spent; the request needs {release.epsilon:.4g} more")
-            taken = sum(int(r.get("public", {}).get("steps", 0)) for r in run)
-            if steps is not None and taken + steps[0] > steps[1]:
-                raise BudgetExceeded(refusals.BUDGET_STEPS,
-                    f"{release.phase}: refused, this run's {release.phase} is calibrated for {steps[1]} steps and "
-                    f"{taken} are taken; {steps[0]} more would exceed its epsilon")
             entry_id = uuid.uuid4().hex
             data["releases"].append({"id": entry_id, "status": RESERVED, "time": time.time(), **release.statement(),
                                      "public": dict(release.public), **({"claim": claim(digest)} if digest else {}),
@@ -341,14 +311,14 @@ class PrivacyLedger:
     def summary(self) -> dict[str, Any]:
         """Budget, spent (basic and PLD at the cumulative delta), delta spent, every entry."""
         data = self._load()
-        counted = _counted(data["releases"])
-        delta = float(sum(float(r["delta"]) for r in counted))
-        basic = _spent(data["releases"])
+        entries = admission.counted(data["releases"])
+        delta = float(sum(float(r["delta"]) for r in entries))
+        basic = admission.spent(data["releases"])
         return {
             "ledger": str(self.path), "budget": data["budget"], "epsilon_spent": basic,
             "epsilon_pld": composed_epsilon([{**r.get("public", {}), **(r.get("private", {}) if r["status"] == CONFIRMED
-                                                                          else {}), **r} for r in counted]),
-            "delta_spent": delta, "epsilon_remaining": _remaining(data), "epsilon_held": _held(data),
+                                                                          else {}), **r} for r in entries]),
+            "delta_spent": delta, "epsilon_remaining": admission.remaining(data), "epsilon_held": admission.held(data),
             "holds": data.get("holds", {}),
             "budget_changes": data["budget_changes"], "resets": data["resets"], "data": data["data"],
             "releases": data["releases"],
@@ -382,7 +352,8 @@ def reset_ledger(state_dir: str | Path, reason: str, ledger_id: str = "", budget
             if data is None and budget is None:
                 raise ValueError(f"the ledger {ledger.path} is {'damaged' if ledger.path.exists() else 'missing'}: "
                                  "say the node's budget with --budget EPSILON")
-            previous: Any = _spent(data["releases"]) if data is not None else "unknown (ledger damaged or missing)"
+            previous: Any = (admission.spent(data["releases"]) if data is not None
+                             else "unknown (ledger damaged or missing)")
             if data is not None:
                 atomic_write_json(archive, data)
             elif ledger.path.exists():
@@ -420,39 +391,6 @@ def set_budget(state_dir: str | Path, budget: float, reason: str, ledger_id: str
 
 
 # --------------------------------------------------------------------------- helpers
-def _counted(releases: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [r for r in releases if r.get("status") != CANCELLED]
-
-
-def _spent(releases: list[dict[str, Any]], run_id: str | None = None, phase: str | None = None) -> float:
-    return float(sum(float(r["epsilon"]) for r in _counted(releases)
-                     if (run_id is None or r.get("run_id") == run_id) and (phase is None or r["phase"] == phase)))
-
-
-def _held(data: dict[str, Any], except_run: str | None = None) -> float:
-    """Epsilon that live holds of runs other than ``except_run`` may still spend."""
-    return holds.held(data, lambda run_id: _spent(data["releases"], run_id), time.time(), except_run)
-
-
-def _remaining(data: dict[str, Any], run_id: str | None = None) -> float:
-    budget = float(data["budget"])
-    return budget - _spent(data["releases"]) - _held(data, run_id) if math.isfinite(budget) else math.inf
-
-
-def _check(data: dict[str, Any], epsilon: float, what: str, run_id: str | None = None) -> None:
-    budget = float(data["budget"])
-    if math.isinf(epsilon) and math.isfinite(budget):
-        raise BudgetExceeded(refusals.BUDGET, f"{what}: refused, a non-private release (epsilon = inf) exceeds this "
-                             f"node's budget epsilon = {budget:g}")
-    left = _remaining(data, run_id)
-    if epsilon > left + _TOLERANCE:
-        held = _held(data, run_id)
-        raise BudgetExceeded(refusals.BUDGET,
-            f"{what}: refused, needs epsilon = {epsilon:.4g} but this node has {max(left, 0.0):.4g} left of its "
-            f"budget {budget:g} (spent {_spent(data['releases']):.4g} in {len(_counted(data['releases']))} releases"
-            + (f", {held:.4g} held for other runs under way" if held else "") + ")")
-
-
 def _entry(data: dict[str, Any], entry_id: str) -> dict[str, Any]:
     for r in data["releases"]:
         if r.get("id") == entry_id:

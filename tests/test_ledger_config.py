@@ -9,7 +9,8 @@ import pytest
 
 from common.config import ConfigError, RunConfig
 from fedsyn_client.holds import HOLD_UNCONFIRMED_SECONDS
-from fedsyn_client.ledger import BudgetExceeded, PrivacyLedger, Release
+from fedsyn_client.ledger import PrivacyLedger, Release
+from fedsyn_client.refusals import BudgetExceeded
 
 
 def _rel(eps, phase="profile", run_id="1", **public):
@@ -276,3 +277,32 @@ def test_fedsyn_ledger_command_shows_and_resets(tmp_path, capsys):
     assert main(["ledger", str(tmp_path), "--reset", "--reason", "new export"]) == 0
     assert PrivacyLedger.open(tmp_path, budget=8.0).spent() == 0.0
     assert main(["ledger", str(tmp_path / "nowhere")]) == 2
+
+
+def test_admission_rules_read_only_the_ledgers_data_and_name_the_rule_that_refused():
+    """``fedsyn_client.admission`` without a file: each rule refuses on the ledger's own numbers."""
+    from fedsyn_client import admission, refusals
+
+    now = time.time()
+    entry = {"status": admission.CONFIRMED, "run_id": "a", "phase": "vote", "round": 1, "epsilon": 3.0, "time": now,
+             "public": {}, "binding": {"sigma": 1.0}}
+    data = {"budget": 8.0, "releases": [entry, {**entry, "status": admission.CANCELLED, "run_id": "old"}],
+            "holds": {"b": {"epsilon": 4.0, "until": now + 60}}}
+    assert admission.spent(data["releases"]) == 3.0  # a cancelled entry never counts
+    assert admission.remaining(data, "a") == pytest.approx(1.0)  # run b holds 4 of the 5 left
+    assert admission.remaining(data, "b") == pytest.approx(5.0)
+
+    def rule(**kw) -> str:
+        args = {"phase": "vote", "epsilon": 1.0, "run_id": "a", "rnd": 2, "run_phase_budget": 6.0, **kw}
+        with pytest.raises(BudgetExceeded) as err:
+            admission.admit(data, **args)
+        return err.value.rule
+
+    assert rule(epsilon=2.0) == refusals.BUDGET  # 2 > the 1 left beside b's hold
+    assert rule(cap=(3.5, 0.0)) == refusals.BUDGET_CAP
+    assert rule(binding={"sigma": 2.0}) == refusals.BUDGET_BOUND
+    assert rule(rnd=1) == refusals.BUDGET_ROUND
+    assert rule(run_phase_budget=3.5) == refusals.BUDGET_PHASE
+    assert rule(steps=(2, 1)) == refusals.BUDGET_STEPS
+    assert admission.admit(data, "vote", 1.0, "a", 2, 6.0, binding={"sigma": 1.0}) == {"sigma": 1.0}
+    assert admission.admit(data, "profile", 1.0, "a", 1, 2.0) is None  # the phase's first: it binds

@@ -143,13 +143,20 @@ def _add_experiment(subparsers: argparse._SubParsersAction) -> None:
 
 def _run_experiment(args: argparse.Namespace) -> int:
     from fedsyn_server.experiment import collect, load_grid, run_grid, write_summary
+    from fedsyn_server.flwr_runner import stopped_on_signals
 
     grid = load_grid(args.grid)
     if args.summary_only:
         rows = collect(grid)
         write_summary(grid, rows)
     else:
-        rows = run_grid(grid, timeout=args.timeout)
+        try:
+            with stopped_on_signals():
+                rows = run_grid(grid, timeout=args.timeout)
+        except KeyboardInterrupt as stop:
+            print(f"fedsyn experiment: stopped ({stop or 'interrupted'}); the cell under way stopped its processes, "
+                  f"finished cells are kept and the next run skips them", file=sys.stderr)
+            return 130
     missing = len(grid.cells) - len(rows)
     print(f"{len(rows)} of {len(grid.cells)} cells finished; results in {grid.out_dir}")
     return 0 if missing == 0 else 1

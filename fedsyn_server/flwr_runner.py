@@ -15,7 +15,10 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -185,6 +188,27 @@ def stale_local_superlink(env: dict[str, str]) -> str:
             return (f"the local SuperLink (PID {pid}) was started {started}, and flwr run reuses it: this run "
                     f"would simulate {would}. Fix: stop it (kill {pid}) and run again")
     return ""
+
+
+@contextmanager
+def stopped_on_signals() -> Iterator[None]:
+    """Inside: SIGTERM and SIGINT raise ``KeyboardInterrupt``, so every ``finally`` runs and
+    ``run_flwr`` stops the SuperLink and simulation it started. Without it a grid started in the
+    background (``nohup fedsyn experiment ... &``: SIGINT ignored) and then sent SIGTERM dies at
+    once and leaves them running. The previous handlers come back on exit (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def stop_processes_of(flwr_home: Path) -> list[int]:

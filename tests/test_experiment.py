@@ -172,3 +172,43 @@ def test_run_app_times_out_a_silent_command(tmp_path, monkeypatch):
 def test_every_shipped_grid_loads_and_every_cell_is_a_valid_run_config(name):
     grid = load_grid(Path(__file__).parents[1] / "benchmarks" / name)
     assert grid.cells and all(cell.run_config for cell in grid.cells)
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_grid_stopped_by_a_signal_stops_the_processes_its_cell_started(tmp_path, sig):
+    """``fedsyn experiment`` started in the background (SIGINT ignored, as under ``nohup ... &``)
+    and then signalled must stop what its cell started (here a stand-in for the SuperLink, found
+    like it by the FLWR_HOME on its command line), not die and leave it running."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from fedsyn_server.flwr_runner import alive
+
+    home = tmp_path / "flwr-home"
+    script = (
+        "import os, subprocess, sys, time\n"
+        "from pathlib import Path\n"
+        "from fedsyn_server.flwr_runner import stop_processes_of, stopped_on_signals\n"
+        "home = Path(os.environ['STAND_IN_HOME'])\n"  # not on this command line: only the stand-in names it
+        "try:\n"
+        "    with stopped_on_signals():\n"
+        "        try:\n"
+        "            link = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)', str(home)])\n"
+        "            print(link.pid, flush=True)\n"
+        "            time.sleep(300)\n"
+        "        finally:\n"
+        "            stop_processes_of(home)\n"
+        "except KeyboardInterrupt as stop:\n"
+        "    print('stopped', stop, flush=True)\n"
+    )
+    grid = subprocess.Popen([sys.executable, "-c", script], cwd=Path(__file__).parents[1], stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, "STAND_IN_HOME": str(home)},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    link = int(grid.stdout.readline())
+    assert alive(link)
+    grid.send_signal(getattr(signal, sig))
+    out, _ = grid.communicate(timeout=60)
+    assert f"stopped {sig}" in out and grid.returncode == 0
+    assert not alive(link)

@@ -193,7 +193,7 @@ def stale_local_superlink(env: dict[str, str]) -> str:
 @contextmanager
 def stopped_on_signals() -> Iterator[None]:
     """Inside: SIGTERM and SIGINT raise ``KeyboardInterrupt``, so every ``finally`` runs and
-    ``run_flwr`` stops the SuperLink and simulation it started. Without it a grid started in the
+    ``run_app`` stops the SuperLink and simulation it started. Without it a grid started in the
     background (``nohup fedsyn experiment ... &``: SIGINT ignored) and then sent SIGTERM dies at
     once and leaves them running. The previous handlers come back on exit (main thread only)."""
     if threading.current_thread() is not threading.main_thread():

@@ -47,6 +47,9 @@ class RunConfig:
     lora_rank: int = 2
     lora_layers: int = 0  # LoRA on the top N transformer blocks only (0 = every block)
     max_grad_norm: float = 1.0
+    # > 0: phase 1 also reads each record under one other code and adds the pair term
+    # (common.lm_loss.pair_objective, weighted); 0: the paper's eq. 5 loss alone
+    contrastive_weight: float = 0.0
     precision: str = "auto"  # auto: bf16 autocast where the device computes bf16 natively; fp32: never
     dataset: str = "bbc-news"
     table_schema: str = ""  # a table run: the public schema as inline JSON ("" = a text column; see _schema)
@@ -132,6 +135,7 @@ class RunConfig:
             ("lora-rank", self.lora_rank >= 1, "an integer >= 1"),
             ("lora-layers", self.lora_layers >= 0, "an integer >= 0 (0 = every transformer block)"),
             ("max-grad-norm", self.max_grad_norm > 0, "a float > 0"),
+            ("contrastive-weight", 0 <= self.contrastive_weight <= 100, "a float in [0, 100] (0 = the paper's loss)"),
             ("control-columns", len(self.control_columns) >= 1, "one or more comma-separated column names"),
             ("strong-fraction", 0.0 <= self.strong_fraction <= 1.0, "a float in [0, 1]"),
             ("test-fraction", 0.0 <= self.test_fraction < 0.9, "a float in [0, 0.9)"),

@@ -145,3 +145,64 @@ def fused_conditional_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels
     count = keep.sum(dim=1).clamp(min=1)
     row_weights = (1.0 / (count * n)).float()[:, None].expand_as(target)[keep]
     return _FusedHeadNll.apply(hidden[:, :-1][keep], weight.detach(), target[keep], row_weights)
+
+
+# --------------------------------------------------------------------- a contrastive phase-1 objective
+# The paper's loss (eq. 5) teaches the style of the records; under DP noise at this scale it does not
+# keep the code conditioning (docs/results.md, issue 33: label fidelity falls). This objective adds a
+# term that only the conditioning can lower: each record is read under its own code c and under one
+# other code c', and -log sigmoid(log p(x|c) - log p(x|c')) is the record's loss of the Bayes
+# classifier p(c | x) over {c, c'} with a uniform prior. A record is the pair of rows; its gradient is
+# the sum of the rows' (fedsyn_client.training groups them before clipping), so a record still moves
+# the sum by at most C.
+def pair_objective(nll: torch.Tensor, count: torch.Tensor, weight: float) -> torch.Tensor:
+    """Mean over records of ``nll[i, 0] + weight * softplus(count[i] * (nll[i, 0] - nll[i, 1]))``.
+
+    ``nll`` [n, 2]: each record's mean token NLL under its own code (column 0) and under another
+    code (column 1); ``count`` [n]: its number of text tokens under its own code, so that
+    ``count * nll`` is -log p(x | c). ``weight`` 0 gives the paper's loss. A record's term depends on
+    its own two rows only.
+    """
+    if nll.ndim != 2 or nll.shape[1] != 2:
+        raise ValueError(f"nll must have shape [n, 2], got {list(nll.shape)}")
+    margin = count.to(nll.dtype) * (nll[:, 0] - nll[:, 1])
+    return (nll[:, 0] + weight * F.softplus(margin)).mean()
+
+
+def sequence_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each row's mean next-token NLL on its label positions [n], its label count [n]) from
+    ``logits`` [n, L, V] and unshifted ``labels`` [n, L]; a row with no label token has NLL 0."""
+    logits = logits[:, :-1].float()
+    target = labels[:, 1:]
+    nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=IGNORE, reduction="none")
+    count = (target != IGNORE).sum(dim=1)
+    return nll.view(target.shape).sum(dim=1) / count.clamp(min=1), count
+
+
+@torch.no_grad()
+def fused_sequence_nll(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sequence_nll(hidden @ weight.T, labels)`` without the full logits, and without a gradient
+    (the values that set ``fused_weighted_nll``'s row weights)."""
+    target = labels[:, 1:]
+    keep = target != IGNORE
+    count = keep.sum(dim=1)
+    h, y = hidden[:, :-1][keep], target[keep]
+    nll = torch.empty(len(y), dtype=torch.float32, device=hidden.device)
+    for s in range(0, len(y), CHUNK_ROWS):
+        logits = (h[s : s + CHUNK_ROWS] @ weight.T).float()
+        nll[s : s + CHUNK_ROWS] = torch.logsumexp(logits, dim=-1) - logits.gather(1, y[s : s + CHUNK_ROWS, None]).squeeze(1)
+    rows = torch.arange(labels.shape[0], device=labels.device)[:, None].expand_as(target)[keep]
+    total = torch.zeros(labels.shape[0], dtype=torch.float32, device=hidden.device).index_add_(0, rows, nll)
+    return total / count.clamp(min=1), count
+
+
+def fused_weighted_nll(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                       row_weights: torch.Tensor) -> torch.Tensor:
+    """sum_i ``row_weights[i]`` x (row i's mean token NLL), without the full logits (``weight``
+    frozen). With ``row_weights`` = d objective / d NLL from ``fused_sequence_nll``'s values, its
+    gradient is the objective's: how a non-linear objective of per-row NLLs uses the fused head."""
+    target = labels[:, 1:]
+    keep = target != IGNORE
+    count = keep.sum(dim=1).clamp(min=1)
+    per_position = (row_weights.float() / count)[:, None].expand_as(target)[keep]
+    return _FusedHeadNll.apply(hidden[:, :-1][keep], weight.detach(), target[keep], per_position)

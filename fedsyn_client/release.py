@@ -120,7 +120,7 @@ def authorise(msg: Message, context: Context, policy: NodePolicy, cfg: RunConfig
 # terms is another request, so it never gets a stored reply or takes over a dead reservation.
 COMPUTATION_TERMS = ("model", "finetune", "lora_rank", "lora_layers", "embedder", "vote_window", "max_length", "text_column",
                      "control_columns", "table_schema", "prompt", "zero_shot_template", "batch_size", "local_steps",
-                     "num_server_rounds", "learning_rate", "max_grad_norm", "precision", "seed", "epsilon",
+                     "num_server_rounds", "learning_rate", "max_grad_norm", "contrastive_weight", "precision", "seed", "epsilon",
                      "epsilon_profile", "voters", "dataset", "partitioning", "strong_fraction", "test_fraction")
 
 

@@ -157,6 +157,8 @@ class DpSgdRound(Mechanism):
             max_length=cfg.max_length, max_grad_norm=cfg.max_grad_norm, noise_multiplier=nm, precision=cfg.precision,
             private=cfg.private, seed=cfg.seed * 100_003 + request.round * 101 + int(self.node_id % 100_000),
             sample_rate=q, prompt=cfg.prompt, template=cfg.zero_shot_template,
+            # the objective does not widen a release: each record's gradient is clipped to C whatever it is
+            contrastive_weight=cfg.contrastive_weight, vocabulary=tuple(sorted(request.vocabulary)),
         )
         result = dp_train(model, tokenizer, records.texts, records.codes, settings, delta, history)
         # The local loss is an un-noised statistic of the records: it stays in this log.

@@ -6,7 +6,10 @@ Gaussian noise sigma*C, Opacus' RDP accountant) and sends the trained weights ba
 weights = the average of the local updates Delta_i). The step is defined for every dataset,
 the empty one included: nothing divides by |D| (the noisy sum is divided by the public B), and
 an empty Poisson batch is a step that releases noise only. The loss is paper eq. 5: -log p(x | c) with the
-control-code prompt as conditioning, averaged over a record's tokens, then over records.
+control-code prompt as conditioning, averaged over a record's tokens, then over records; with
+``contrastive_weight`` > 0 each record is also read under one other code of the vocabulary and the
+loss adds the pair term of ``common.lm_loss.pair_objective`` (a record is then two rows whose
+per-sample gradients are summed before clipping).
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from tqdm.auto import tqdm
 from common.codes import make_prompt
 from common.config import PRECISIONS
 from common.devices import autocast, to_device
-from common.lm_loss import conditional_lm_loss, encode_examples, fused_conditional_lm_loss, head_and_decoder
+from common.lm_loss import (conditional_lm_loss, encode_examples, fused_conditional_lm_loss, fused_sequence_nll,
+                            fused_weighted_nll, head_and_decoder, pair_objective, sequence_nll)
 from common.dp import dpsgd_epsilon, poisson_sample_rate
 from common.logs import get_logger
 from common.weights import trainable_state
@@ -63,6 +67,10 @@ class TrainSettings:
     # the prompt each record is trained under (common.codes.make_prompt): what generation will use
     prompt: str = "code"
     template: str = ""
+    # > 0: add the pair term (common.lm_loss.pair_objective) against one other code of `vocabulary`
+    # per record and round; 0: the paper's loss alone. Each record then costs two rows of compute.
+    contrastive_weight: float = 0.0
+    vocabulary: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.local_steps < 1 or self.batch_size < 1:
@@ -77,6 +85,8 @@ class TrainSettings:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         if self.sample_rate is not None and not 0 < self.sample_rate <= 1:
             raise ValueError(f"sample_rate must be in (0, 1], got {self.sample_rate}")
+        if not 0 <= self.contrastive_weight < math.inf:
+            raise ValueError(f"contrastive_weight must be a finite float >= 0, got {self.contrastive_weight}")
 
 
 @dataclass
@@ -117,10 +127,8 @@ def dp_train(model, tokenizer, texts: list[str], codes: list[str], settings: Tra
     if not params:
         raise ValueError("the model has no trainable parameters (call common.weights.prepare_model first)")
     torch.manual_seed(settings.seed)
-    enc = encode_examples(tokenizer, texts, codes, settings.max_length,
-                          lambda code: make_prompt(code, settings.prompt, settings.template))
-    dataset = TensorDataset(*(enc[k] for k in _KEYS))
     sampler_rng, noise_rng = _generators(settings, prior_steps=sum(h[2] for h in history), device=params[0].device)
+    dataset = _encode(tokenizer, texts, codes, settings, sampler_rng)
     # AdamW (weight decay 0) by default, not SGD: the paper's learning rates (5e-4 for DP
     # GPT-2, 1e-3 for LoRA LLaMA) are Adam-scale, following Yue et al. 2022 / dp-transformers;
     # Adam's per-coordinate scaling lets one lr serve LoRA and full finetuning at any noise
@@ -149,6 +157,44 @@ def dp_train(model, tokenizer, texts: list[str], codes: list[str], settings: Tra
         accountant_history=[list(h) for h in history],
         epsilon=dpsgd_epsilon(history, delta) if settings.private else math.inf,
     )
+
+
+def pairs_on(settings: TrainSettings) -> bool:
+    """Whether the round trains on pairs: a contrastive weight > 0 and a second code to contrast with."""
+    return settings.contrastive_weight > 0 and len(set(settings.vocabulary)) >= 2
+
+
+def _encode(tokenizer, texts: list[str], codes: list[str], settings: TrainSettings, generator) -> TensorDataset:
+    """The records as tensors [n, width] per key, or [n, 2, width] for pairs (own code, another code).
+
+    The other code is drawn uniformly from the vocabulary minus the record's own, once per round,
+    with the round's sampling generator (OS entropy when private).
+    """
+    def encode(row_codes):
+        return encode_examples(tokenizer, texts, row_codes, settings.max_length,
+                               lambda code: make_prompt(code, settings.prompt, settings.template))
+
+    if not pairs_on(settings):
+        enc = encode(codes)
+        return TensorDataset(*(enc[k] for k in _KEYS))
+    vocabulary = sorted(set(settings.vocabulary))
+    draws = torch.randint(0, len(vocabulary) - 1, (len(codes),), generator=generator).tolist()
+    others = []
+    for code, k in zip(codes, draws):
+        rest = [v for v in vocabulary if v != code]
+        others.append(rest[k % len(rest)])
+    own, other = encode(codes), encode(others)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    width = max(own["input_ids"].shape[1], other["input_ids"].shape[1])
+
+    def widen(t: torch.Tensor, key: str) -> torch.Tensor:
+        if key == "position_ids":
+            return torch.arange(width, dtype=torch.long).expand(t.shape[0], width).clone()
+        # right padding: what fills a masked column never reaches an earlier position
+        fill = {"labels": -100, "attention_mask": 0}.get(key, pad)
+        return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=fill)
+
+    return TensorDataset(*(torch.stack([widen(own[k], k), widen(other[k], k)], dim=1) for k in _KEYS))
 
 
 def sample_rate(settings: TrainSettings, num_records: int) -> float:
@@ -202,7 +248,7 @@ def _private_steps(model, optimizer, dataset, q, settings, history, sampler_rng,
         with warnings.catch_warnings():
             # The embedding's backward hook fires on an integer input: harmless, torch warns.
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
-            losses = _run(lambda t: _private_step(gsm, dp_optimizer, t, settings.precision),
+            losses = _run(lambda t: _private_step(gsm, dp_optimizer, t, settings.precision, settings.contrastive_weight),
                           poisson_batches(dataset, q, sampler_rng), settings.local_steps, "DP-SGD")
     finally:
         gsm.to_standard_module()  # remove hooks and grad-sample attributes: `model` is usable again
@@ -231,7 +277,7 @@ def poisson_batches(dataset: TensorDataset, q: float, generator: torch.Generator
 TOKENS_PER_PASS = 8192
 
 
-def _private_step(gsm, dp_optimizer, tensors, precision: str) -> float:
+def _private_step(gsm, dp_optimizer, tensors, precision: str, weight: float = 0.0) -> float:
     dp_optimizer.zero_grad(set_to_none=True)
     rows = tensors[0].shape[0]
     if rows == 0:
@@ -242,11 +288,13 @@ def _private_step(gsm, dp_optimizer, tensors, precision: str) -> float:
             p.grad_sample = p.new_zeros((0, *p.shape))
         dp_optimizer.step()
         return math.nan
-    per_pass = max(1, TOKENS_PER_PASS // tensors[0].shape[1])
+    rows_per_record = tensors[0][0].numel() // tensors[0].shape[-1]  # 2 for pairs
+    per_pass = max(1, TOKENS_PER_PASS // (tensors[0].shape[-1] * rows_per_record))
     total = 0.0
     for start in range(0, rows, per_pass):
         part = tuple(t[start:start + per_pass] for t in tensors)
-        total += _loss(gsm, part, precision) * part[0].shape[0]
+        total += _loss(gsm, part, precision, weight) * part[0].shape[0]
+        group_samples(dp_optimizer.params, rows_per_record)
         for p in dp_optimizer.params:  # bf16 autocast leaves bf16 per-sample gradients: clip in fp32
             if getattr(p, "grad_sample", None) is not None and p.grad_sample.dtype != torch.float32:
                 p.grad_sample = p.grad_sample.float()
@@ -257,6 +305,22 @@ def _private_step(gsm, dp_optimizer, tensors, precision: str) -> float:
             dp_optimizer.zero_grad(set_to_none=True)
     dp_optimizer.step()
     return total / rows
+
+
+def group_samples(params, rows_per_record: int) -> None:
+    """Make each record's per-sample gradient the sum of its rows' (rows of a record are adjacent).
+
+    Opacus sees one sample per row of the model's input; a pair is two rows of one record, and
+    clipping each row alone would let a record move the sum by 2C. Opacus' "mean" reduction scales
+    each row's gradient by the number of rows while the loss is a mean over records, so the sum is
+    divided by ``rows_per_record``: the result is d(record's loss)/d(weights), as for single rows.
+    """
+    if rows_per_record == 1:
+        return
+    for p in params:
+        g = getattr(p, "grad_sample", None)
+        if g is not None:
+            p.grad_sample = g.view(g.shape[0] // rows_per_record, rows_per_record, *g.shape[1:]).sum(dim=1) / rows_per_record
 
 
 def zero_nonfinite_samples(params) -> int:
@@ -285,7 +349,7 @@ def _plain_steps(model, optimizer, dataset, batch, settings, generator):
         optimizer.zero_grad(set_to_none=True)
         if tensors[0].shape[0] == 0:  # no record on the node: nothing to train on
             return math.nan
-        loss = _loss(model, tensors, settings.precision)
+        loss = _loss(model, tensors, settings.precision, settings.contrastive_weight)
         optimizer.step()
         return loss
 
@@ -296,25 +360,51 @@ def _plain_steps(model, optimizer, dataset, batch, settings, generator):
     return _run(step, uniform_batches(), settings.local_steps, "training (non-private)")
 
 
-def _loss(model, tensors, precision: str = "auto") -> float:
+def _loss(model, tensors, precision: str = "auto", weight: float = 0.0) -> float:
     """Forward and backward on one non-empty batch; returns the loss.
 
     With a frozen output layer (LoRA) the loss is fused with the head (``fused_conditional_lm_loss``:
     no full-vocabulary logits); a trainable head (full finetuning) needs the ordinary logits so
-    that Opacus sees the head's per-sample activations.
+    that Opacus sees the head's per-sample activations. Pairs ([n, 2, width] tensors) take the
+    pair objective with ``weight``.
     """
-    width = max(int(tensors[1].sum(dim=1).max()), 1)  # drop all-padding columns (right padding)
-    input_ids, attention_mask, labels, position_ids = to_device([t[:, :width] for t in tensors], model)
+    pairs = tensors[0].ndim == 3
+    # drop all-padding columns (right padding); a pair's rows become adjacent rows of the batch
+    width = max(int(tensors[1].sum(dim=-1).max()), 1)
+    tensors = [t[..., :width].reshape(-1, width) for t in tensors]
+    input_ids, attention_mask, labels, position_ids = to_device(tensors, model)
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids, "use_cache": False}
     split = head_and_decoder(model)
     with autocast(model, precision):
-        if split is not None:
+        if pairs:
+            loss = _pair_loss(model, split, inputs, labels, weight)
+        elif split is not None:
             decoder, head = split
             loss = fused_conditional_lm_loss(decoder(**inputs).last_hidden_state, head.weight, labels)
         else:
             loss = conditional_lm_loss(model(**inputs).logits, labels)
     loss.backward()
     return float(loss.detach())
+
+
+def _pair_loss(model, split, inputs, labels, weight: float) -> torch.Tensor:
+    """The pair objective on 2n adjacent rows (a record's own code, then another code)."""
+    if split is None:
+        nll, count = sequence_nll(model(**inputs).logits, labels)
+        return pair_objective(nll.view(-1, 2), count.view(-1, 2)[:, 0], weight)
+    # The fused head gives no per-row NLL with a gradient: take the values without one, get
+    # d objective / d NLL per row from them, and back-propagate the row-weighted NLL, whose gradient
+    # is the objective's.
+    decoder, head = split
+    hidden = decoder(**inputs).last_hidden_state
+    nll, count = fused_sequence_nll(hidden, head.weight, labels)
+    nll = nll.view(-1, 2).requires_grad_(True)
+    with torch.enable_grad():
+        objective = pair_objective(nll, count.view(-1, 2)[:, 0], weight)
+        (row_weights,) = torch.autograd.grad(objective, nll)
+    surrogate = fused_weighted_nll(hidden, head.weight, labels, row_weights.reshape(-1))
+    # the surrogate's value is not the objective's; report the objective
+    return surrogate - surrogate.detach() + objective.detach()
 
 
 def _run(step_fn, batches, steps: int, desc: str) -> list[float]:

@@ -174,7 +174,7 @@ def _phase_lines(cfg: RunConfig, tier: str, records: int | None, delta: float, s
     elif eps_train and cfg.trains:
         q = min(1.0, cfg.batch_size / records)
         nm = dpsgd_noise_multiplier(eps_train, delta, q, steps)
-        tokens = steps * cfg.batch_size * cfg.max_length
+        tokens = steps * cfg.batch_size * cfg.max_length * (2 if cfg.contrastive_weight > 0 else 1)  # pairs: two rows
         rate = speed.get(f"train_{cfg.finetune}_dp_tokens_per_s")
         lines.append(f"train: epsilon {eps_train:g}, delta {delta:g}, DP-SGD noise multiplier {nm:.3g} "
                      f"(q = {q:.3g}, {steps} steps, C = {cfg.max_grad_norm:g}); {tokens:,} tokens"

@@ -43,7 +43,8 @@ train_steps = st.builds(
     lambda c, k, r, d, rc, w: Step(R.MSG_TRAIN, rc=rc, conf=_conf(c, k, r, d), tier="strong", weights=w),
     codes, run_keys, st.sampled_from([1, 2, 3]), deltas,
     st.sampled_from([(), (("batch-size", 2),), (("batch-size", 64),), (("max-length", 24),),
-                     (("epsilon", BUDGET / 2),), (("local-steps", 1),)]),
+                     (("epsilon", BUDGET / 2),), (("local-steps", 1),),
+                     (("contrastive-weight", 1.0),)]),
     st.sampled_from(["initial", "initial", "none"]))
 profile_steps = st.builds(
     lambda c, k, r, d, t: Step(R.MSG_PROFILE, conf=_conf(c, k, r, d), tier=t),
@@ -70,7 +71,8 @@ ledger_steps = st.builds(
 # each round free to ask another view (the issue's case is a later round on another code).
 train_runs = st.builds(
     lambda key, views, rc: [Step(R.MSG_TRAIN, rc=rc, conf=_conf(v, key, i + 1, 1e-5)) for i, v in enumerate(views)],
-    run_keys, st.lists(codes, min_size=2, max_size=3), st.sampled_from([(), (), (("batch-size", 2),)]))
+    run_keys, st.lists(codes, min_size=2, max_size=3),
+    st.sampled_from([(), (), (("batch-size", 2),), (("contrastive-weight", 1.0),)]))
 # training and votes are where the view matters most: drawn twice as often
 steps_ = st.lists(st.one_of(train_steps, train_steps, profile_steps, vote_steps, vote_steps, tier_steps,
                             ledger_steps), min_size=1, max_size=5)
@@ -84,6 +86,9 @@ PHASE1_OTHER_VIEW = [  # round 1 on x, round 2 asks y only: D' has one y record 
     Step(R.MSG_TRAIN, conf=_conf((Y,), "a", 2, 1e-5)),
 ]
 EMPTY_VIEW = [Step(R.MSG_TRAIN, conf=_conf((Z,), "a", 1, 1e-5))]  # D' has no z record at all
+# the contrastive objective: each record is read under two codes, still one record to DP-SGD
+PAIRS_VIEW = [Step(R.MSG_TRAIN, rc=(("contrastive-weight", 1.0),), conf=_conf((X, Y), "a", 1, 1e-5)),
+              Step(R.MSG_TRAIN, rc=(("contrastive-weight", 1.0),), conf=_conf((Y,), "a", 2, 1e-5))]
 EMPTY_VOTE = [Step(R.MSG_PROFILE, conf=_conf((Z,), "a", 0, 1e-5), tier="weak"),
               Step(R.MSG_VOTE, conf=_conf((Z,), "a", 1, 1e-5, histogram="knn-vote", **{"num-votes": 1}),
                    tier="weak", candidates=(("z z z", Z),))]
@@ -99,8 +104,8 @@ def check_neighbours(steps: list[Step], remove: str, table: bool = False) -> Non
     assert difference is None, difference
 
 
-@pytest.mark.parametrize("steps", [PHASE1_OTHER_VIEW, EMPTY_VIEW, EMPTY_VOTE], ids=["phase1-view", "empty-train",
-                                                                                    "empty-vote"])
+@pytest.mark.parametrize("steps", [PHASE1_OTHER_VIEW, EMPTY_VIEW, EMPTY_VOTE, PAIRS_VIEW],
+                         ids=["phase1-view", "empty-train", "empty-vote", "pairs-view"])
 @pytest.mark.parametrize("remove", ["y", "z"])
 def test_the_corpus_is_identical_on_neighbours(steps, remove):
     check_neighbours(steps, remove)

@@ -61,12 +61,7 @@ def conditional_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
     labels unshifted). A record's term depends only on that record, whatever the lengths of
     the others in the batch (DESIGN "Privacy model"); a record with no label token adds 0.
     """
-    logits = logits[:, :-1].float()
-    target = labels[:, 1:]
-    nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=IGNORE, reduction="none")
-    nll = nll.view(target.shape)
-    count = (target != IGNORE).sum(dim=1).clamp(min=1)
-    return (nll.sum(dim=1) / count).mean()
+    return sequence_nll(logits, labels)[0].mean()
 
 
 # --------------------------------------------------------------------- the loss without full logits

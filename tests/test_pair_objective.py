@@ -78,6 +78,9 @@ def test_the_other_code_is_never_the_record_own():
         own, other = (tok.decode(ids[i, k]).split("\n")[0] for k in range(2))  # the prompt line: "topic: sport"
         value = code.split("=")[1]
         assert value in own and value not in other and any(v.split("=")[1] in other for v in VOCAB if v != code)
+    # every other code is drawn: for each own code, both of the vocabulary's others appear
+    seen = {(code, tok.decode(ids[i, 1]).split("\n")[0].split(": ")[-1]) for i, code in enumerate(CODES)}
+    assert len(seen) == 4, seen
 
 
 @pytest.mark.parametrize("finetune", ["lora", "full"])  # the fused head (LoRA) and the logits path (full)

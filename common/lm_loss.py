@@ -134,12 +134,8 @@ def fused_conditional_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels
     counts are gathered; each carries 1 / (its record's label count x n), so a record's term
     depends only on that record, as in ``conditional_lm_loss``.
     """
-    target = labels[:, 1:]
-    keep = target != IGNORE
     n = labels.shape[0]
-    count = keep.sum(dim=1).clamp(min=1)
-    row_weights = (1.0 / (count * n)).float()[:, None].expand_as(target)[keep]
-    return _FusedHeadNll.apply(hidden[:, :-1][keep], weight.detach(), target[keep], row_weights)
+    return fused_weighted_nll(hidden, weight, labels, torch.full((n,), 1.0 / max(n, 1), device=hidden.device))
 
 
 # --------------------------------------------------------------------- a contrastive phase-1 objective

@@ -170,30 +170,22 @@ def _encode(tokenizer, texts: list[str], codes: list[str], settings: TrainSettin
     The other code is drawn uniformly from the vocabulary minus the record's own, once per round,
     with the round's sampling generator (OS entropy when private).
     """
-    def encode(row_codes):
-        return encode_examples(tokenizer, texts, row_codes, settings.max_length,
+    def encode(row_texts, row_codes):
+        return encode_examples(tokenizer, row_texts, row_codes, settings.max_length,
                                lambda code: make_prompt(code, settings.prompt, settings.template))
 
     if not pairs_on(settings):
-        enc = encode(codes)
+        enc = encode(texts, codes)
         return TensorDataset(*(enc[k] for k in _KEYS))
     vocabulary = sorted(set(settings.vocabulary))
     where = {v: i for i, v in enumerate(vocabulary)}
     draws = torch.randint(0, len(vocabulary) - 1, (len(codes),), generator=generator).tolist()
     # k-th of the vocabulary without the record's own code: O(1) a record, whatever the vocabulary's size
     others = [vocabulary[k + (k >= where.get(code, len(vocabulary)))] for code, k in zip(codes, draws)]
-    own, other = encode(codes), encode(others)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    width = max(own["input_ids"].shape[1], other["input_ids"].shape[1])
-
-    def widen(t: torch.Tensor, key: str) -> torch.Tensor:
-        if key == "position_ids":
-            return torch.arange(width, dtype=torch.long).expand(t.shape[0], width).clone()
-        # right padding: what fills a masked column never reaches an earlier position
-        fill = {"labels": -100, "attention_mask": 0}.get(key, pad)
-        return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=fill)
-
-    return TensorDataset(*(torch.stack([widen(own[k], k), widen(other[k], k)], dim=1) for k in _KEYS))
+    # one encoding of both readings: one padded width, then record i's rows side by side
+    enc = encode(list(texts) * 2, list(codes) + others)
+    n = len(codes)
+    return TensorDataset(*(torch.stack([enc[k][:n], enc[k][n:]], dim=1) for k in _KEYS))
 
 
 def sample_rate(settings: TrainSettings, num_records: int) -> float:

@@ -72,6 +72,9 @@ class RunConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     guidance: float = 1.0  # classifier-free guidance scale at generation; 1 = off (fedsyn_server.generation)
+    # codes the strong nodes hold less than this share of (relative to the data) are written by the
+    # pretrained weights (strategies.coverage); 0 = off, every code from the finetuned model
+    coverage_floor: float = 0.0
     prompt: str = "instruction"
     zero_shot_template: str = "Please generate a news article about {fields}:\n\n"
     refinement: str = "contrastive-vote"  # the paper's is "knn-vote"; chosen by measurement (docs/results.md)
@@ -150,6 +153,7 @@ class RunConfig:
             ("temperature", 0 <= self.temperature <= 5, "a float in [0, 5] (0 = greedy)"),
             ("top-p", 0 < self.top_p <= 1, "a float in (0, 1] (1 = plain sampling)"),
             ("guidance", 1 <= self.guidance <= 10, "a float in [1, 10] (1 = off)"),
+            ("coverage-floor", 0 <= self.coverage_floor <= 1, "a float in [0, 1] (0 = off)"),
             ("prompt", self.prompt in PROMPTS, f"one of {list(PROMPTS)}"),
             ("zero-shot-template", "{fields}" in self.zero_shot_template, "a string containing {fields}"),
             ("refinement", self.refinement in REFINEMENTS or is_class_path(self.refinement),

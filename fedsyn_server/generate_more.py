@@ -20,6 +20,7 @@ from common.io import atomic_write_json, atomic_write_jsonl, read_json
 from common.logs import get_logger
 from fedsyn_server.outputs import text_row
 from strategies.allocation import allocate_exactly
+from strategies.coverage import generate_by_coverage
 
 log = get_logger(__name__)
 MORE = "more"  # <run-dir>/more/<name>.jsonl
@@ -85,12 +86,13 @@ def generate_more(run_dir: str | Path, n: int | None = None, allocation: str | N
     total = sum(counts.values())
     target = Path(out) if out else run_dir / MORE / f"{time.strftime('%Y%m%d-%H%M%S')}-n{total}.jsonl"
     model = ServerModel(cfg)
-    model.load(released_arrays(run_dir))
-    texts, codes = model.generate(counts, seed=seed)
+    # the codes the run wrote with the pretrained weights (coverage-floor) are written so again
+    pretrained = read_json(run_dir / "profile.json").get("pretrained_codes", [])
+    texts, codes, report = generate_by_coverage(model, counts, pretrained, model.weights(), released_arrays(run_dir), seed)
     atomic_write_jsonl(target, [text_row(t, c) for t, c in zip(texts, codes)])
     atomic_write_json(target.with_suffix(".privacy.json"), {
         "derived_from": str(run_dir), "epsilon_spent": 0.0, "nodes_asked": 0, "seed": seed, "allocation": counts,
-        "generation": model.generation_report(),
+        "generation": report,
         "note": ("post-processing of the run's released DP model and noisy profile: the run's privacy report "
                  "(below) covers these texts, and nothing more was spent. They were not refined by the run's "
                  "DP votes (those judged the run's pool only)."),

@@ -49,7 +49,7 @@ def write_outputs(run_dir: Path, cfg: RunConfig, vocabulary: list[str], res: Fed
         "profile": atomic_write_json(run_dir / "profile.json", {
             "vocabulary": vocabulary,
             "node_profiles": {str(n): p for n, p in res.node_profiles.items()},
-            "global_profile": res.profile, "allocation": res.allocation,
+            "global_profile": res.profile, "allocation": res.allocation, "pretrained_codes": res.pretrained_codes,
             "final_counts": {c: final_counts.get(c, 0) for c in vocabulary},
         }),
         "privacy_report": atomic_write_json(run_dir / "privacy_report.json", privacy_report(cfg, res)),

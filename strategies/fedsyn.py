@@ -52,6 +52,7 @@ from common.config import RunConfig
 from common.dp import PHASES, PROFILE, TRAIN, VOTE
 from strategies.allocation import aggregate_profiles, allocate
 from strategies.checkpoint import Checkpoint, Progress, save_checkpoint
+from strategies.coverage import finetune_coverage, generate_by_coverage, pretrained_codes
 from strategies.membership import Membership
 from strategies.messaging import Courier, SubGrid
 from strategies.refinement import Generator, Refinement, RefinementContext
@@ -98,6 +99,7 @@ class FedSynStrategy(Strategy):
         self.courier = Courier(cfg, delta, self.result)
         self.members = self._membership()
         self._grid: Grid | None = None
+        self._initial: ArrayRecord | None = None
 
     def _membership(self) -> Membership:
         return Membership(self.cfg, self.courier, self.result, request=self._request, plan=self._plan,
@@ -139,6 +141,7 @@ class FedSynStrategy(Strategy):
             self._restore(resume)
         self.progress.resume_key = self.resume_key
         res, done, t0, self._grid = self.result, self.progress.completed, time.time(), grid
+        self._initial = initial_arrays  # θ⁰: the writer of the codes phase 1 did not see (stage 3)
         res.tiers = self.members.discover(grid, self.stable_seconds)   # stage 0
         self.aggregator = self.make_aggregator(len(self.members.strong))
         res.timings["tiers"] = time.time() - t0
@@ -156,9 +159,8 @@ class FedSynStrategy(Strategy):
 
         t = time.time()                                                 # stage 3
         if "generate" not in done:
-            self.generator.load(res.arrays)
-            res.pool_texts, res.pool_codes = self.generator.generate(res.allocation, seed=self.cfg.seed)
-            res.generation = self.generator.generation_report()
+            res.pool_texts, res.pool_codes, res.generation = generate_by_coverage(
+                self.generator, res.allocation, res.pretrained_codes, self._initial, res.arrays, seed=self.cfg.seed)
             self._checkpoint("generate")
             res.timings["generate"] = time.time() - t
 
@@ -208,6 +210,12 @@ class FedSynStrategy(Strategy):
         res.profile = aggregate_profiles(list(res.node_profiles.values()))
         res.allocation = dict(zip(self.vocabulary, (int(a) for a in allocate(res.profile, self.refinement.pool_size(self.cfg)))))
         log.info("noisy profile %s -> allocation %s", np.round(res.profile, 1).tolist(), res.allocation)
+        if self.cfg.coverage_floor > 0 and self.cfg.prompt != "zero-shot" and res.arrays is not None:
+            strong = [p for n, p in res.node_profiles.items() if res.tiers.get(n) == "strong"]
+            rho = finetune_coverage(strong, list(res.node_profiles.values()))
+            res.pretrained_codes = pretrained_codes(self.vocabulary, rho, self.cfg.coverage_floor)
+            log.info("phase-1 coverage %s: %s written by the pretrained weights (coverage-floor %g)",
+                     np.round(rho, 2).tolist(), res.pretrained_codes or "no code", self.cfg.coverage_floor)
         res.timings["profile"] = time.time() - t
 
     # ------------------------------------------------------------ checkpoints

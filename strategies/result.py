@@ -21,6 +21,7 @@ class FedSynResult:
     node_profiles: dict[int, list[float]] = field(default_factory=dict)
     profile: np.ndarray | None = None
     allocation: dict[str, int] = field(default_factory=dict)
+    pretrained_codes: list[str] = field(default_factory=list)  # written by θ⁰ (``strategies.coverage``)
     pool_texts: list[str] = field(default_factory=list)
     pool_codes: list[str] = field(default_factory=list)
     generation: dict[str, Any] = field(default_factory=dict)  # ``Generator.generation_report`` of the pool

@@ -242,6 +242,7 @@ def test_default_config_is_valid_and_round_trips():
     ("sampling-rate", 0.0, "sampling-rate"),
     ("num-server-rounds", 1.5, "num-server-rounds"),
     ("contrastive-weight", -1.0, "the paper's loss"),
+    ("coverage-floor", 1.5, r"\[0, 1\]"),
     ("bogus-key", 1, "unknown run-config key"),
 ])
 def test_invalid_config_names_key_value_and_allowed(key, value, fragment):

@@ -369,3 +369,14 @@ def test_no_node_in_time_is_one_line_naming_the_fix_and_nothing_is_asked(dataset
     with pytest.raises(NodesMissing, match=r"timed out after 0.6s waiting for nodes \(have 0, min-nodes=2\).*lower min-nodes"):
         strategy.preflight(grid)
     assert not grid.sent and NodesMissing in INPUT_ERRORS  # the ServerApp logs it as one line, no traceback
+
+
+def test_codes_the_strong_node_never_saw_are_written_by_the_pretrained_weights(dataset, tmp_path):
+    rc = run_config(dataset, partitioning="strong-codes:sport", epsilon=math.inf, **{"coverage-floor": 0.5})
+    res, _, _ = run(rc, nodes_for(rc, 3, tmp_path))
+    assert res.pretrained_codes == ["topic=politics", "topic=tech"]
+    assert res.generation["pretrained_codes"] == ["topic=politics", "topic=tech"]
+    assert res.generation["pretrained"]["requested"] == res.allocation["topic=politics"] + res.allocation["topic=tech"]
+    for code, n in res.allocation.items():  # one pool, grouped by code as before
+        assert res.pool_codes.count(code) == n
+    assert res.pool_codes == sorted(res.pool_codes, key=list(res.allocation).index)

@@ -75,7 +75,8 @@ def generate_more(run_dir: str | Path, n: int | None = None, allocation: str | N
 
     run_dir = Path(run_dir).expanduser().resolve()
     cfg = run_config_of(run_dir)
-    vocabulary = read_json(run_dir / "profile.json")["vocabulary"]
+    profile = read_json(run_dir / "profile.json")
+    vocabulary = profile["vocabulary"]
     if allocation:
         counts = parse_allocation(allocation, vocabulary)
     elif n is not None and n >= 1:
@@ -87,8 +88,8 @@ def generate_more(run_dir: str | Path, n: int | None = None, allocation: str | N
     target = Path(out) if out else run_dir / MORE / f"{time.strftime('%Y%m%d-%H%M%S')}-n{total}.jsonl"
     model = ServerModel(cfg)
     # the codes the run wrote with the pretrained weights (coverage-floor) are written so again
-    pretrained = read_json(run_dir / "profile.json").get("pretrained_codes", [])
-    texts, codes, report = generate_by_coverage(model, counts, pretrained, model.weights(), released_arrays(run_dir), seed)
+    texts, codes, report = generate_by_coverage(model, counts, profile.get("pretrained_codes", []), model.weights(),
+                                                released_arrays(run_dir), seed)
     atomic_write_jsonl(target, [text_row(t, c) for t, c in zip(texts, codes)])
     atomic_write_json(target.with_suffix(".privacy.json"), {
         "derived_from": str(run_dir), "epsilon_spent": 0.0, "nodes_asked": 0, "seed": seed, "allocation": counts,

@@ -99,7 +99,6 @@ class FedSynStrategy(Strategy):
         self.courier = Courier(cfg, delta, self.result)
         self.members = self._membership()
         self._grid: Grid | None = None
-        self._initial: ArrayRecord | None = None
 
     def _membership(self) -> Membership:
         return Membership(self.cfg, self.courier, self.result, request=self._request, plan=self._plan,
@@ -141,7 +140,6 @@ class FedSynStrategy(Strategy):
             self._restore(resume)
         self.progress.resume_key = self.resume_key
         res, done, t0, self._grid = self.result, self.progress.completed, time.time(), grid
-        self._initial = initial_arrays  # θ⁰: the writer of the codes phase 1 did not see (stage 3)
         res.tiers = self.members.discover(grid, self.stable_seconds)   # stage 0
         self.aggregator = self.make_aggregator(len(self.members.strong))
         res.timings["tiers"] = time.time() - t0
@@ -159,8 +157,9 @@ class FedSynStrategy(Strategy):
 
         t = time.time()                                                 # stage 3
         if "generate" not in done:
+            # θ⁰ (initial_arrays) writes the codes phase 1 did not see (coverage-floor), res.arrays the rest
             res.pool_texts, res.pool_codes, res.generation = generate_by_coverage(
-                self.generator, res.allocation, res.pretrained_codes, self._initial, res.arrays, seed=self.cfg.seed)
+                self.generator, res.allocation, res.pretrained_codes, initial_arrays, res.arrays, seed=self.cfg.seed)
             self._checkpoint("generate")
             res.timings["generate"] = time.time() - t
 

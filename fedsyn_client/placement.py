@@ -5,7 +5,9 @@ Ray cluster that actor may be on another machine for every message. ``workers.js
 the node's ledger says, for each message, the host, the process and the Ray node that handled
 it. It is written on the node and never sent: the server learns nothing from it. It is what
 shows that a node moved between Ray nodes and kept one ledger, and which process to look at
-when a worker died.
+when a worker died. Only simulated nodes write it, by default into their run's own state folder
+(``run-<run key>/node-<partition>``, ``fedsyn_client.node.simulation_state_root``), so it holds
+one run's messages; a deployed node, which runs for years, never writes it.
 """
 
 from __future__ import annotations

@@ -258,23 +258,33 @@ def plot_metric_vs_strong_fraction(grid: Grid, rows: list[dict[str, Any]]) -> Pa
     return save_figure(fig, grid.out_dir / "plots" / "metric_vs_strong_fraction.png")
 
 
-def plot_vote_distributions(grid: Grid) -> Path | None:
-    """Paper Fig. A.3: noisy votes of the pool before (zero-shot) and after finetuning."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def pool_votes(grid: Grid) -> dict[str, list[float]]:
+    """The noisy votes of every finished cell's pool, keyed by "<writer>, <refinement>" (writer:
+    pretrained for zero-shot cells, else finetuned). kNN vote counts and contrastive ±1 sums are
+    different statistics, so each refinement keeps its own key."""
     votes: dict[str, list[float]] = defaultdict(list)
     for cell in grid.cells:
         pool = grid.out_dir / "runs" / cell.name / "pool.jsonl"
         if not pool.exists():
             continue
-        label = "pretrained (zero-shot)" if dict(cell.run_config).get("prompt") == "zero-shot" else "finetuned"
+        config = RunConfig.from_flower(dict(cell.run_config))
+        writer = "pretrained (zero-shot)" if config.prompt == "zero-shot" else "finetuned"
         for row in read_jsonl(pool):
             v = row.get("votes")
             if v is not None:
-                votes[label].append(float(v))
+                votes[f"{writer}, {config.refinement}"].append(float(v))
+    return dict(votes)
+
+
+def plot_vote_distributions(grid: Grid) -> Path | None:
+    """Paper Fig. A.3: noisy votes of the pool before (zero-shot) and after finetuning, one panel
+    per key of ``pool_votes``; None when no pool carries votes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    votes = pool_votes(grid)
     if not votes:
         return None
     fig, axes = plt.subplots(1, len(votes), figsize=(5 * len(votes), 3.4), squeeze=False)

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from common.config import ConfigError
-from fedsyn_server.experiment import cell_run_config, collect, flatten, load_grid, summarise, write_summary
+from fedsyn_server.experiment import cell_run_config, collect, flatten, load_grid, pool_votes, summarise, write_summary
 
 GRID = """
 [experiment]
@@ -212,3 +212,20 @@ def test_a_grid_stopped_by_a_signal_stops_the_processes_its_cell_started(tmp_pat
     out, _ = grid.communicate(timeout=60)
     assert f"stopped {sig}" in out and grid.returncode == 0
     assert not alive(link)
+
+
+def test_vote_histograms_keep_each_writer_and_refinement_apart(tmp_path):
+    """kNN counts and contrastive ±1 sums are different statistics: Fig. A.3 never pools them."""
+    path = tmp_path / "g.toml"
+    path.write_text(GRID + '\n[methods.dp-contrastive]\nrefinement = "contrastive-vote"\n')
+    grid = load_grid(path)
+    for cell in grid.cells:
+        run = grid.out_dir / "runs" / cell.name
+        run.mkdir(parents=True)
+        sign = -1.0 if cell.method == "dp-contrastive" else 1.0
+        (run / "pool.jsonl").write_text("\n".join(json.dumps({"text": "t", "votes": sign * v}) for v in range(3)))
+    votes = pool_votes(grid)
+    assert set(votes) == {"pretrained (zero-shot), contrastive-vote", "finetuned, knn-vote",
+                          "finetuned, contrastive-vote"}
+    assert all(v <= 0 for v in votes["finetuned, contrastive-vote"])
+    assert all(v >= 0 for v in votes["finetuned, knn-vote"])

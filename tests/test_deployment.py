@@ -317,8 +317,8 @@ def test_deployment_a_fab_one_line_off_the_approved_one_is_refused_before_it_is_
     dep = deployment
     evil = dep.root / "evil-app"
     shutil.copytree(APP_DIR, evil, ignore=shutil.ignore_patterns(
-        ".git", ".venv", ".ci-venv", "outputs", "__pycache__", "*.egg-info", ".pytest_cache", "docs", "tests",
-        "benchmarks", "examples"))
+        ".git", ".venv", ".ci-venv", "outputs", "results", "__pycache__", "*.egg-info", ".pytest_cache", "docs",
+        "tests", "benchmarks", "examples"))
     marker = dep.root / "a-record-left"
     with (evil / "fedsyn_client" / "client_app.py").open("a") as fh:
         fh.write(f"\n__import__('pathlib').Path({str(marker)!r}).write_text(open({str(dep.nodes['weak']['data'])!r}).read())\n")

@@ -9,7 +9,8 @@ They are registered with the ``fedsyn`` command through the ``fedsyn.commands`` 
   starts over, recorded (``--budget`` where the ledger is damaged or missing);
   ``--release-holds`` ends every pre-flight hold.
 - ``fedsyn node-check --node-config '...'``: the start-up check of a SuperNode (its policy, data,
-  the models it allows, its audit folder, its FAB gate). Reads, writes nothing but a new node's
+  the models it allows, its audit folder, its FAB gate: every launcher, the allow-list, the approved
+  trees, the venv and who can change them, Flower's exact version). Reads, writes nothing but a new node's
   first ledger, spends nothing.
 - ``fedsyn node fab-hash|approve|install-launcher``: the FAB gate (``fedsyn_client.fab_gate``).
 """
@@ -62,6 +63,11 @@ def add_node_check(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--node-config", required=True, help='e.g. \'tier="weak" data-path="site.csv" epsilon=8\'')
     p.add_argument("--allow-any-fab", action="store_true",
                    help="ready without a FAB gate on PATH (a test bed: any app the server sends runs on the records)")
+    p.add_argument("--clientapp-user", default=None, metavar="USER",
+                   help="the user ClientApps run as (deploy/start_node.sh --run-as); default: whoever runs this")
+    p.add_argument("--same-user", action="store_true",
+                   help="ClientApps run as the operator who owns the gate, allow-list and venv: accept that the "
+                        "approved app could change them (a single-user node; --run-as separates them)")
     p.set_defaults(handler=_run_node_check)
 
 
@@ -74,7 +80,7 @@ def _run_node_check(args: argparse.Namespace) -> int:
     try:
         ready = check_node(config)
         try:
-            gate = gate_status()
+            gate = gate_status(args.clientapp_user, args.same_user)
         except (ValueError, RuntimeError) as err:
             if not args.allow_any_fab:
                 raise NodeSetupError(f"FAB gate: {err}") from None
@@ -101,23 +107,29 @@ def add_node(subparsers: argparse._SubParsersAction) -> None:
     a.add_argument("checkout")
     a.add_argument("--allow-list", required=True, help="the node's allow-list file (created if missing)")
     a.add_argument("--note", default="", help="who reviewed it, or why (kept as a comment)")
-    i = sub.add_parser("install-launcher", help="write DIR/flwr-clientapp, the gate; put DIR first in the SuperNode's PATH")
+    i = sub.add_parser("install-launcher", help="write the gate into DIR, one launcher per task process Flower starts "
+                                                "(flwr-clientapp, flwr-agentapp, ...); put DIR first in the SuperNode's PATH")
     i.add_argument("dir")
     i.add_argument("--allow-list", required=True, help="the node's allow-list file")
     p.set_defaults(handler=_run_node)
 
 
 def _run_node(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from fedsyn_client.approval import approve, describe_checkout, fab_hash, install_launcher
+    from fedsyn_client.fab_gate import apps_dir
 
     if args.node_command == "fab-hash":
         print(f"{fab_hash(args.checkout)}  ({describe_checkout(args.checkout)})")
     elif args.node_command == "approve":
-        print(f"approved {approve(args.checkout, args.allow_list, args.note)} in {args.allow_list}")
+        digest = approve(args.checkout, args.allow_list, args.note)
+        print(f"approved {digest} in {args.allow_list}; its tree, the only one the gate imports: "
+              f"{apps_dir(Path(args.allow_list).expanduser().resolve()) / digest}")
     else:
         path = install_launcher(args.dir, args.allow_list)
-        print(f"wrote {path}; start the SuperNode with PATH={path.parent}:$PATH (and fedsyn node-check in the same "
-              "environment)")
+        print(f"wrote the gate's launchers into {path.parent}; start the SuperNode with PATH={path.parent}:$PATH (and "
+              "fedsyn node-check in the same environment)")
     return 0
 
 

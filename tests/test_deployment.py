@@ -224,14 +224,17 @@ def _start(dep: Deployment, name: str, args: list[str], home: Path, path_first: 
     log.close()
 
 
-def _gate(folder: Path, approved: str) -> Path:
-    """A node's FAB gate as the institution installs it: ``folder/flwr-clientapp`` and an
-    allow-list holding ``approved``; returns the folder to put first in the SuperNode's PATH."""
-    from fedsyn_client.approval import install_launcher
+def _gate(folder: Path, approved: bytes) -> Path:
+    """A node's FAB gate as the institution installs it: its launchers in ``folder/bin`` and an
+    allow-list approving the FAB ``approved`` (its tree installed beside it, as ``fedsyn node
+    approve`` does); returns the folder to put first in the SuperNode's PATH."""
+    from fedsyn_client.approval import install_launcher, install_tree
+    from fedsyn_client.fab_gate import fab_sha256
 
     allow_list = folder / "allow-list.txt"
     folder.mkdir(parents=True, exist_ok=True)
-    allow_list.write_text(f"{approved}  # the app under test\n")
+    install_tree(approved, allow_list)
+    allow_list.write_text(f"{fab_sha256(approved)}  # the app under test\n")
     return install_launcher(folder / "bin", allow_list).parent
 
 
@@ -243,7 +246,7 @@ def _deploy(tmp_path: Path, tiers: dict[str, str], policies: dict[str, str] | No
     root = Path(tempfile.mkdtemp(prefix="fedsyn-deploy-", dir=tmp_path))
     nodes = {}
     node_texts = []
-    approved = _approved_hash()
+    approved = _approved_fab()
     for offset, (name, tier) in zip(range(100, 1000, 100), tiers.items()):
         data = root / f"{name}.csv"
         node_texts += _write_csv(data, offset)
@@ -293,11 +296,11 @@ def _deploy(tmp_path: Path, tiers: dict[str, str], policies: dict[str, str] | No
         assert not survivors, f"processes still alive after teardown: {survivors}"
 
 
-def _approved_hash() -> str:
-    """The FAB hash of the app the tests run (``flwr run APP_DIR``), as an operator approves it."""
-    from fedsyn_client.approval import fab_hash
+def _approved_fab() -> bytes:
+    """The FAB of the app the tests run (``flwr run APP_DIR``), as an operator approves it."""
+    from fedsyn_client.approval import build_fab
 
-    return fab_hash(APP_DIR)
+    return build_fab(APP_DIR)
 
 
 @pytest.fixture

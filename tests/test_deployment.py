@@ -239,9 +239,11 @@ def _gate(folder: Path, approved: bytes) -> Path:
 
 
 @contextmanager
-def _deploy(tmp_path: Path, tiers: dict[str, str], policies: dict[str, str] | None = None):
+def _deploy(tmp_path: Path, tiers: dict[str, str], policies: dict[str, str] | None = None,
+            superlink: list[str] | None = None):
     """A SuperLink and one SuperNode per ``tiers`` entry (name -> tier), each with its own CSV
-    and state-dir; yields the running ``Deployment`` and stops every process it started by PID."""
+    and state-dir; yields the running ``Deployment`` and stops every process it started by PID.
+    ``superlink``: the command that starts the SuperLink (default: Flower's ``flower-superlink``)."""
     # A uniquely named root: every process we start names it on its command line.
     root = Path(tempfile.mkdtemp(prefix="fedsyn-deploy-", dir=tmp_path))
     nodes = {}
@@ -266,7 +268,7 @@ def _deploy(tmp_path: Path, tiers: dict[str, str], policies: dict[str, str] | No
     t0 = time.time()
     try:
         _start(dep, "superlink", [
-            str(BIN / "flower-superlink"), "--insecure", "--host", "127.0.0.1", "--port", str(dep.port),
+            *(superlink or [str(BIN / "flower-superlink")]), "--insecure", "--host", "127.0.0.1", "--port", str(dep.port),
             "--database", str(root / "superlink.db"), "--disable-runtime-dependency-installation",
         ], root / "home-superlink")
         deadline = time.time() + 60

@@ -16,8 +16,8 @@
 #   --name NAME     the SuperLink connection written to the CLI's config.toml (fedsyn-local)
 #   --app DIR       the app every node approves in its FAB gate (default: this checkout)
 #
-# Each SuperNode runs behind its own FAB gate (WORK/nodes/NAME/gate/flwr-clientapp, first in its
-# PATH) with its own allow-list (WORK/nodes/NAME/allow-list.txt) approving the FAB of --app: a
+# Each SuperNode runs behind its own FAB gate (WORK/nodes/NAME/gate/, a launcher per task process,
+# first in its PATH) with its own allow-list (WORK/nodes/NAME/allow-list.txt) approving the FAB of --app: a
 # try-out approves what you run; an institution reviews first (deploy/start_node.sh).
 #
 # Prints the PIDs it started and writes them to WORK/pids ("PID ROLE NAME" lines);
@@ -152,7 +152,8 @@ for file in "${files[@]}"; do
     "$bin_dir/fedsyn" node approve "$app" --allow-list "$dir/allow-list.txt" \
         --note "start_local_deployment.sh" > "$dir/approve.log" 2>&1 || fail "cannot approve $app" "$dir/approve.log"
     # Flower runs no app code at SuperNode start: check the data and the gate now, not at the first request.
-    PATH="$dir/gate:$PATH" "$bin_dir/fedsyn" node-check --node-config "$node_config" > "$dir/node-check.log" 2>&1 \
+    # One user runs everything here (a try-out): --same-user says so; an institution uses start_node.sh --run-as.
+    PATH="$dir/gate:$PATH" "$bin_dir/fedsyn" node-check --node-config "$node_config" --same-user > "$dir/node-check.log" 2>&1 \
         || fail "SuperNode $node cannot start: its data, node config or FAB gate is unusable" "$dir/node-check.log"
     PATH="$dir/gate:$PATH" FLWR_HOME="$dir/flwr-home" nohup "$bin_dir/flower-supernode" "${node_args[@]}" \
         --node-config "$node_config" > "$dir/supernode.log" 2>&1 < /dev/null &

@@ -8,16 +8,23 @@
 #   --allow-list FILE       the FABs this node runs: fedsyn node approve CHECKOUT --allow-list FILE
 #   --work DIR              the gate, FLWR_HOME, logs and pids (default ./fedsyn-node)
 #   --run-as USER           run every ClientApp as USER (process isolation: flower-superexec started
-#                           as USER, who must not own the gate, the allow-list or the venv). As root.
+#                           as USER, who must own and be able to write none of the gate, the allow-list,
+#                           the approved trees or the venv; node-check checks it). As root.
+#   --same-user             no --run-as: ClientApps run as you, who own the gate; accept that the
+#                           approved app could change it (node-check refuses this without the flag)
 #   --root-certificates CA  TLS to the SuperLink with this CA certificate (else --insecure)
 #   --auth-key KEY          SuperNode authentication: this node's private key
 #   --port P                this SuperNode's Runtime API port, on 127.0.0.1 (default: free)
 #
 # What it does, in order, and stops at the first problem with one line:
-#  1. writes the gate WORK/gate/flwr-clientapp (fedsyn_client/fab_gate.py, the allow-list's path
-#     fixed in it) and makes it and the allow-list writable by their owner only;
+#  1. writes the gate WORK/gate/: one launcher per task process Flower's SuperExec starts
+#     (flwr-clientapp gated, flwr-agentapp refusing every FAB, the others exiting before they
+#     connect; fedsyn_client/fab_gate.py, the allow-list's path fixed in each) and makes them and
+#     the allow-list writable by their owner only. The allow-list's approved trees
+#     (FILE.apps/, written by `fedsyn node approve`) are the only app code a ClientApp imports;
 #  2. runs `fedsyn node-check` with the gate first in PATH (as USER with --run-as): the policy,
-#     the data, the models it allows, the ledger, the gate and its allow-list;
+#     the data, the models it allows, the ledger, every launcher, the allow-list and its trees,
+#     Flower's exact version, and that the ClientApp user can change none of them nor the venv;
 #  3. starts flower-supernode with that PATH; with --run-as in process isolation, and
 #     flower-superexec as USER, so ClientApps run as USER and pass through the gate.
 # Writes WORK/pids ("PID ROLE NAME"); deploy/stop_local_deployment.sh WORK stops exactly those.
@@ -27,7 +34,7 @@ set -euo pipefail
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 [[ $# -ge 1 && "$1" != "-h" && "$1" != "--help" ]] || { usage; [[ $# -ge 1 ]] && exit 0 || exit 2; }
 
-superlink=""; node_config=""; allow_list=""; work=./fedsyn-node; run_as=""; ca=""; auth_key=""; port=""
+superlink=""; node_config=""; allow_list=""; work=./fedsyn-node; run_as=""; ca=""; auth_key=""; port=""; same_user=""
 while [[ $# -gt 0 ]]; do
     case $1 in
         --superlink) superlink=$2; shift 2 ;;
@@ -35,6 +42,7 @@ while [[ $# -gt 0 ]]; do
         --allow-list) allow_list=$2; shift 2 ;;
         --work) work=$2; shift 2 ;;
         --run-as) run_as=$2; shift 2 ;;
+        --same-user) same_user=--same-user; shift ;;
         --root-certificates) ca=$2; shift 2 ;;
         --auth-key) auth_key=$2; shift 2 ;;
         --port) port=$2; shift 2 ;;
@@ -73,13 +81,14 @@ fi
 
 # 1. the gate: owned by whoever runs this script, writable by nobody else
 "$bin_dir/fedsyn" node install-launcher "$work/gate" --allow-list "$allow_list" > /dev/null
-chmod go-w "$work/gate" "$work/gate/flwr-clientapp" "$allow_list"
+chmod go-w "$work/gate" "$work/gate"/* "$allow_list"
 export PATH="$work/gate:$bin_dir:$PATH"
 export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1
 export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1} TRANSFORMERS_OFFLINE=${TRANSFORMERS_OFFLINE:-1} TOKENIZERS_PARALLELISM=false
 
 # 2. the start-up check, as the ClientApps will run
-as_user env PATH="$PATH" "$bin_dir/fedsyn" node-check --node-config "$node_config" > "$work/node-check.log" 2>&1 \
+[[ -n "$run_as" && -n "$same_user" ]] && die "--run-as and --same-user exclude each other"
+as_user env PATH="$PATH" "$bin_dir/fedsyn" node-check --node-config "$node_config" $same_user > "$work/node-check.log" 2>&1 \
     || { cat "$work/node-check.log" >&2; die "the node cannot start (above)"; }
 cat "$work/node-check.log"
 
@@ -99,6 +108,6 @@ if [[ -n "$run_as" ]]; then
     nohup runuser -u "$run_as" -- env HOME="$home" PATH="$PATH" FLWR_HOME="$home/flwr" "$bin_dir/flower-superexec" \
         --insecure --runtime-api-address "127.0.0.1:$port" > "$work/superexec.log" 2>&1 < /dev/null &
     echo "$! superexec $run_as" >> "$pidfile"
-    echo "SuperExec  PID $!  ClientApps run as $run_as behind $work/gate/flwr-clientapp  log $work/superexec.log"
+    echo "SuperExec  PID $!  ClientApps run as $run_as behind the gate in $work/gate  log $work/superexec.log"
 fi
 echo "Stop it: $(dirname "$0")/stop_local_deployment.sh $work"

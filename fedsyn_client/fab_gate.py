@@ -210,6 +210,9 @@ class ClientAppGate:
         app = load_app(reference, LoadClientAppError, tree)
         if not isinstance(app, ClientApp):
             raise LoadClientAppError(f"{reference} is not a ClientApp")
+        stray = imported_outside(tree)
+        if stray:  # e.g. an installed copy of the app's package found first: not the bytes approved
+            return self._refuse(f"{stray} was imported from outside the approved tree {tree}; refused")
         return app
 
     def loader(self, *args: Any, **kwargs: Any) -> Callable[[str, str, str], Any]:
@@ -219,6 +222,21 @@ class ClientAppGate:
     def _refuse(self, reason: str) -> Any:
         self.log(f"fedsyn FAB gate: {reason}")
         raise FabNotApproved()
+
+
+def imported_outside(tree: Path) -> str:
+    """The first imported module of one of ``tree``'s top-level packages or modules whose file is
+    not inside ``tree``, or ""."""
+    tops = {p.stem if p.suffix == ".py" else p.name for p in tree.iterdir() if p.is_dir() or p.suffix == ".py"}
+    root = tree.resolve()
+    for name, module in list(sys.modules.items()):
+        if name.split(".")[0] not in tops:
+            continue
+        files = [getattr(module, "__file__", None), *list(getattr(module, "__path__", []) or [])]
+        for file in filter(None, files):
+            if not Path(file).resolve().is_relative_to(root):
+                return f"{name} ({file})"
+    return ""
 
 
 def refuse_every_fab(*args: Any, **kwargs: Any) -> Any:

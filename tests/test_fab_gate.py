@@ -124,6 +124,17 @@ def test_the_gate_imports_the_clientapp_from_the_approved_tree(tmp_path, tiny_fa
     monkeypatch.delitem(sys.modules, "tinyapp.client", raising=False)
     app = gate.loader("", None, True)("lab/tiny", "1.0.0", hashlib.sha256(tiny_fab).hexdigest())
     assert isinstance(app, ClientApp) and Path(sys.modules["tinyapp.client"].__file__).parent == tree / "tinyapp"
+    # the app's package already imported from elsewhere (an installed copy found first): not the approved bytes
+    elsewhere = tmp_path / "site" / "tinyapp"
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "__init__.py").write_text("")
+    (elsewhere / "client.py").write_text(TINY_APP["tinyapp/client.py"])
+    monkeypatch.delitem(sys.modules, "tinyapp")
+    monkeypatch.delitem(sys.modules, "tinyapp.client")
+    sys.path.insert(0, str(elsewhere.parent))
+    __import__("tinyapp.client")
+    with pytest.raises(fab_gate.FabNotApproved):
+        gate.load("lab/tiny", "1.0.0", hashlib.sha256(tiny_fab).hexdigest())
 
 
 def test_the_gate_fails_closed_on_another_flower_or_a_moved_hook(monkeypatch):

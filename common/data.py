@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import math
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -92,7 +93,8 @@ def load_node_data(path: str, text_column: str, control_columns: Sequence[str], 
     ``TextData``: a node's release is defined on every dataset, and "does this file hold a
     usable row" would be a free bit if loading failed instead.
     """
-    table = load_table(path)
+    # Control and text columns are read as written, never typed from the whole file (``control_value``).
+    table = load_table(path, text_columns=() if schema is not None else (text_column, *control_columns))
     if schema is not None:
         return table_text_data(table, schema, control_columns, seed, allow_empty=True)
     return to_text_data(table, text_column, control_columns, allow_empty=True)
@@ -161,15 +163,31 @@ def _check_control_columns(text_column: str | None, control_columns: Sequence[st
         raise ValueError(f"text column {text_column!r} cannot also be a control column")
 
 
-def _render(series: pd.Series) -> pd.Series:
-    # A numeric label column with a missing value comes back from pandas as float, which
-    # would render stars=4 as "stars=4.0"; integral floats go back to integers so codes
-    # are identical whichever file the same data came from.
-    if pd.api.types.is_float_dtype(series):
-        values = series.dropna()
-        if len(values) and bool((values == values.round()).all()):
-            return series.astype("Int64")
-    return series
+def control_value(value: object) -> str | None:
+    """A control value as the text its code carries, from that value alone (None: missing).
+
+    One record's code must never depend on the other rows: pandas infers a column's type from the
+    whole file, so one record ``4.5`` in a column of ``4``s would turn every ``stars=4`` into
+    ``stars=4.0`` and move all of them out of their code at once (a change far beyond the
+    sensitivity the noise is calibrated for). So a node reads control columns as text
+    (``load_table(..., text_columns=...)``), and each value is written by one rule: a string is
+    stripped as it is (``01`` stays ``01``); a number (from JSON or Parquet, where the file types
+    it) is an integer when integral (``4.0`` and ``4`` are ``4``, whatever else the column holds)
+    and Python's shortest repr otherwise (``4.5``); a bool is ``true``/``false``; an empty string,
+    None or NaN is missing.
+    """
+    if value is None or isinstance(value, (bool, np.bool_)):
+        return None if value is None else ("true" if value else "false")
+    if isinstance(value, (int, np.integer)):
+        return str(int(value))
+    if isinstance(value, (float, np.floating)):
+        if math.isnan(value):
+            return None
+        return str(int(value)) if math.isfinite(value) and float(value).is_integer() else repr(float(value))
+    if value is pd.NA or value is pd.NaT:
+        return None
+    text = str(value).strip()
+    return text or None
 
 
 def to_text_data(
@@ -185,7 +203,9 @@ def to_text_data(
     _check_columns(df, [text_column, *control_columns])
     texts = df[text_column]
     text_ok = texts.notna() & (texts.astype(str).str.strip() != "")
-    codes_ok = df[list(control_columns)].notna().all(axis=1)
+    values = pd.DataFrame({c: [control_value(v) for v in df[c].tolist()] for c in control_columns}, index=df.index,
+                          dtype=object)
+    codes_ok = values.notna().all(axis=1)
     n_empty, n_uncoded = int((~text_ok).sum()), int((text_ok & ~codes_ok).sum())
     if n_empty or n_uncoded:
         logger.warning(
@@ -196,17 +216,20 @@ def to_text_data(
     kept = df[text_ok & codes_ok]
     if kept.empty and not allow_empty:
         raise ValueError(f"no usable rows: every row has an empty {text_column!r} or no code")
-    controls = pd.DataFrame({c: _render(kept[c]) for c in control_columns})
-    codes = [make_code(row, control_columns) for row in controls.to_dict("records")]
+    codes = [make_code(row, control_columns) for row in values[text_ok & codes_ok].to_dict("records")]
     return TextData([str(t).strip() for t in kept[text_column]], codes)
 
 
-def _sorted_values(series: pd.Series) -> list[object]:
-    values = list(_render(series).dropna().unique())
-    try:
-        return sorted(values)  # numbers numerically: stars 2 < 10
-    except TypeError:
-        return sorted(values, key=str)
+def _sorted_values(series: pd.Series) -> list[str]:
+    values = {v for v in map(control_value, series.tolist()) if v is not None}
+
+    def key(value: str) -> tuple:
+        try:
+            return (0, float(value), value)  # numbers numerically: stars 2 < 10
+        except ValueError:
+            return (1, 0.0, value)
+
+    return sorted(values, key=key)
 
 
 def code_vocabulary(

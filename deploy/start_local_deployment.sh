@@ -146,7 +146,7 @@ for file in "${files[@]}"; do
             || fail "flwr supernode register failed for $node" "$dir/register.log"
         node_args+=(--auth-supernode-private-key "$dir/node_key")
     fi
-    node_config="tier=\"$tier\" data-path=\"$file\" state-dir=\"$dir/state\" epsilon=$epsilon"
+    node_config="tier=\"$tier\" data-path=\"$file\" max-records=1000 state-dir=\"$dir/state\" epsilon=$epsilon"
     # The node's FAB gate: its launcher first in its PATH, its allow-list approving --app.
     "$bin_dir/fedsyn" node install-launcher "$dir/gate" --allow-list "$dir/allow-list.txt" > /dev/null
     "$bin_dir/fedsyn" node approve "$app" --allow-list "$dir/allow-list.txt" \

@@ -115,7 +115,7 @@ def train(msg: Message, node: Node, cfg: RunConfig, req: Request) -> RecordDict:
     state = node.ledger.accountant_state(accountant_key(req.run_id))
     mechanism = DpSgdRound(cfg, lambda: node.records(req.vocabulary), msg.content.array_records.get(R.ARRAYS),
                            state, msg.metadata.dst_node_id,
-                           phase_reserved=node.ledger.spent(run_id=req.run_id, phase=TRAIN) > 0)
+                           phase_reserved=node.ledger.spent(run_id=req.run_id, phase=TRAIN) > 0, bound=node.bound)
     weights, statement = release(node, req, mechanism)
     # Uniform weight (A.3): a true example count would be an un-noised statistic.
     metrics = MetricRecord({R.WEIGHT_KEY: 1.0, "steps": float(cfg.local_steps)})

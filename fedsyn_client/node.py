@@ -29,6 +29,7 @@ from fedsyn_client.ledger import PrivacyLedger
 from fedsyn_client.policy import NodePolicy, PolicyError, is_simulated, policy_from_node_config, simulation_policy
 from fedsyn_client.refusals import NodeSetupError
 from fedsyn_client.replies import ReplyStore
+from fedsyn_client.view import bounded, view_seed
 
 log = get_logger(__name__)
 STATE_ENV = "FEDSYN_STATE_DIR"
@@ -63,6 +64,12 @@ class Node:
     def tier(self) -> str:
         """``strong`` or ``weak`` (the institution's choice)."""
         return self.policy.tier
+
+    @property
+    def bound(self) -> int:
+        """The public size bound a release works to: the policy's ``max-records``; in simulation,
+        where no institution exists and the partition is the server's choice, its size."""
+        return self.policy.max_records or len(self.data)
 
     def records(self, vocabulary: tuple[str, ...]) -> TextData:
         """The records whose code is in ``vocabulary``; the others are dropped the same way in
@@ -114,8 +121,11 @@ def check_node(node_config: dict[str, Any]) -> str:
                              "and control-columns")
     _check_requirements(policy, node_config)
     node = _open(policy, None)
+    bound = (f"max-records={policy.max_records}: every release does the work of {policy.max_records} records"
+             + (f"; the file holds {len(data)}, so each release uses the same uniform subsample of {policy.max_records}"
+                if len(data) > policy.max_records else ""))
     return (f"node ready: tier={policy.tier} records={len(node.data)} budget epsilon={policy.epsilon:g} "
-            f"ledger={node.ledger.path} (spent {node.ledger.spent():.4g})")
+            f"ledger={node.ledger.path} (spent {node.ledger.spent():.4g}); {bound}")
 
 
 def _check_requirements(policy: NodePolicy, node_config: dict[str, Any]) -> None:
@@ -160,12 +170,19 @@ def _policy(run_id: str, node_config_items: tuple[tuple[str, str], ...], cfg: Ru
         delta=cfg.resolve_delta(len(bench.train)), text_column=cfg.text_column,
         control_columns=cfg.control_columns, vocabulary=bench.vocabulary, state_dir=state, partition=(pid, num),
         model=cfg.model, embedder=cfg.embedder, finetune=cfg.finetune, table_schema=canonical(cfg.schema()),
+        max_length=cfg.max_length,
     )
 
 
 @lru_cache(maxsize=16)
 def _open(policy: NodePolicy, sim_cfg: RunConfig | None) -> Node:
     data = _data(policy, sim_cfg)
+    state_dir = policy.state_dir or str(Path.home() / ".fedsyn" / "state")
+    if policy.max_records and len(data) > policy.max_records:  # the node's own log only: the count never leaves
+        log.warning("data-path %r holds %d records, above max-records = %d: every release uses the same uniform "
+                    "subsample of %d (fedsyn_client.view)", policy.data_path, len(data), policy.max_records,
+                    policy.max_records)
+        data = bounded(data, policy.max_records, view_seed(state_dir))
     # An empty data set is served like any other (every release is defined on it): refusing it
     # would answer "does this node hold any record" for free. node-check tells the operator.
     if len(data) == 0:
@@ -173,7 +190,6 @@ def _open(policy: NodePolicy, sim_cfg: RunConfig | None) -> Node:
     elif policy.delta >= 1.0 / len(data):  # the node's own log only: the count never leaves
         log.warning("delta = %g >= 1/%d records on this node: the guarantee is weak; set a smaller node-config delta",
                     policy.delta, len(data))
-    state_dir = policy.state_dir or str(Path.home() / ".fedsyn" / "state")
     ledger = PrivacyLedger.open(state_dir, policy.epsilon, policy.ledger_id, dataset_fingerprint(data))
     log.info("node ready: tier=%s records=%d budget=%s ledger=%s", policy.tier, len(data), policy.epsilon, ledger.path)
     replies = ReplyStore(ledger.path.with_name(f"{ledger.path.stem}-replies"), policy.keep_replies_days)

@@ -22,6 +22,8 @@ a node's records can lose, and what runs on them, comes from here, never from th
 | ledger            | ``state-dir``, ``ledger-id``            | a temp dir per run               |
 | unconfirmed holds | ``max-unconfirmed-holds`` (default 1)   | 1                                |
 | reply retention   | ``keep-replies-days`` (default 30; 0 = forever) | 30 (the store is the run's)  |
+| token cap         | ``max-length`` (default 512): the longest ``max-length`` a request may ask | the run's ``max-length`` |
+| public size bound | ``max-records`` (**required**): every release does the work of exactly this many records; a file with more is subsampled once (``fedsyn_client.view``) | the partition's size |
 
 ``policy-file`` names a TOML file with the same keys (node-config keys win), so an
 institution can keep its policy under version control. An unknown key, in the node config
@@ -47,7 +49,7 @@ from common.dp import PHASES, TIERS, TRAIN, VOTE
 from common.records import ERR_POLICY
 from common.plugins import FINETUNE_MODES
 from fedsyn_client.refusals import (RULE_CAP, RULE_COLUMNS, RULE_DELTA, RULE_EMBEDDER, RULE_EPSILON,
-                                     RULE_FINETUNE, RULE_MODEL, RULE_PHASE, RULE_VOCABULARY, Refusal)
+                                     RULE_FINETUNE, RULE_MAX_LENGTH, RULE_MODEL, RULE_PHASE, RULE_VOCABULARY, Refusal)
 
 DEFAULT_DELTA = 1e-5
 # The offline models the project ships (common.models): what a node runs unless its institution
@@ -55,10 +57,13 @@ DEFAULT_DELTA = 1e-5
 DEFAULT_MODELS = ("smollm2-135m", "tiny-gpt2")
 DEFAULT_EMBEDDERS = ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2")
 DEFAULT_FINETUNE = FINETUNE_MODES
+# The longest max-length (tokens a record is cut to) a request may ask: memory and time of a
+# training round grow with it, so the server may not move them at will (issue 45).
+DEFAULT_MAX_LENGTH = 512
 NODE_KEYS = ("tier", "data-path", "text-column", "control-columns", "table-schema", "control-codes", "epsilon", "delta",
              "max-epsilon-train", "max-epsilon-profile", "max-epsilon-vote", "cap-window-days", "model", "embedder",
              "finetune", "state-dir", "ledger-id", "max-unconfirmed-holds", "keep-replies-days", "audit-dir",
-             "policy-file")
+             "policy-file", "max-length", "max-records")
 SIMULATION_KEYS = ("partition-id", "num-partitions")  # set by Flower's simulation engine
 
 class PolicyError(ValueError):
@@ -95,6 +100,7 @@ class Ask:
     embedder: str = ""
     finetune: str = ""
     table_schema: str = ""  # common.rows.canonical of the run's table schema; "" = a text column
+    max_length: int = 0  # the tokens a record is cut to (training; the vote window is twice it)
 
 
 @dataclass(frozen=True)
@@ -118,6 +124,8 @@ class NodePolicy:
     models: tuple[str, ...] = DEFAULT_MODELS
     embedders: tuple[str, ...] = DEFAULT_EMBEDDERS
     finetune_modes: tuple[str, ...] = DEFAULT_FINETUNE
+    max_length: int = DEFAULT_MAX_LENGTH  # the longest max-length a request may ask
+    max_records: int = 0  # the public size bound (0 in simulation: the partition's size, public there)
     simulated: bool = False
     partition: tuple[int, ...] = ()  # simulation: (partition id, number of partitions)
     warnings: tuple[str, ...] = field(default=(), compare=False)
@@ -148,6 +156,9 @@ class NodePolicy:
             raise PolicyRefused(RULE_EPSILON, f"the run asks for epsilon = {ask.epsilon:g} per node, above this "
                                               f"node's budget epsilon = {self.epsilon:g}")
         self._check_vocabulary(ask.vocabulary)
+        if ask.max_length > self.max_length:
+            raise PolicyRefused(RULE_MAX_LENGTH, f"the run asks for max-length = {ask.max_length}, above this node's "
+                                                 f"cap max-length = {self.max_length} (node-config max-length)")
         if ask.delta is not None:
             self._check_delta(ask.delta)
         for phase, eps in ask.phases:
@@ -272,6 +283,19 @@ def policy_from_node_config(node_config: Mapping[str, Any]) -> NodePolicy:
             raise PolicyError(f"node-config control-columns {bad_columns} are not categorical columns of its "
                               "table-schema")
         table_schema = canonical(schema)
+    max_length = _float("max-length", values.get("max-length", DEFAULT_MAX_LENGTH))
+    if not (8 <= max_length <= 8192 and max_length == int(max_length)):
+        raise PolicyError(f"node-config max-length = {max_length:g} must be an integer in [8, 8192] (default "
+                          f"{DEFAULT_MAX_LENGTH}): the longest max-length a request may ask")
+    if "max-records" not in values:
+        raise PolicyError(
+            "node-config max-records is missing: the public bound on this node's record count. Every release does "
+            "the work of exactly that many records, so its time and DP-SGD's sampling rate say nothing about how many "
+            "records the file holds (the server learns the bound, not the count); a file with more is subsampled. "
+            "Set it, e.g. --node-config '... max-records=10000'")
+    max_records = _float("max-records", values["max-records"])
+    if not (1 <= max_records <= 10_000_000 and max_records == int(max_records)):
+        raise PolicyError(f"node-config max-records = {max_records:g} must be an integer in [1, 10000000]")
     codes = _names(values.get("control-codes", ""))
     notes = () if codes else (
         "node-config control-codes is not set: this node accepts the server's public vocabulary and drops "
@@ -281,21 +305,23 @@ def policy_from_node_config(node_config: Mapping[str, Any]) -> NodePolicy:
         control_codes=codes, table_schema=table_schema, data_path=data_path, state_dir=str(values.get("state-dir", "")),
         ledger_id=str(values.get("ledger-id", "")), phase_caps=tuple(caps), cap_window_days=window,
         max_unconfirmed_holds=int(max_holds), keep_replies_days=keep_days, models=models["model"],
-        embedders=models["embedder"], finetune_modes=models["finetune"], warnings=notes,
+        embedders=models["embedder"], finetune_modes=models["finetune"], max_length=int(max_length),
+        max_records=int(max_records), warnings=notes,
     )
 
 
 def simulation_policy(tier: str, epsilon: float, delta: float, text_column: str,
                       control_columns: Sequence[str], vocabulary: Sequence[str], state_dir: str,
                       partition: tuple[int, int], model: str, embedder: str, finetune: str,
-                      table_schema: str = "") -> NodePolicy:
+                      table_schema: str = "", max_length: int = DEFAULT_MAX_LENGTH) -> NodePolicy:
     """The policy of a simulated node: built from the run config, since no institution exists
     (its models and table schema are the run's own)."""
     return NodePolicy(tier=tier, epsilon=epsilon, delta=delta, text_column=text_column,
                       control_columns=tuple(control_columns), control_codes=tuple(vocabulary),
                       table_schema=table_schema,
                       state_dir=state_dir, simulated=True, partition=tuple(partition),
-                      models=(model,), embedders=(embedder,), finetune_modes=(finetune,))
+                      models=(model,), embedders=(embedder,), finetune_modes=(finetune,),
+                      max_length=max(DEFAULT_MAX_LENGTH, max_length))
 
 
 def _canonical(key: str) -> str:

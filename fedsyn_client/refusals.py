@@ -26,8 +26,9 @@ RULE_PHASE = "phase not for this node"
 RULE_MODEL = "model not allowed"
 RULE_EMBEDDER = "embedder not allowed"
 RULE_FINETUNE = "finetune not allowed"
+RULE_MAX_LENGTH = "max-length above the node's cap"
 RULES = (RULE_COLUMNS, RULE_EPSILON, RULE_VOCABULARY, RULE_DELTA, RULE_CAP, RULE_PHASE, RULE_MODEL, RULE_EMBEDDER,
-         RULE_FINETUNE)
+         RULE_FINETUNE, RULE_MAX_LENGTH)
 
 # budget rules (facts of the ledger, never of the records)
 BUDGET = "budget"

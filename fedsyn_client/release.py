@@ -99,7 +99,7 @@ def authorise(msg: Message, context: Context, policy: NodePolicy, cfg: RunConfig
     policy.authorise(Ask(text_column=cfg.text_column, control_columns=cfg.control_columns, epsilon=cfg.epsilon,
                          vocabulary=vocabulary, phases=tuple(planned.items()), delta=conf.get("delta"),
                          model=cfg.model, embedder=cfg.embedder, finetune=cfg.finetune,
-                         table_schema=canonical(cfg.schema())))
+                         table_schema=canonical(cfg.schema()), max_length=cfg.max_length))
     if kind == TIER:
         return Request(run_id=key, phase=TIER, epsilon=float(sum(planned.values())), delta=0.0, phase_budget=0.0,
                        vocabulary=vocabulary, params=conf, needs=planned)

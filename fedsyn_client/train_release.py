@@ -61,9 +61,11 @@ class DpSgdRound(Mechanism):
     name = DPSGD
 
     def __init__(self, cfg: RunConfig, records: Callable[[], TextData], arrays: ArrayRecord, state: dict[str, Any],
-                 node_id: int, phase_reserved: bool = False) -> None:
-        # ``records`` is called only after the reservation: nothing before it reads a record
-        self.cfg, self.records, self.arrays, self.node_id = cfg, records, arrays, node_id
+                 node_id: int, phase_reserved: bool = False, bound: int | None = None) -> None:
+        # ``records`` is called only after the reservation: nothing before it reads a record.
+        # ``bound``: the node's public size bound (policy max-records): q = B / bound, and each step
+        # does the work of a Poisson sample of that many slots (None: the view's own size)
+        self.cfg, self.records, self.arrays, self.node_id, self.bound = cfg, records, arrays, node_id, bound
         self.state = state  # this run's accountant state from the ledger ({} before round 1)
         self.total_steps = cfg.num_server_rounds * cfg.local_steps
         # The ledger already holds this run's phase-1 reservation. Usually from round 1; also when
@@ -136,7 +138,8 @@ class DpSgdRound(Mechanism):
         cfg = self.cfg
         history = [list(h) for h in self.state.get("history", [])]
         records = self.records()
-        q, nm, delta = self._fixed_terms(request, len(records))
+        bound = self.bound or len(records)
+        q, nm, delta = self._fixed_terms(request, bound)
         if cfg.private:
             # A function of stored values and the round index only (q and nm are the first round's,
             # the steps are bounded by the ledger): within the reservation by construction. A
@@ -159,6 +162,7 @@ class DpSgdRound(Mechanism):
             sample_rate=q, prompt=cfg.prompt, template=cfg.zero_shot_template,
             # the objective does not widen a release: each record's gradient is clipped to C whatever it is
             contrastive_weight=cfg.contrastive_weight, vocabulary=tuple(sorted(request.vocabulary)),
+            records_bound=max(bound, len(records)),
         )
         result = dp_train(model, tokenizer, records.texts, records.codes, settings, delta, history)
         # The local loss is an un-noised statistic of the records: it stays in this log.
@@ -178,7 +182,7 @@ class DpSgdRound(Mechanism):
             q = float(stored["sample_rate"])
         elif history:  # ledgers written before q was stored keep it in the history's first entry
             q = float(history[0][1])
-        else:  # the first round
+        else:  # the first round: from the public bound (a deployed node's max-records)
             q = poisson_sample_rate(self.cfg.batch_size, num_records)
         delta = float(stored.get("delta", request.delta))
         if not self.cfg.private:

@@ -71,6 +71,11 @@ class TrainSettings:
     # per record and round; 0: the paper's loss alone. Each record then costs two rows of compute.
     contrastive_weight: float = 0.0
     vocabulary: tuple[str, ...] = ()
+    # The node's public size bound (policy max-records): private steps Poisson-sample this many
+    # slots, the ones beyond the records being padding rows that count for nothing, and every row
+    # is encoded at the public width max_length, so a step's work is a function of public inputs
+    # only. None: the call's own record count (benchmarks, simulation's partitions).
+    records_bound: int | None = None
 
     def __post_init__(self) -> None:
         if self.local_steps < 1 or self.batch_size < 1:
@@ -87,6 +92,8 @@ class TrainSettings:
             raise ValueError(f"sample_rate must be in (0, 1], got {self.sample_rate}")
         if not 0 <= self.contrastive_weight < math.inf:
             raise ValueError(f"contrastive_weight must be a finite float >= 0, got {self.contrastive_weight}")
+        if self.records_bound is not None and self.records_bound < 1:
+            raise ValueError(f"records_bound must be >= 1, got {self.records_bound}")
 
 
 @dataclass
@@ -119,16 +126,18 @@ def dp_train(model, tokenizer, texts: list[str], codes: list[str], settings: Tra
     n = len(texts)
     if len(codes) != n:
         raise ValueError(f"got {n} texts but {len(codes)} codes")
-    batch, q = settings.batch_size, sample_rate(settings, n)
-    if settings.sample_rate is None and batch > n:
-        warnings.warn(f"batch_size {batch} > {n} local records: every step samples all of them (q = 1)", stacklevel=2)
+    bound = n if settings.records_bound is None else settings.records_bound
+    if n > bound:
+        raise ValueError(f"{n} records above the bound records_bound = {bound} (fedsyn_client.view cuts a view to it)")
+    batch, q = settings.batch_size, sample_rate(settings, bound)
+    if settings.sample_rate is None and batch > bound:
+        warnings.warn(f"batch_size {batch} > {bound} records: every step samples all of them (q = 1)", stacklevel=2)
     history = _check_history(accountant_history)
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("the model has no trainable parameters (call common.weights.prepare_model first)")
     torch.manual_seed(settings.seed)
     sampler_rng, noise_rng = _generators(settings, prior_steps=sum(h[2] for h in history), device=params[0].device)
-    dataset = _encode(tokenizer, texts, codes, settings, sampler_rng)
     # AdamW (weight decay 0) by default, not SGD: the paper's learning rates (5e-4 for DP
     # GPT-2, 1e-3 for LoRA LLaMA) are Adam-scale, following Yue et al. 2022 / dp-transformers;
     # Adam's per-coordinate scaling lets one lr serve LoRA and full finetuning at any noise
@@ -143,8 +152,10 @@ def dp_train(model, tokenizer, texts: list[str], codes: list[str], settings: Tra
     model.train()
     try:
         if settings.private:
-            losses, history = _private_steps(model, optimizer, dataset, q, settings, history, sampler_rng, noise_rng)
+            slots = Slots(tokenizer, texts, codes, settings, bound, sampler_rng)
+            losses, history = _private_steps(model, optimizer, slots, q, settings, history, sampler_rng, noise_rng)
         else:
+            dataset = _encode(tokenizer, texts, codes, settings, sampler_rng)
             losses = _plain_steps(model, optimizer, dataset, min(batch, n), settings, sampler_rng)
     finally:
         model.train(was_training)
@@ -164,28 +175,74 @@ def pairs_on(settings: TrainSettings) -> bool:
     return settings.contrastive_weight > 0 and len(set(settings.vocabulary)) >= 2
 
 
-def _encode(tokenizer, texts: list[str], codes: list[str], settings: TrainSettings, generator) -> TensorDataset:
-    """The records as tensors [n, width] per key, or [n, 2, width] for pairs (own code, another code).
-
-    The other code is drawn uniformly from the vocabulary minus the record's own, once per round,
-    with the round's sampling generator (OS entropy when private).
-    """
-    def encode(row_texts, row_codes):
-        return encode_examples(tokenizer, row_texts, row_codes, settings.max_length,
-                               lambda code: make_prompt(code, settings.prompt, settings.template))
-
-    if not pairs_on(settings):
-        enc = encode(texts, codes)
-        return TensorDataset(*(enc[k] for k in _KEYS))
+def _other_codes(codes: list[str], settings: TrainSettings, generator) -> list[str]:
+    """For each record, one other code of the vocabulary, uniformly (its pair's second reading)."""
     vocabulary = sorted(set(settings.vocabulary))
     where = {v: i for i, v in enumerate(vocabulary)}
     draws = torch.randint(0, len(vocabulary) - 1, (len(codes),), generator=generator).tolist()
     # k-th of the vocabulary without the record's own code: O(1) a record, whatever the vocabulary's size
-    others = [vocabulary[k + (k >= where.get(code, len(vocabulary)))] for code, k in zip(codes, draws)]
+    return [vocabulary[k + (k >= where.get(code, len(vocabulary)))] for code, k in zip(codes, draws)]
+
+
+def _encode_rows(tokenizer, texts: list[str], codes: list[str], settings: TrainSettings, generator,
+                 width: int | None = None) -> tuple[torch.Tensor, ...]:
+    """The records as tensors [n, width] per key, or [n, 2, width] for pairs (own code, another code
+    drawn with ``generator``); ``width``: pad every row to it (None: to the longest)."""
+    def encode(row_texts, row_codes):
+        return encode_examples(tokenizer, row_texts, row_codes, settings.max_length,
+                               lambda code: make_prompt(code, settings.prompt, settings.template), pad_to=width)
+
+    if not pairs_on(settings):
+        enc = encode(texts, codes)
+        return tuple(enc[k] for k in _KEYS)
     # one encoding of both readings: one padded width, then record i's rows side by side
-    enc = encode(list(texts) * 2, list(codes) + others)
+    enc = encode(list(texts) * 2, list(codes) + _other_codes(codes, settings, generator))
     n = len(codes)
-    return TensorDataset(*(torch.stack([enc[k][:n], enc[k][n:]], dim=1) for k in _KEYS))
+    return tuple(torch.stack([enc[k][:n], enc[k][n:]], dim=1) for k in _KEYS)
+
+
+def _encode(tokenizer, texts: list[str], codes: list[str], settings: TrainSettings, generator) -> TensorDataset:
+    """The records as a dataset of ``_encode_rows`` (non-private training: the other code of a pair
+    drawn once per round)."""
+    return TensorDataset(*_encode_rows(tokenizer, texts, codes, settings, generator))
+
+
+class Slots:
+    """The node's records as ``bound`` Poisson slots, encoded one batch at a time at the public width.
+
+    Encoding every record up front, padded to the longest, made a round's memory (and whether it
+    dies of out-of-memory) a function of |D| and of the longest record. Here a step tokenizes only
+    the records its Poisson sample drew, every row is padded to ``max_length`` (public), and a slot
+    beyond the records is a padding row: the same work through the model (its ids are eos, its
+    mask full), whose per-sample gradient is zeroed before clipping, so it counts for nothing. A
+    step's rows are Binomial(bound, q) and its tokens rows x max_length: public inputs only.
+    """
+
+    def __init__(self, tokenizer, texts: list[str], codes: list[str], settings: TrainSettings, bound: int,
+                 generator) -> None:
+        self.tokenizer, self.texts, self.codes, self.settings = tokenizer, texts, codes, settings
+        self.bound, self.generator = bound, generator
+        self.rows_per_record = 2 if pairs_on(settings) else 1
+
+    def __len__(self) -> int:
+        return self.bound
+
+    def batch(self, slots: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """(tensors [b, (2,) max_length] per key, a bool vector of the rows that are records) for
+        the sampled ``slots`` (indices in [0, bound))."""
+        real = slots < len(self.texts)
+        picked = slots[real].tolist()
+        width = self.settings.max_length
+        tensors = _encode_rows(self.tokenizer, [self.texts[i] for i in picked], [self.codes[i] for i in picked],
+                               self.settings, self.generator, width=width)
+        pad = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
+        shape = (int((~real).sum()), *((2,) if self.rows_per_record == 2 else ()), width)
+        filler = (torch.full(shape, pad, dtype=torch.long), torch.ones(shape, dtype=torch.long),
+                  torch.full(shape, pad, dtype=torch.long), torch.arange(width, dtype=torch.long).expand(shape).clone())
+        out = tuple(torch.empty((len(slots), *shape[1:]), dtype=torch.long) for _ in _KEYS)
+        for o, t, f in zip(out, tensors, filler):
+            o[real], o[~real] = t, f
+        return out, real
 
 
 def sample_rate(settings: TrainSettings, num_records: int) -> float:
@@ -213,7 +270,7 @@ def _generators(settings: TrainSettings, prior_steps: int, device) -> tuple[torc
     return rngs[0], rngs[1]
 
 
-def _private_steps(model, optimizer, dataset, q, settings, history, sampler_rng, noise_rng):
+def _private_steps(model, optimizer, slots: Slots, q, settings, history, sampler_rng, noise_rng):
     from opacus import PrivacyEngine
 
     with warnings.catch_warnings():
@@ -239,24 +296,23 @@ def _private_steps(model, optimizer, dataset, q, settings, history, sampler_rng,
         with warnings.catch_warnings():
             # The embedding's backward hook fires on an integer input: harmless, torch warns.
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
-            losses = _run(lambda t: _private_step(gsm, dp_optimizer, t, settings.precision, settings.contrastive_weight),
-                          poisson_batches(dataset, q, sampler_rng), settings.local_steps, "DP-SGD")
+            losses = _run(lambda b: _private_step(gsm, dp_optimizer, *b, settings.precision, settings.contrastive_weight),
+                          (slots.batch(s) for s in poisson_slots(len(slots), q, sampler_rng)), settings.local_steps,
+                          "DP-SGD")
     finally:
         gsm.to_standard_module()  # remove hooks and grad-sample attributes: `model` is usable again
     return losses, list(engine.accountant.state_dict()["history"])
 
 
-def poisson_batches(dataset: TensorDataset, q: float, generator: torch.Generator):
-    """Endless Poisson-sampled batches: each record is in each batch with probability ``q``.
+def poisson_slots(bound: int, q: float, generator: torch.Generator):
+    """Endless Poisson samples of ``bound`` slots: each slot is in each sample with probability ``q``.
 
     By hand rather than Opacus' ``DPDataLoader``: that loader takes the shapes of an empty
     batch from ``dataset[0]``, so it is undefined on an empty dataset, where DP-SGD is not
-    (every step is noise only). An empty batch keeps the dataset's column shapes.
+    (every step is noise only).
     """
-    n = len(dataset)
     while True:
-        keep = torch.nonzero(torch.rand(n, generator=generator) < q).flatten()
-        yield tuple(t[keep] for t in dataset.tensors)
+        yield torch.nonzero(torch.rand(bound, generator=generator) < q).flatten()
 
 
 # Rows x padded width per forward/backward pass of a DP-SGD step. A Poisson batch is as large as
@@ -268,7 +324,10 @@ def poisson_batches(dataset: TensorDataset, q: float, generator: torch.Generator
 TOKENS_PER_PASS = 8192
 
 
-def _private_step(gsm, dp_optimizer, tensors, precision: str, weight: float = 0.0) -> float:
+def _private_step(gsm, dp_optimizer, tensors, real: torch.Tensor, precision: str, weight: float = 0.0) -> float:
+    """One DP-SGD step on a Poisson batch of rows (``real``: which are records; the others are
+    padding rows, run like the rest and zeroed before clipping). Returns the records' mean loss
+    (nan without one)."""
     dp_optimizer.zero_grad(set_to_none=True)
     rows = tensors[0].shape[0]
     if rows == 0:
@@ -284,18 +343,31 @@ def _private_step(gsm, dp_optimizer, tensors, precision: str, weight: float = 0.
     total = 0.0
     for start in range(0, rows, per_pass):
         part = tuple(t[start:start + per_pass] for t in tensors)
-        total += _loss(gsm, part, precision, weight) * part[0].shape[0]
+        keep = real[start:start + per_pass]
+        total += _loss(gsm, part, precision, weight, trim=False) * int(keep.sum())
         group_samples(dp_optimizer.params, rows_per_record)
         for p in dp_optimizer.params:  # bf16 autocast leaves bf16 per-sample gradients: clip in fp32
             if getattr(p, "grad_sample", None) is not None and p.grad_sample.dtype != torch.float32:
                 p.grad_sample = p.grad_sample.float()
         zero_nonfinite_samples(dp_optimizer.params)
+        zero_padding_samples(dp_optimizer.params, keep)
         if start + per_pass < rows:  # clip and add to the sum; noise and the step come after the last pass
             dp_optimizer.signal_skip_step(do_skip=True)
             dp_optimizer.step()
             dp_optimizer.zero_grad(set_to_none=True)
     dp_optimizer.step()
-    return total / rows
+    n_real = int(real.sum())
+    return total / n_real if n_real else math.nan
+
+
+def zero_padding_samples(params, real: torch.Tensor) -> None:
+    """Zero the per-sample gradients of the padding rows (``~real``): they count for nothing."""
+    if bool(real.all()):
+        return
+    for p in params:
+        g = getattr(p, "grad_sample", None)
+        if g is not None:
+            g[~real.to(g.device)] = 0
 
 
 def group_samples(params, rows_per_record: int) -> None:
@@ -351,8 +423,12 @@ def _plain_steps(model, optimizer, dataset, batch, settings, generator):
     return _run(step, uniform_batches(), settings.local_steps, "training (non-private)")
 
 
-def _loss(model, tensors, precision: str = "auto", weight: float = 0.0) -> float:
-    """Forward and backward on one non-empty batch; returns the loss.
+def _loss(model, tensors, precision: str = "auto", weight: float = 0.0, trim: bool = True) -> float:
+    """Forward and backward on one non-empty batch; returns the loss (over every row: with
+    padding rows, a value for the node's log only).
+
+    ``trim``: drop the all-padding columns first (non-private training); the private step keeps the
+    public width, so that its work does not depend on the records' lengths.
 
     With a frozen output layer (LoRA) the loss is fused with the head (``fused_conditional_lm_loss``:
     no full-vocabulary logits); a trainable head (full finetuning) needs the ordinary logits so
@@ -361,7 +437,7 @@ def _loss(model, tensors, precision: str = "auto", weight: float = 0.0) -> float
     """
     pairs = tensors[0].ndim == 3
     # drop all-padding columns (right padding); a pair's rows become adjacent rows of the batch
-    width = max(int(tensors[1].sum(dim=-1).max()), 1)
+    width = max(int(tensors[1].sum(dim=-1).max()), 1) if trim else tensors[0].shape[-1]
     tensors = [t[..., :width].reshape(-1, width) for t in tensors]
     input_ids, attention_mask, labels, position_ids = to_device(tensors, model)
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids, "use_cache": False}
@@ -404,7 +480,8 @@ def _run(step_fn, batches, steps: int, desc: str) -> list[float]:
     for i, tensors in zip(bar, batches):
         losses.append(step_fn(tensors))
         bar.set_postfix(loss=f"{losses[-1]:.4f}")
-        log.info("%s step %d/%d: batch %d, loss %.4f", desc, i + 1, steps, tensors[0].shape[0], losses[-1])
+        rows = tensors[0][0] if isinstance(tensors[0], tuple) else tensors[0]  # (tensors, real) of a private step
+        log.info("%s step %d/%d: batch %d, loss %.4f", desc, i + 1, steps, rows.shape[0], losses[-1])
     return losses
 
 

@@ -432,3 +432,42 @@ def test_the_reply_store_forgets_runs_older_than_its_window_and_only_those(tmp_p
             assert s.get("a", "vote", 1, "d") is None and s.get("b", "vote", 1, "d") is not None
         else:
             assert gone == [] and left == ["a", "b", "c"]
+
+
+# ------------------------------------------------------------- issue 45: the node's public size and length
+@pytest.mark.parametrize("message_type,tier", [(R.MSG_TRAIN, "strong"), (R.MSG_VOTE, "weak"), (R.MSG_TIER, "weak")])
+def test_a_max_length_above_the_nodes_cap_is_refused_before_anything_is_spent(data, tmp_path, message_type, tier):
+    """The server moves a round's memory and time with max-length: the node caps it (node-config
+    max-length), and a request above the cap is refused with a fixed text before any reservation."""
+    state = tmp_path / "state"
+    node = _node(data, state, _rc(data, **{"max-length": 64}), run_id=1, tier=tier, **{"max-length": 32})
+    set_task_identity()
+    content = RecordDict({R.CONFIG: ConfigRecord({"codes": VOCAB, "delta": 1e-5, "server-round": 1}),
+                          R.ARRAYS: ArrayRecord()})
+    reply = node(Message(content=content, message_type=message_type, dst_node_id=5))
+    assert reply.error.code == ERR_POLICY and reply.error.reason == "refused: policy: max-length above the node's cap"
+    assert not (state / "ledger.json").exists() or _spent(state) == 0.0
+
+
+def test_max_records_is_required_and_a_larger_file_is_cut_once_to_a_uniform_subsample(tmp_path):
+    from fedsyn_client.node import check_node, open_node
+    from fedsyn_client.policy import PolicyError, policy_from_node_config
+    from fedsyn_client.view import bounded, view_seed
+
+    data = _csv(tmp_path / "many.csv", n=60)
+    with pytest.raises(PolicyError, match="max-records is missing"):
+        policy_from_node_config({"tier": "weak", "data-path": data, "epsilon": 3.0})
+    config = {"tier": "weak", "data-path": data, "epsilon": 3.0, "state-dir": str(tmp_path / "s"), "max-records": 25}
+    assert "the file holds 60, so each release uses the same uniform subsample of 25" in check_node(config)
+    policy = policy_from_node_config(config)
+    node = open_node(policy, RunConfig(dataset=data))
+    assert len(node.data) == 25 and node.bound == 25
+    rows = pd.read_csv(data)
+    assert set(node.data.texts) <= set(rows["text"])
+    seed = view_seed(tmp_path / "s")
+    assert seed == view_seed(tmp_path / "s")  # kept in the node's state: the same view run after run
+    again = bounded(node.data.__class__(list(rows["text"]), [f"topic={t}" for t in rows["topic"]]), 25, seed)
+    assert again.texts == node.data.texts
+    other = bounded(again.__class__(list(rows["text"]), [f"topic={t}" for t in rows["topic"]]), 25, seed + 1)
+    assert other.texts != node.data.texts  # another node's secret, another subsample
+    assert ((tmp_path / "s" / "view-seed").stat().st_mode & 0o777) == 0o600

@@ -401,3 +401,73 @@ def test_lora_on_the_top_blocks_trains_only_them():
         prepare_model(tiny_gpt2(0)[0], "lora", 2, lora_layers=blocks + 1)
     result = dp_train(top, tok, TEXTS[:8], CODES[:8], _settings(local_steps=1), DELTA, [])
     assert set(result.state) == set(trainable_state(top))
+
+
+# ------------------------------------------------- issue 45: a round's work is a function of public inputs
+def _work(texts: list[str], codes: list[str], monkeypatch, **kw) -> list[tuple[int, ...]]:
+    """The shapes of every batch that went through the model in one private round."""
+    import fedsyn_client.training as training
+
+    shapes, tokenized = [], []
+    real_loss, real_encode = training._loss, training.encode_examples
+
+    def loss(model, tensors, *a, **k):
+        shapes.append(tuple(tensors[0].shape))
+        return real_loss(model, tensors, *a, **k)
+
+    def encode(tokenizer, row_texts, *a, **k):
+        tokenized.append(len(row_texts))
+        return real_encode(tokenizer, row_texts, *a, **k)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(training, "_loss", loss)
+        patch.setattr(training, "encode_examples", encode)
+        model, tok = _model()
+        dp_train(model, tok, texts, codes, _settings(**kw), DELTA, [])
+    assert sum(tokenized) <= 2 * sum(s[0] for s in shapes)  # only the sampled records (x2 for pairs), per batch
+    return shapes
+
+
+@pytest.mark.parametrize("pairs", [False, True])
+def test_a_rounds_work_is_the_same_for_50_and_5000_records_and_any_longest_record(monkeypatch, pairs):
+    """Under one records_bound (the node's max-records), a private round puts the same rows of the
+    same width through the model whatever the node holds: 50 records or 5,000, one record a thousand
+    times longer than the rest. Encoding everything up front, padded to the longest, made memory and
+    time (and an out-of-memory failure) functions of |D| and of the longest record."""
+    extra = {"contrastive_weight": 1.0, "vocabulary": ("topic=business", "topic=sport")} if pairs else {}
+    settings = {"records_bound": 5000, "batch_size": 200, "local_steps": 2, **extra}
+    small = _work(TEXTS + TEXTS[:10], CODES + CODES[:10], monkeypatch, **settings)
+    large = _work([TEXTS[i % 40] for i in range(5000)], [CODES[i % 40] for i in range(5000)], monkeypatch, **settings)
+    longest = _work(TEXTS + TEXTS[:9] + ["word " * 20_000], CODES + CODES[:10], monkeypatch, **settings)
+    assert small == large == longest and all(s[-1] == 24 for s in small)  # the public width, max_length
+    assert sum(s[0] for s in small) > 100  # Binomial(5000, 200/5000) per step, in passes
+
+
+def test_a_padding_slot_counts_for_nothing(monkeypatch):
+    """With the bound above the records, the step is the one on the records alone: the same
+    clipped sum, hence (noise seeded alike) the same weights, as a round whose slots are all records
+    once the padding rows' gradients are zeroed."""
+    import fedsyn_client.training as training
+
+    seen = []
+    real_zero = training.zero_padding_samples
+
+    def zero(params, real):
+        seen.append(int((~real).sum()))
+        return real_zero(params, real)
+
+    monkeypatch.setattr(training, "zero_padding_samples", zero)
+    model, tok = _model()
+    before = trainable_state(model)
+    res = dp_train(model, tok, TEXTS[:4], CODES[:4], _settings(records_bound=400, batch_size=100, local_steps=1,
+                                                                 noise_multiplier=1e-9), DELTA, [])
+    assert sum(seen) > 50  # padding rows went through the model
+    moved = max(float(np.abs(res.state[k] - before[k]).max()) for k in before)
+    # at most the 4 records' clipped gradients (norm <= 1 each) over B = 100, times the lr's Adam-scale step
+    assert 0 < moved <= 1e-3 * 1.01 and res.sample_rate == pytest.approx(100 / 400)
+
+
+def test_records_above_the_bound_are_refused():
+    model, tok = _model()
+    with pytest.raises(ValueError, match="above the bound"):
+        dp_train(model, tok, TEXTS, CODES, _settings(records_bound=10), DELTA, [])

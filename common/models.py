@@ -236,11 +236,13 @@ def _cached_embedder(name: str, device: str | None) -> SentenceTransformer | Sen
 
 
 def embed(embedder: SentenceTransformer | SentimentEmbedder, texts: list[str], batch_size: int = 64,
-          progress: bool = False, max_tokens: int | None = None) -> np.ndarray:
+          progress: bool = False, max_tokens: int | None = None, fixed_width: bool = False) -> np.ndarray:
     """Embed `texts` into a float32 array of shape (len(texts), d) with L2-normalised rows (cosine = dot).
 
     `max_tokens` embeds only each text's first `max_tokens` tokens (at most the embedder's own
     limit, 256 for MiniLM); None keeps the embedder's limit. The shared embedder is restored after.
+    `fixed_width`: every text is padded to that limit (masked: the same vectors), so the work is
+    rows x limit whatever the texts' lengths (a node embedding its records, issue 45).
     """
     import numpy as np
 
@@ -251,8 +253,9 @@ def embed(embedder: SentenceTransformer | SentimentEmbedder, texts: list[str], b
     if max_tokens is not None:
         embedder.max_seq_length = max(1, min(int(max_tokens), limit or int(max_tokens)))
     try:
+        extra = {"processing_kwargs": {"text": {"padding": "max_length"}}} if fixed_width else {}
         vectors = embedder.encode(list(texts), batch_size=batch_size, show_progress_bar=progress,
-                                  convert_to_numpy=True, normalize_embeddings=True)
+                                  convert_to_numpy=True, normalize_embeddings=True, **extra)
     finally:
         embedder.max_seq_length = limit
     return np.asarray(vectors, dtype=np.float32)

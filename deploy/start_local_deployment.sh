@@ -14,6 +14,8 @@
 #   --auth          SuperNode authentication (needs --tls): a key pair per node
 #                   (generate_node_keys.sh), registered with `flwr supernode register`
 #   --name NAME     the SuperLink connection written to the CLI's config.toml (fedsyn-local)
+#   --max-records N each node's public size bound (node-config max-records; default 10000): every
+#                   release does the work of N records
 #   --app DIR       the app every node approves in its FAB gate (default: this checkout)
 #
 # Each SuperNode runs behind its own FAB gate (WORK/nodes/NAME/gate/, a launcher per task process,
@@ -29,11 +31,12 @@ usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' 
 [[ $# -ge 1 && "$1" != "-h" && "$1" != "--help" ]] || { usage; [[ $# -ge 1 ]] && exit 0 || exit 2; }
 
 data_dir=$1; shift
-work=./fedsyn-local; strong=1; epsilon=8.0; port=""; tls=""; auth=0; name=fedsyn-local
+work=./fedsyn-local; max_records=10000; strong=1; epsilon=8.0; port=""; tls=""; auth=0; name=fedsyn-local
 app=$(cd "$(dirname "$0")/.." && pwd)
 while [[ $# -gt 0 ]]; do
     case $1 in
         --work) work=$2; shift 2 ;;
+        --max-records) max_records=$2; shift 2 ;;
         --strong) strong=$2; shift 2 ;;
         --epsilon) epsilon=$2; shift 2 ;;
         --port) port=$2; shift 2 ;;
@@ -146,7 +149,7 @@ for file in "${files[@]}"; do
             || fail "flwr supernode register failed for $node" "$dir/register.log"
         node_args+=(--auth-supernode-private-key "$dir/node_key")
     fi
-    node_config="tier=\"$tier\" data-path=\"$file\" max-records=1000 state-dir=\"$dir/state\" epsilon=$epsilon"
+    node_config="tier=\"$tier\" data-path=\"$file\" max-records=$max_records state-dir=\"$dir/state\" epsilon=$epsilon"
     # The node's FAB gate: its launcher first in its PATH, its allow-list approving --app.
     "$bin_dir/fedsyn" node install-launcher "$dir/gate" --allow-list "$dir/allow-list.txt" > /dev/null
     "$bin_dir/fedsyn" node approve "$app" --allow-list "$dir/allow-list.txt" \

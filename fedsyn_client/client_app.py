@@ -147,7 +147,8 @@ def vote(msg: Message, node: Node, cfg: RunConfig, req: Request) -> RecordDict:
     if len(texts) != len(codes):
         raise ConfigError(f"{len(texts)} candidate texts but {len(codes)} codes")
     name = str(req.params.get("histogram", "knn-vote"))
-    compute, sensitivity = vote_histogram(name, node.records(req.vocabulary), texts, codes, req.params, cfg)
+    compute, sensitivity = vote_histogram(name, node.records(req.vocabulary), texts, codes, req.params, cfg,
+                                          bound=node.bound)
     noisy, statement = release(node, req, GaussianHistogram(name, compute, sensitivity,
                                                             prepare=lambda: load_embedder(cfg.embedder)))
     return R.vector_reply(R.VOTES, noisy, statement)

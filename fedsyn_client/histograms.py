@@ -26,20 +26,20 @@ log = get_logger(__name__)
 
 
 def knn_vote_histogram(records: TextData, texts: list[str], codes: list[str], params: Mapping[str, Any],
-                       cfg: RunConfig) -> tuple[Compute, float]:
+                       cfg: RunConfig, bound: int | None = None) -> tuple[Compute, float]:
     """Paper A.2: each record gives +1 to its K nearest same-code candidates; sensitivity sqrt(K)."""
     k = _num_votes(params)
     # each record adds +1 to at most K distinct candidates: the L2 norm of its change is sqrt(K)
-    return _on_embeddings(records, texts, codes, cfg, lambda *emb: knn_votes(*emb, k)), math.sqrt(k)
+    return _on_embeddings(records, texts, codes, cfg, bound, lambda *emb: knn_votes(*emb, k)), math.sqrt(k)
 
 
 def contrastive_vote_histogram(records: TextData, texts: list[str], codes: list[str], params: Mapping[str, Any],
-                               cfg: RunConfig) -> tuple[Compute, float]:
+                               cfg: RunConfig, bound: int | None = None) -> tuple[Compute, float]:
     """Issue 34: each record +1 to its K nearest same-code candidates and -1 to its K nearest
     other-code candidates; sensitivity sqrt(2K)."""
     k = _num_votes(params)
     # K entries +1 and K other entries -1 per record: the L2 norm of its change is sqrt(2K)
-    return _on_embeddings(records, texts, codes, cfg, lambda *emb: contrastive_votes(*emb, k)), math.sqrt(2 * k)
+    return _on_embeddings(records, texts, codes, cfg, bound, lambda *emb: contrastive_votes(*emb, k)), math.sqrt(2 * k)
 
 
 def _num_votes(params: Mapping[str, Any]) -> int:
@@ -50,21 +50,21 @@ def _num_votes(params: Mapping[str, Any]) -> int:
 
 
 def nearest_neighbour_histogram(records: TextData, texts: list[str], codes: list[str], params: Mapping[str, Any],
-                                cfg: RunConfig) -> tuple[Compute, float]:
+                                cfg: RunConfig, bound: int | None = None) -> tuple[Compute, float]:
     """Private Evolution's histogram: each record +1 to its nearest same-code candidate; sensitivity 1."""
-    return _on_embeddings(records, texts, codes, cfg, lambda *emb: knn_votes(*emb, 1)), 1.0
+    return _on_embeddings(records, texts, codes, cfg, bound, lambda *emb: knn_votes(*emb, 1)), 1.0
 
 
 def similarity_histogram(records: TextData, texts: list[str], codes: list[str], params: Mapping[str, Any],
-                         cfg: RunConfig) -> tuple[Compute, float]:
+                         cfg: RunConfig, bound: int | None = None) -> tuple[Compute, float]:
     """POPri's scores: each record's clipped (norm <= 1) cosine similarities, summed; sensitivity 1."""
-    return _on_embeddings(records, texts, codes, cfg, similarity_scores), 1.0
+    return _on_embeddings(records, texts, codes, cfg, bound, similarity_scores), 1.0
 
 
-def _on_embeddings(records: TextData, texts: list[str], codes: list[str], cfg: RunConfig,
+def _on_embeddings(records: TextData, texts: list[str], codes: list[str], cfg: RunConfig, bound: int | None,
                    fn: Callable[[np.ndarray, list[str], np.ndarray, list[str]], np.ndarray]) -> Compute:
     """``fn(local embeddings, local codes, candidate embeddings, candidate codes)``, computed lazily
-    (after the ledger reservation)."""
+    (after the ledger reservation); the records are embedded as ``bound`` rows (``local_embeddings``)."""
 
     def compute() -> np.ndarray:
         # Records and candidates are compared within a window around what the generator learned
@@ -72,7 +72,7 @@ def _on_embeddings(records: TextData, texts: list[str], codes: list[str], cfg: R
         # which also halves the vote's time at BBC's 256-token articles. Non-finite rows become
         # zero rows before any statistic is computed from them.
         window = cfg.vote_window
-        return fn(finite_rows(local_embeddings(records, cfg.embedder, window)), records.codes,
+        return fn(finite_rows(local_embeddings(records, cfg.embedder, window, bound)), records.codes,
                   finite_rows(candidate_embeddings(texts, cfg.embedder, window)), codes)
 
     return compute
@@ -88,28 +88,40 @@ VOTE_HISTOGRAMS: dict[str, Callable[..., tuple[Compute, float]]] = {
 
 
 def vote_histogram(name: str, records: TextData, texts: list[str], codes: list[str], params: Mapping[str, Any],
-                   cfg: RunConfig) -> tuple[Compute, float]:
-    """(compute, L2 sensitivity) of the registered histogram ``name`` over the candidates."""
+                   cfg: RunConfig, bound: int | None = None) -> tuple[Compute, float]:
+    """(compute, L2 sensitivity) of the registered histogram ``name`` over the candidates. A
+    builder takes ``bound``, the node's public size bound: the rows its work must be (issue 45)."""
     try:
         build = VOTE_HISTOGRAMS[name]
     except KeyError:
         raise ConfigError(f"histogram {name!r} is unknown on this node; known: {sorted(VOTE_HISTOGRAMS)}") from None
-    return build(records, texts, codes, params, cfg)
+    import inspect
+
+    # a plug-in written before the bound existed still works (its work is then its own to fix)
+    takes_bound = "bound" in inspect.signature(build).parameters
+    return build(records, texts, codes, params, cfg, **({"bound": bound} if takes_bound else {}))
 
 
-def local_embeddings(records: TextData, embedder_name: str, max_tokens: int | None = None) -> np.ndarray:
+def local_embeddings(records: TextData, embedder_name: str, max_tokens: int | None = None,
+                     bound: int | None = None) -> np.ndarray:
     """Embeddings of the node's records (each cut to its first ``max_tokens`` tokens; None = the
-    embedder's own limit), computed once per process (records never change)."""
-    cache = _EMBEDDING_CACHE.setdefault((embedder_name, max_tokens), {})
+    embedder's own limit), computed once per process (records never change).
+
+    The work is that of ``bound`` rows (the node's max-records; None: the records'), each padded to
+    the window: rows beyond the records are empty texts whose vectors are dropped, so the time of a
+    vote is a function of the bound and the window, never of |D| or the records' lengths."""
+    rows = max(len(records), bound or 0)
+    cache = _EMBEDDING_CACHE.setdefault((embedder_name, max_tokens, rows), {})
     key = dataset_fingerprint(records)
     if key not in cache:
         from common.models import embed, load_embedder
 
         t0 = time.time()
         # a bar on a terminal; in a log file (a SuperNode's, Ray's) one line when done, not one per batch
-        cache[key] = embed(load_embedder(embedder_name), records.texts, progress=sys.stderr.isatty(),
-                           max_tokens=max_tokens)
-        log.info("embedded the node's %d records in %.0f s", len(records), time.time() - t0)
+        texts = list(records.texts) + [""] * (rows - len(records))
+        cache[key] = embed(load_embedder(embedder_name), texts, progress=sys.stderr.isatty(),
+                           max_tokens=max_tokens, fixed_width=True)[:len(records)]
+        log.info("embedded the node's %d records as %d rows in %.0f s", len(records), rows, time.time() - t0)
     return cache[key]
 
 
@@ -129,5 +141,5 @@ def candidate_embeddings(texts: list[str], embedder_name: str, max_tokens: int |
     return _CANDIDATES["emb"]
 
 
-_EMBEDDING_CACHE: dict[tuple[str, int | None], dict[str, np.ndarray]] = {}
+_EMBEDDING_CACHE: dict[tuple[str, int | None, int], dict[str, np.ndarray]] = {}
 _CANDIDATES: dict[str, Any] = {}

@@ -118,7 +118,7 @@ def _send(step: Step, data: str, state: Path, arrays: ArrayRecord, table: bool) 
     node_module._policy.cache_clear()
     node_module._open.cache_clear()
     rc = {**base_run_config(data, table), **dict(step.rc)}
-    node_config = {"tier": step.tier, "data-path": data, "max-records": 1000, "state-dir": str(state), "epsilon": BUDGET}
+    node_config = {"tier": step.tier, "data-path": data, "max-records": 100, "state-dir": str(state), "epsilon": BUDGET}
     if table:
         node_config["table-schema"] = SCHEMA
     node = client_node(app, 5, node_config, rc, run_id=1)

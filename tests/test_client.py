@@ -23,7 +23,7 @@ def csv_path(tmp_path_factory) -> str:
 
 def _node(csv_path, tmp_path, tier="weak", **cfg):
     rc = RunConfig(model="tiny-gpt2", dataset=csv_path, test_fraction=0.0, **cfg).to_flower()
-    nc = {"tier": tier, "data-path": csv_path, "max-records": 1000, "state-dir": str(tmp_path), "epsilon": 8.0}
+    nc = {"tier": tier, "data-path": csv_path, "max-records": 100, "state-dir": str(tmp_path), "epsilon": 8.0}
     return client_node(app, 5, nc, rc)
 
 
@@ -57,7 +57,7 @@ def test_tier_reply_states_tier_budget_and_the_ledger_preflight_only(csv_path, t
                            "epsilon-remaining": 6.0, "epsilon-shortfall": 0.0, "epsilon-held": 0.0}
     # a run started beside it needs 8 and finds the 6 held for this one: refused before it spends
     rc = RunConfig(model="tiny-gpt2", dataset=csv_path, test_fraction=0.0).to_flower()
-    later = client_node(app, 5, {"tier": "weak", "data-path": csv_path, "max-records": 1000, "state-dir": str(tmp_path), "epsilon": 8.0},
+    later = client_node(app, 5, {"tier": "weak", "data-path": csv_path, "max-records": 100, "state-dir": str(tmp_path), "epsilon": 8.0},
                         rc, run_id=8)
     beside = _tier(later)
     assert beside["epsilon-shortfall"] == pytest.approx(8.0) and beside["epsilon-held"] == pytest.approx(6.0)
@@ -131,7 +131,7 @@ def test_bad_vote_requests_are_refused_before_any_budget_is_spent(csv_path, tmp_
 
 
 def test_node_config_epsilon_caps_the_run(csv_path, tmp_path):
-    nc = {"tier": "weak", "data-path": csv_path, "max-records": 1000, "state-dir": str(tmp_path), "epsilon": 4.0}
+    nc = {"tier": "weak", "data-path": csv_path, "max-records": 100, "state-dir": str(tmp_path), "epsilon": 4.0}
     over = RunConfig(model="tiny-gpt2", dataset=csv_path, test_fraction=0.0, epsilon=8.0).to_flower()
     refused = _send(client_node(app, 5, nc, over), R.MSG_PROFILE, _profile_request(["topic=x", "topic=y"]))
     assert refused.has_error() and refused.error.code == ERR_POLICY
@@ -145,7 +145,7 @@ def test_node_config_epsilon_caps_the_run(csv_path, tmp_path):
 
 def test_missing_tier_in_deployment_names_the_fix(csv_path, tmp_path, caplog):
     rc = RunConfig(model="tiny-gpt2", dataset=csv_path).to_flower()
-    node = client_node(app, 5, {"data-path": csv_path, "max-records": 1000, "epsilon": 8.0}, rc)
+    node = client_node(app, 5, {"data-path": csv_path, "max-records": 100, "epsilon": 8.0}, rc)
     reply = _send(node, R.MSG_PROFILE, _profile_request(["topic=x", "topic=y"]))
     assert reply.has_error() and reply.error.reason == "node: not ready (see the node's log)"
     assert 'tier="strong"' in caplog.text  # the fix is in the node's own log
@@ -167,7 +167,7 @@ def test_node_check_names_the_file_and_reason_before_a_supernode_starts(tmp_path
     good, empty = tmp_path / "good.csv", tmp_path / "empty.csv"
     pd.DataFrame([{"text": f"record {i}", "topic": "x"} for i in range(4)]).to_csv(good, index=False)
     empty.write_text("text,topic\n")
-    conf = 'tier="weak" data-path="{}" max-records=1000 state-dir="{}" epsilon=8'
+    conf = 'tier="weak" data-path="{}" max-records=100 state-dir="{}" epsilon=8'
     assert main(["node-check", "--allow-any-fab", "--node-config", conf.format(good, tmp_path / "s")]) == 0
     assert "node ready: tier=weak records=4 budget epsilon=8" in capsys.readouterr().out
     assert main(["node-check", "--node-config", conf.format(empty, tmp_path / "s2")]) == 1

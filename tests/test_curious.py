@@ -61,7 +61,7 @@ def _fresh() -> None:
 def _send(data: str, state: Path, message_type: str, rc: dict | None = None, tier: str = "weak", arrays=None,
           candidates=None, run_id: int = 1, node_config: dict | None = None, **conf) -> Message:
     _fresh()
-    config = {"tier": tier, "data-path": data, "max-records": 1000, "state-dir": str(state), "epsilon": BUDGET, **(node_config or {})}
+    config = {"tier": tier, "data-path": data, "max-records": 100, "state-dir": str(state), "epsilon": BUDGET, **(node_config or {})}
     node = client_node(app, 5, config, rc or _rc(data), run_id=run_id)
     set_task_identity()
     conf.setdefault("codes", VOCAB)
@@ -312,7 +312,7 @@ def test_a_misspelt_or_inconsistent_node_config_stops_the_node(twins, tmp_path, 
     from fedsyn_server.cli import main
 
     config = " ".join(f'{k}="{v}"' if isinstance(v, str) else f"{k}={v}" for k, v in
-                      {"tier": "weak", "data-path": twins[0], "max-records": 1000, "state-dir": str(tmp_path / "s"), "epsilon": 8.0,
+                      {"tier": "weak", "data-path": twins[0], "max-records": 100, "state-dir": str(tmp_path / "s"), "epsilon": 8.0,
                        **extra}.items())
     assert main(["node-check", "--node-config", config]) == 1
     err = capsys.readouterr().err.strip()
@@ -324,7 +324,7 @@ def test_node_check_never_changes_a_budget_and_a_damaged_ledger_is_one_line(twin
     from fedsyn_server.cli import main
 
     state = tmp_path / "s"
-    base = f'tier="weak" data-path="{twins[0]}" max-records=1000 state-dir="{state}"'
+    base = f'tier="weak" data-path="{twins[0]}" max-records=100 state-dir="{state}"'
     assert main(["node-check", "--allow-any-fab", "--node-config", base + " epsilon=8"]) == 0
     capsys.readouterr()
     assert main(["node-check", "--node-config", base + " epsilon=80"]) == 1

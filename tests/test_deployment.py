@@ -170,7 +170,7 @@ class Deployment:
         state-dir (ledger) and budget, on a fresh Runtime API port, behind its own FAB gate (its
         launcher first in PATH, its allow-list holding the hash of the app the tests run)."""
         node = self.nodes[name]
-        node_config = (f'tier="{node["tier"]}" data-path="{node[" max-records=1000data"]}" state-dir="{node["state"]}" '
+        node_config = (f'tier="{node["tier"]}" data-path="{node[" max-records=100data"]}" state-dir="{node["state"]}" '
                        f"epsilon={EPSILON} {node.get('policy', '')}").strip()
         _start(self, process or name, [
             str(BIN / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{self.port}",
@@ -486,7 +486,7 @@ def test_local_deployment_scripts_with_tls_and_node_auth(tmp_path):
         assert "127.0.0.1" in san.stdout and "superlink.example.org" in san.stdout, san.stdout
 
         start = run(DEPLOY / "start_local_deployment.sh", data, "--work", work, "--tls", root / "certs", "--auth",
-                    "--name", "local-tls", timeout=180)
+                    "--name", "local-tls", "--max-records", "100", timeout=180)
         pid_lines = (work / "pids").read_text().split() if (work / "pids").exists() else []
         roles = {pid_lines[i + 2]: int(pid_lines[i]) for i in range(0, len(pid_lines) - 2, 3)}  # PID ROLE NAME
         started = list(roles.values())
@@ -514,7 +514,7 @@ def test_local_deployment_scripts_with_tls_and_node_auth(tmp_path):
                     "--root-certificates", root / "certs" / "ca.crt", "--isolation", "process",
                     "--auth-supernode-private-key", root / "rogue" / "node_key", "--port", free_port(),
                     "--max-retries", "1", "--max-wait-time", "10",
-                    "--node-config", f'tier="weak" data-path="{data / " max-records=1000clinic_b.csv"}"', timeout=60)
+                    "--node-config", f'tier="weak" data-path="{data / " max-records=100clinic_b.csv"}"', timeout=60)
         assert rogue.returncode != 0 and "Failed to activate SuperNode" in rogue.stdout + rogue.stderr, (
             rogue.stdout + rogue.stderr)
 

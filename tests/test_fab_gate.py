@@ -209,7 +209,7 @@ def test_fab_hash_is_reproducible_and_approve_installs_the_tree_and_records_it_o
 def _node(tmp_path: Path) -> str:
     data = tmp_path / "site.csv"
     pd.DataFrame([{"text": f"note {i}", "topic": "x"} for i in range(4)]).to_csv(data, index=False)
-    return f'tier="weak" data-path="{data}" max-records=1000 state-dir="{tmp_path / "s"}" epsilon=8'
+    return f'tier="weak" data-path="{data}" max-records=100 state-dir="{tmp_path / "s"}" epsilon=8'
 
 
 def test_node_check_checks_every_launcher_on_path(tmp_path, monkeypatch, capsys):
@@ -277,7 +277,7 @@ def test_node_check_says_not_ready_when_the_clientapp_user_could_change_what_run
 def test_node_check_refuses_what_would_burn_budget_on_the_first_request(tmp_path, capsys, extra, fragment):
     data = tmp_path / "site.csv"
     pd.DataFrame([{"text": f"note {i}", "topic": "x"} for i in range(4)]).to_csv(data, index=False)
-    config = f'tier="weak" data-path="{data}" max-records=1000 state-dir="{tmp_path / "s"}" epsilon=8 {extra}'
+    config = f'tier="weak" data-path="{data}" max-records=100 state-dir="{tmp_path / "s"}" epsilon=8 {extra}'
     assert main(["node-check", "--allow-any-fab", "--node-config", config]) == 1
     err = capsys.readouterr().err.strip()
     assert fragment in err and len(err.splitlines()) == 1
@@ -289,6 +289,6 @@ def test_node_check_refuses_an_audit_dir_it_cannot_write(tmp_path, capsys):
     pd.DataFrame([{"text": f"note {i}", "topic": "x"} for i in range(4)]).to_csv(data, index=False)
     blocked = tmp_path / "audit"
     blocked.write_text("a file where the folder should be")
-    config = f'tier="weak" data-path="{data}" max-records=1000 state-dir="{tmp_path / "s"}" epsilon=8 audit-dir="{blocked}"'
+    config = f'tier="weak" data-path="{data}" max-records=100 state-dir="{tmp_path / "s"}" epsilon=8 audit-dir="{blocked}"'
     assert main(["node-check", "--allow-any-fab", "--node-config", config]) == 1
     assert "audit-dir" in capsys.readouterr().err

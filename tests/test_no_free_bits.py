@@ -57,7 +57,7 @@ def test_q_and_the_noise_multiplier_are_the_first_rounds(pair, tmp_path):
     stored = PrivacyLedger(state / "ledger.json").accountant_state("run-a")
     # Opacus' accountant merges steps of the same (noise multiplier, q): two rounds, one entry
     assert stored["history"] == [[stored["noise_multiplier"], stored["sample_rate"], 4]]
-    assert stored["sample_rate"] == pytest.approx(4 / 1000)  # B / max-records: public, whatever the file holds
+    assert stored["sample_rate"] == pytest.approx(4 / 100)  # B / max-records: public, whatever the file holds
 
 
 def test_an_epsilon_the_accountant_cannot_reach_is_refused_before_the_reservation(pair, tmp_path):
@@ -92,7 +92,7 @@ def test_an_empty_data_file_is_served_and_node_check_tells_the_operator(tmp_path
     seen = play([Step(R.MSG_PROFILE, conf=_conf((X, Y, Z), rnd=0), tier="weak"), _vote(1, 1.0)], str(empty),
                 tmp_path / "s")
     assert [o.kind for o in seen] == ["release", "release"]
-    config = f'tier="weak" data-path="{empty}" max-records=1000 state-dir="{tmp_path / "s2"}" epsilon=8'
+    config = f'tier="weak" data-path="{empty}" max-records=100 state-dir="{tmp_path / "s2"}" epsilon=8'
     assert main(["node-check", "--node-config", config]) == 1
     assert "no records" in capsys.readouterr().err
 
@@ -111,7 +111,7 @@ def test_an_embedder_that_cannot_load_is_refused_before_the_reservation(pair, tm
         from flwr.app import ConfigRecord, Message, RecordDict
 
         rc = {**neighbours.base_run_config(data), **dict(step_.rc)}
-        config = {"tier": "weak", "data-path": data, "max-records": 1000, "state-dir": str(state_), "epsilon": BUDGET,
+        config = {"tier": "weak", "data-path": data, "max-records": 100, "state-dir": str(state_), "epsilon": BUDGET,
                   "embedder": "/nonexistent/embedder"}
         node = client_node(ca.app, 5, config, rc, run_id=1)
         set_task_identity()

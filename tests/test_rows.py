@@ -149,7 +149,7 @@ def test_a_node_serves_only_its_own_schema(schema, tmp_path):
 
     path = tmp_path / "schema.json"
     path.write_text(json.dumps(SCHEMA))
-    policy = policy_from_node_config({"tier": "weak", "data-path": "x.csv", "max-records": 1000, "epsilon": 8, "control-columns": "sex",
+    policy = policy_from_node_config({"tier": "weak", "data-path": "x.csv", "max-records": 100, "epsilon": 8, "control-columns": "sex",
                                       "table-schema": str(path)})
     ask = dict(text_column="text", control_columns=("sex",), epsilon=8.0, vocabulary=("sex=F", "sex=M"),
                phases=(("profile", 2.0),))

@@ -50,7 +50,7 @@ def _rc(data: str, **over) -> dict:
 
 
 def _node(data: str, state: Path, rc: dict, run_id: int, tier: str = "weak", **nc):
-    config = {"tier": tier, "data-path": data, "max-records": 1000, "state-dir": str(state), "epsilon": BUDGET, **nc}
+    config = {"tier": tier, "data-path": data, "max-records": 100, "state-dir": str(state), "epsilon": BUDGET, **nc}
     return client_node(app, 5, config, rc, run_id=run_id)
 
 
@@ -137,7 +137,7 @@ _WORKER = textwrap.dedent("""
     data, state, run_id, barrier = sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
     rc = RunConfig(model="tiny-gpt2", dataset=data, test_fraction=0.0, epsilon=3.0,
                    epsilon_profile=2.0).to_flower()
-    node = client_node(app, 5, {"tier": "weak", "data-path": data, "max-records": 1000, "state-dir": state, "epsilon": 3.0}, rc,
+    node = client_node(app, 5, {"tier": "weak", "data-path": data, "max-records": 100, "state-dir": state, "epsilon": 3.0}, rc,
                        run_id=run_id)
     set_task_identity()
     ask = lambda t: node(Message(content=RecordDict({R.CONFIG: ConfigRecord(
@@ -172,7 +172,7 @@ def test_two_concurrent_runs_cannot_both_pass_the_budget_check(data, tmp_path):
 # --------------------------------------------------------------------------- finding 4
 def test_the_server_cannot_set_or_raise_the_budget(data, tmp_path):
     state = tmp_path / "state"
-    no_budget = client_node(app, 5, {"tier": "weak", "data-path": data, "max-records": 1000, "state-dir": str(state)}, _rc(data), run_id=1)
+    no_budget = client_node(app, 5, {"tier": "weak", "data-path": data, "max-records": 100, "state-dir": str(state)}, _rc(data), run_id=1)
     reply = _ask(no_budget, R.MSG_TIER)
     assert reply.error.code == ERR_CONFIG and reply.error.reason == "node: not ready (see the node's log)"
     assert not state.exists()  # refused before a ledger (or a record) was touched
@@ -216,7 +216,7 @@ def _run_strategy(tmp_path, nodes_cfg: dict[int, tuple[str, str]], rc: dict, dro
 
     nodes = {}
     for nid, (tier, data) in nodes_cfg.items():
-        fn = client_node(app, nid, {"tier": tier, "data-path": data, "max-records": 1000, "state-dir": str(tmp_path / f"state{nid}"),
+        fn = client_node(app, nid, {"tier": tier, "data-path": data, "max-records": 100, "state-dir": str(tmp_path / f"state{nid}"),
                                     "epsilon": 8.0}, rc, run_id=11)
         if nid == drop_vote_reply:  # the node releases its vote, but the reply is lost on the way
             fn = (lambda real: lambda m: None if m.metadata.message_type == R.MSG_VOTE and real(m) else real(m))(fn)
@@ -285,7 +285,7 @@ def test_train_without_phase_1_is_refused_not_an_endless_calibration(data, tmp_p
 def test_per_phase_caps_and_a_policy_file(data, tmp_path):
     policy = tmp_path / "policy.toml"
     policy.write_text('tier = "weak"\nepsilon = 3.0\nmax-epsilon-profile = 1.0\n')
-    config = {"data-path": data, "max-records": 1000, "state-dir": str(tmp_path / "state"), "policy-file": str(policy)}
+    config = {"data-path": data, "max-records": 100, "state-dir": str(tmp_path / "state"), "policy-file": str(policy)}
     capped = _ask(client_node(app, 5, config, _rc(data), run_id=1), R.MSG_PROFILE)  # the run asks 2 for profile
     assert capped.error.code == ERR_POLICY and capped.error.reason == "refused: policy: phase cap"
     within = _ask(client_node(app, 5, config, _rc(data, **{"epsilon-profile": 1.0}), run_id=2), R.MSG_PROFILE)
@@ -298,7 +298,7 @@ def test_per_phase_caps_and_a_policy_file(data, tmp_path):
 def test_a_node_whose_data_cannot_be_loaded_says_so_without_quoting_records(data, tmp_path, caplog):
     broken = tmp_path / "notes.jsonl"
     broken.write_text('{"text": "patient 7 secret note", "topic": "x"}\n{"text": "patient 8 secret, "topic": "y"}\n')
-    node = client_node(app, 5, {"tier": "weak", "data-path": str(broken), "max-records": 1000, "state-dir": str(tmp_path / "s"),
+    node = client_node(app, 5, {"tier": "weak", "data-path": str(broken), "max-records": 100, "state-dir": str(tmp_path / "s"),
                                 "epsilon": 8.0}, _rc(data), run_id=4)
     with caplog.at_level("ERROR"):
         reply = _ask(node, R.MSG_TIER)

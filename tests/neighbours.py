@@ -39,22 +39,46 @@ SCHEMA = json.dumps({"columns": [{"name": "topic", "type": "categorical", "categ
                                  {"name": "size", "type": "integer", "min": 0, "max": 99}]})
 
 
+# Records a neighbour may add (issue 45): odd control values, a missing one, unicode, a text far
+# longer than the others. The added record's raw value must change nothing but its own code.
+ADDED = {
+    "add-odd": ("record added with an odd topic", "x.0"),
+    "add-zero-padded": ("record added with a zero-padded topic", "01"),
+    "add-empty": ("record added with an empty topic", ""),
+    "add-unicode": ("record añadido sobre ẋ", "ẋ"),
+    "add-long": ("a record far longer than the others " * 400, "x"),
+    "add-number": ("record added with a numeric topic", "4.5"),
+}
+NEIGHBOURS = ("remove-y", "remove-z", *ADDED)
+
+
 def write_pair(folder: Path, remove: str, table: bool = False) -> tuple[str, str]:
-    """Two CSV data sets that differ in one record: the second lacks one record of topic ``remove``.
+    """Two CSV data sets that differ in one record: the second lacks one record of topic ``remove``
+    (``y``/``z``, or ``remove-y``/``remove-z``) or holds one more record (``add-...``, ``ADDED``).
 
     The first holds 20 records of x, 20 of y and 1 of z, so removing the z record empties a view
     and removing a y record makes a code's view smaller than another's (the phase-1 case).
     ``table``: the text column is a row of ``SCHEMA``'s other column (a table run's data).
     """
     rows = [(t, i) for t, n in (("x", 20), ("y", 20), ("z", 1)) for i in range(n)]
+    frame = _frame(rows)
+    neighbour = remove if remove.startswith(("remove-", "add-")) else f"remove-{remove}"
+    if neighbour.startswith("remove-"):
+        other = _frame(_without(rows, neighbour.split("-", 1)[1]))
+    else:
+        text, topic = ADDED[neighbour]
+        other = pd.concat([frame, pd.DataFrame({"text": [text], "topic": [topic], "size": [7]})], ignore_index=True)
     paths = []
-    for name, data in (("d", rows), ("d-minus", _without(rows, remove))):
-        frame = pd.DataFrame({"text": [f"record {i} about {t} and its subject {t * 3}" for t, i in data],
-                              "topic": [t for t, _ in data], "size": [i % 90 for _, i in data]})
-        path = folder / f"{name}-{remove}{'-table' if table else ''}.csv"
-        frame.to_csv(path, index=False)
+    for name, data in (("d", frame), ("d-other", other)):
+        path = folder / f"{name}-{neighbour}{'-table' if table else ''}.csv"
+        data.to_csv(path, index=False)
         paths.append(str(path))
     return paths[0], paths[1]
+
+
+def _frame(rows: list[tuple[str, int]]) -> pd.DataFrame:
+    return pd.DataFrame({"text": [f"record {i} about {t} and its subject {t * 3}" for t, i in rows],
+                         "topic": [t for t, _ in rows], "size": [i % 90 for _, i in rows]})
 
 
 def _without(rows: list[tuple[str, int]], topic: str) -> list[tuple[str, int]]:
@@ -71,11 +95,12 @@ class Step:
     conf: tuple[tuple[str, Any], ...] = ()
     tier: str = "strong"
     candidates: tuple[tuple[str, str], ...] | None = None
+    policy: tuple[tuple[str, Any], ...] = ()  # node-config keys beyond the harness's (pins, caps, allow-lists)
     weights: str = "initial"  # train: "initial" or "none" (no arrays: malformed)
 
     def describe(self) -> str:
         """One line for a failing example's report."""
-        return f"{self.message} tier={self.tier} rc={dict(self.rc)} conf={dict(self.conf)}"
+        return f"{self.message} tier={self.tier} rc={dict(self.rc)} conf={dict(self.conf)} policy={dict(self.policy)}"
 
 
 @dataclass
@@ -118,7 +143,8 @@ def _send(step: Step, data: str, state: Path, arrays: ArrayRecord, table: bool) 
     node_module._policy.cache_clear()
     node_module._open.cache_clear()
     rc = {**base_run_config(data, table), **dict(step.rc)}
-    node_config = {"tier": step.tier, "data-path": data, "max-records": 100, "state-dir": str(state), "epsilon": BUDGET}
+    node_config = {"tier": step.tier, "data-path": data, "max-records": 100, "state-dir": str(state), "epsilon": BUDGET,
+                   **dict(step.policy)}
     if table:
         node_config["table-schema"] = SCHEMA
     node = client_node(app, 5, node_config, rc, run_id=1)
@@ -145,6 +171,8 @@ def _observe(reply: Message, state: Path) -> Observation:
     for name, rec in reply.content.array_records.items():
         structure[f"arrays:{name}"] = sorted((k, tuple(a.shape), str(a.dtype)) for k, a in rec.items())
     for name, rec in reply.content.metric_records.items():
+        # a vector is a noised payload (counts, votes): its shape only; a scalar is not noised
+        # (a weight, a step count): its value, so a planted ``num-examples: |D|`` would show
         structure[f"metrics:{name}"] = sorted((k, _shape(v)) for k, v in rec.items())
     for name, rec in reply.content.config_records.items():
         # the release statement and the tier and ledger answers are not noised: compared whole
@@ -153,7 +181,7 @@ def _observe(reply: Message, state: Path) -> Observation:
 
 
 def _shape(v: Any) -> Any:
-    return ("list", len(v)) if isinstance(v, list) else type(v).__name__
+    return ("list", len(v)) if isinstance(v, list) else (type(v).__name__, v)
 
 
 def _plain(d: dict[str, Any]) -> dict[str, Any]:

@@ -80,16 +80,17 @@ def release_record(release: dict[str, Any], spent: float, budget: float) -> Conf
 
 
 def tier_reply(tier: str, budget: float, needed: float, remaining: float, shortfall: float,
-               ledger_ref: str = "", held: float = 0.0) -> RecordDict:
+               ledger_ref: str = "", held: float = 0.0, records_bound: int = 0) -> RecordDict:
     """Content of a ``query.tier`` reply: the node's tier, its (policy) budget, its pre-flight
     statement (epsilon this run still needs of it, epsilon left in its ledger for this run, of
     which ``held`` is held for other runs under way, and the shortfall, 0 when the node can
     finish the run) and its ledger's random name (``PrivacyLedger.ref``). All of it is about the
-    ledger, none of it about the records."""
+    ledger, none of it about the records. ``records_bound``: the node policy's public max-records
+    (0 for a simulated node), so that ``fedsyn plan`` can show each node's noise and time at it."""
     return RecordDict({TIER: ConfigRecord({
         "tier": tier, "epsilon-budget": float(budget), "epsilon-needed": float(needed),
         "epsilon-remaining": float(remaining), "epsilon-shortfall": float(shortfall), "ledger-ref": ledger_ref,
-        "epsilon-held": float(held)})})
+        "epsilon-held": float(held), "records-bound": float(records_bound)})})
 
 
 def vector_reply(key: str, values: np.ndarray, release: ConfigRecord) -> RecordDict:

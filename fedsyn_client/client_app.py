@@ -100,7 +100,8 @@ def tier(msg: Message, node: Node, cfg: RunConfig, req: Request) -> RecordDict:
                     "%g, %.4g of it held for other runs under way); this node cannot finish the run, and any release "
                     "beyond the budget will be refused", req.epsilon, max(pre.remaining, 0.0), node.policy.epsilon,
                     pre.held)
-    return R.tier_reply(node.tier, node.policy.epsilon, req.epsilon, pre.remaining, pre.shortfall, pre.ref, pre.held)
+    return R.tier_reply(node.tier, node.policy.epsilon, req.epsilon, pre.remaining, pre.shortfall, pre.ref, pre.held,
+                        node.policy.max_records)
 
 
 # --------------------------------------------------------------------------- stage 1

@@ -325,6 +325,9 @@ def main(role: str, allow_list: str, argv: list[str] | None = None) -> int:
         log(f"fedsyn FAB gate: {err}; no {role} runs on this node until it is fixed")
         return EXIT_NO_HOOK
     _rebind(original, replacement)
+    if runner.install_from_fab is not replacement:  # fail closed: the runner would install unchecked
+        log(f"fedsyn FAB gate: {role}: Flower's runner still holds its own installer; no {role} runs on this node")
+        return EXIT_NO_HOOK
     sys.argv = [role, *args]
     if gate is not None:
         runner.get_load_client_app_fn = gate.loader

@@ -148,13 +148,17 @@ def plan_deployment(flwr_args: list[str], cwd: Path, address: str) -> Plan:
 def deployment_lines(cfg: RunConfig, answered: dict[int, str], result: FedSynResult, delta: float) -> list[str]:
     """The plan of a deployment from stage 0: per node that answered, its tier, budget and each
     phase's epsilon and noise; per node that refused or failed the tier query, why. Record
-    counts are each node's secret, so the DP-SGD noise multiplier is the node's to set."""
+    counts are each node's secret; a node's public bound (max-records) fixes its q, so its noise
+    multiplier and the time of each release are shown at that bound."""
     tiers = list(answered.values())
     lines = [f"{len(answered)} node(s) answered the tier query: {tiers.count(STRONG)} strong, "
              f"{len(tiers) - tiers.count(STRONG)} weak"]
     for nid, tier in sorted(answered.items()):
-        lines.append(f"node {nid} ({tier}, epsilon budget {result.budgets.get(nid, float('nan')):g}):")
-        lines += ["  " + line for line in _phase_lines(cfg, tier, None, delta, {})]
+        bound = result.bounds.get(nid) or None
+        lines.append(f"node {nid} ({tier}, epsilon budget {result.budgets.get(nid, float('nan')):g}"
+                     + (f", max-records {bound}: every release does the work of {bound} records" if bound else "")
+                     + "):")
+        lines += ["  " + line for line in _phase_lines(cfg, tier, bound, delta, _speeds() if bound else {})]
     lines += [f"node {f['node_id']} cannot take part: {f['reason']}" for f in result.failures
               if f["phase"] == "tiers" and f["node_id"] not in answered]
     return lines
@@ -187,7 +191,7 @@ def _phase_lines(cfg: RunConfig, tier: str, records: int | None, delta: float, s
         lines.append(f"vote: epsilon {eps_vote:g} in {rounds} round(s), delta {delta:g}, Gaussian sigma "
                      f"{analytic_gaussian_sigma(eps_vote / rounds, delta / rounds, sens):.3g} per round (sensitivity "
                      f"{formula})"
-                     + (f"; embedding {records} records, about {records / rate:.0f} s" if rate and records else ""))
+                     + (f"; embedding {records} rows, about {records / rate:.0f} s" if rate and records else ""))
     elif eps_vote:
         lines.append(f"vote: epsilon {eps_vote:g} in the rounds refinement {cfg.refinement!r} asks for (never more)")
     return lines

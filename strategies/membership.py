@@ -118,6 +118,7 @@ class Membership:
                 self.courier.fail(nid, "tiers", f"malformed reply ({type(err).__name__})")
                 continue
             self.result.budgets[nid], self.answered[nid] = budget, tier
+            self.result.bounds[nid] = int(float(rec.get("records-bound", 0) or 0))
             if rec.get("ledger-ref"):
                 self.result.ledger_refs[nid] = str(rec["ledger-ref"])
             if short > 0:

@@ -35,6 +35,7 @@ class FedSynResult:
     releases: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
     ledgers: dict[int, dict[str, Any]] = field(default_factory=dict)  # node -> its own book of this run
     budgets: dict[int, float] = field(default_factory=dict)
+    bounds: dict[int, int] = field(default_factory=dict)  # node -> its public max-records (0: none stated)
     ledger_refs: dict[int, str] = field(default_factory=dict)  # node -> its ledger's random name (restarts)
     failures: list[dict[str, Any]] = field(default_factory=list)
     degradations: list[str] = field(default_factory=list)  # what the run did with less than it asked for

@@ -170,7 +170,7 @@ class Deployment:
         state-dir (ledger) and budget, on a fresh Runtime API port, behind its own FAB gate (its
         launcher first in PATH, its allow-list holding the hash of the app the tests run)."""
         node = self.nodes[name]
-        node_config = (f'tier="{node["tier"]}" data-path="{node[" max-records=100data"]}" state-dir="{node["state"]}" '
+        node_config = (f'tier="{node["tier"]}" data-path="{node["data"]}" max-records=100 state-dir="{node["state"]}" '
                        f"epsilon={EPSILON} {node.get('policy', '')}").strip()
         _start(self, process or name, [
             str(BIN / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{self.port}",
@@ -354,7 +354,10 @@ def test_deployment_two_supernodes_then_budget_refusal(deployment):
     code, plan_out, plan_err = dep.plan(run_config)
     assert code == 0, plan_out + plan_err + dep.diagnostics()
     assert "2 node(s) answered the tier query: 1 strong, 1 weak" in plan_out, plan_out
-    assert plan_out.count(f"epsilon budget {EPSILON:g}") == 2 and "the noise multiplier is set on the node" in plan_out
+    assert plan_out.count(f"epsilon budget {EPSILON:g}") == 2
+    # each node's public bound (max-records) fixes its q: the plan shows the noise and the work at it
+    assert plan_out.count("max-records 100: every release does the work of 100 records") == 2, plan_out
+    assert "DP-SGD noise multiplier" in plan_out and "(q = 0.04," in plan_out, plan_out
     assert "profile: epsilon" in plan_out and "vote: epsilon" in plan_out, plan_out
     for node in dep.nodes.values():  # nothing spent, nothing held, nothing written
         planned = _ledger(node["state"])
@@ -514,7 +517,7 @@ def test_local_deployment_scripts_with_tls_and_node_auth(tmp_path):
                     "--root-certificates", root / "certs" / "ca.crt", "--isolation", "process",
                     "--auth-supernode-private-key", root / "rogue" / "node_key", "--port", free_port(),
                     "--max-retries", "1", "--max-wait-time", "10",
-                    "--node-config", f'tier="weak" data-path="{data / " max-records=100clinic_b.csv"}"', timeout=60)
+                    "--node-config", f'tier="weak" data-path="{data / "clinic_b.csv"}" max-records=100', timeout=60)
         assert rogue.returncode != 0 and "Failed to activate SuperNode" in rogue.stdout + rogue.stderr, (
             rogue.stdout + rogue.stderr)
 

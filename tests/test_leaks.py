@@ -12,9 +12,10 @@ from fedsyn_server.flwr_runner import run_app
 
 # What each reply may carry: record key -> (kind, allowed value keys)
 ALLOWED = {
-    # ledger-ref: a random name of the ledger; epsilon-held: what other runs hold (ledger facts, not records)
+    # ledger-ref: a random name of the ledger; epsilon-held: what other runs hold (ledger facts, not records);
+    # records-bound: the policy's public max-records (0 for a simulated node), never the count
     "query.tier": {"tier": ("config", {"tier", "epsilon-budget", "epsilon-needed", "epsilon-remaining",
-                                       "epsilon-shortfall", "ledger-ref", "epsilon-held"})},
+                                       "epsilon-shortfall", "ledger-ref", "epsilon-held", "records-bound"})},
     "train": {"arrays": ("array", None), "metrics": ("metric", {"weight", "steps"}), "release": ("config", None)},
     "query.profile": {"profile": ("metric", {"profile"}), "release": ("config", None)},
     "query.vote": {"votes": ("metric", {"votes"}), "release": ("config", None)},

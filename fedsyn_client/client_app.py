@@ -116,7 +116,8 @@ def train(msg: Message, node: Node, cfg: RunConfig, req: Request) -> RecordDict:
     state = node.ledger.accountant_state(accountant_key(req.run_id))
     mechanism = DpSgdRound(cfg, lambda: node.records(req.vocabulary), msg.content.array_records.get(R.ARRAYS),
                            state, msg.metadata.dst_node_id,
-                           phase_reserved=node.ledger.spent(run_id=req.run_id, phase=TRAIN) > 0, bound=node.bound)
+                           phase_reserved=node.ledger.spent(run_id=req.run_id, phase=TRAIN) > 0,
+                           bound=node.policy.max_records or None)
     weights, statement = release(node, req, mechanism)
     # Uniform weight (A.3): a true example count would be an un-noised statistic.
     metrics = MetricRecord({R.WEIGHT_KEY: 1.0, "steps": float(cfg.local_steps)})
@@ -149,7 +150,7 @@ def vote(msg: Message, node: Node, cfg: RunConfig, req: Request) -> RecordDict:
         raise ConfigError(f"{len(texts)} candidate texts but {len(codes)} codes")
     name = str(req.params.get("histogram", "knn-vote"))
     compute, sensitivity = vote_histogram(name, node.records(req.vocabulary), texts, codes, req.params, cfg,
-                                          bound=node.bound)
+                                          bound=node.policy.max_records or None)
     noisy, statement = release(node, req, GaussianHistogram(name, compute, sensitivity,
                                                             prepare=lambda: load_embedder(cfg.embedder)))
     return R.vector_reply(R.VOTES, noisy, statement)

@@ -107,9 +107,10 @@ def local_embeddings(records: TextData, embedder_name: str, max_tokens: int | No
     """Embeddings of the node's records (each cut to its first ``max_tokens`` tokens; None = the
     embedder's own limit), computed once per process (records never change).
 
-    The work is that of ``bound`` rows (the node's max-records; None: the records'), each padded to
-    the window: rows beyond the records are empty texts whose vectors are dropped, so the time of a
-    vote is a function of the bound and the window, never of |D| or the records' lengths."""
+    The work is that of ``bound`` rows (the node's max-records), each padded to the window: rows
+    beyond the records are empty texts whose vectors are dropped, so the time of a vote is a function
+    of the bound and the window, never of |D| or the records' lengths. None (a simulated node): the
+    records as they are."""
     rows = max(len(records), bound or 0)
     cache = _EMBEDDING_CACHE.setdefault((embedder_name, max_tokens, rows), {})
     key = dataset_fingerprint(records)
@@ -119,8 +120,9 @@ def local_embeddings(records: TextData, embedder_name: str, max_tokens: int | No
         t0 = time.time()
         # a bar on a terminal; in a log file (a SuperNode's, Ray's) one line when done, not one per batch
         texts = list(records.texts) + [""] * (rows - len(records))
+        # padded to the window under a bound; without one (simulation: no institution) as fast as it goes
         cache[key] = embed(load_embedder(embedder_name), texts, progress=sys.stderr.isatty(),
-                           max_tokens=max_tokens, fixed_width=True)[:len(records)]
+                           max_tokens=max_tokens, fixed_width=bound is not None)[:len(records)]
         log.info("embedded the node's %d records as %d rows in %.0f s", len(records), rows, time.time() - t0)
     return cache[key]
 

@@ -64,7 +64,8 @@ class DpSgdRound(Mechanism):
                  node_id: int, phase_reserved: bool = False, bound: int | None = None) -> None:
         # ``records`` is called only after the reservation: nothing before it reads a record.
         # ``bound``: the node's public size bound (policy max-records): q = B / bound, and each step
-        # does the work of a Poisson sample of that many slots (None: the view's own size)
+        # does the work of a Poisson sample of that many slots at the public width. None (a simulated
+        # node: no institution, the partition is the server's choice): the view's own size, as fast as it goes
         self.cfg, self.records, self.arrays, self.node_id, self.bound = cfg, records, arrays, node_id, bound
         self.state = state  # this run's accountant state from the ledger ({} before round 1)
         self.total_steps = cfg.num_server_rounds * cfg.local_steps
@@ -162,7 +163,7 @@ class DpSgdRound(Mechanism):
             sample_rate=q, prompt=cfg.prompt, template=cfg.zero_shot_template,
             # the objective does not widen a release: each record's gradient is clipped to C whatever it is
             contrastive_weight=cfg.contrastive_weight, vocabulary=tuple(sorted(request.vocabulary)),
-            records_bound=max(bound, len(records)),
+            records_bound=max(self.bound, len(records)) if self.bound else None,
         )
         result = dp_train(model, tokenizer, records.texts, records.codes, settings, delta, history)
         # The local loss is an un-noised statistic of the records: it stays in this log.

@@ -232,10 +232,12 @@ class Slots:
         the sampled ``slots`` (indices in [0, bound))."""
         real = slots < len(self.texts)
         picked = slots[real].tolist()
-        width = self.settings.max_length
+        # the public width under a bound; without one (simulation) the batch's longest, as fast as it goes
+        width = self.settings.max_length if self.settings.records_bound is not None else None
         tensors = _encode_rows(self.tokenizer, [self.texts[i] for i in picked], [self.codes[i] for i in picked],
                                self.settings, self.generator, width=width)
         pad = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
+        width = tensors[0].shape[-1]
         shape = (int((~real).sum()), *((2,) if self.rows_per_record == 2 else ()), width)
         filler = (torch.full(shape, pad, dtype=torch.long), torch.ones(shape, dtype=torch.long),
                   torch.full(shape, pad, dtype=torch.long), torch.arange(width, dtype=torch.long).expand(shape).clone())
@@ -296,7 +298,9 @@ def _private_steps(model, optimizer, slots: Slots, q, settings, history, sampler
         with warnings.catch_warnings():
             # The embedding's backward hook fires on an integer input: harmless, torch warns.
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
-            losses = _run(lambda b: _private_step(gsm, dp_optimizer, *b, settings.precision, settings.contrastive_weight),
+            trim = settings.records_bound is None  # no public bound (simulation): drop all-padding columns
+            losses = _run(lambda b: _private_step(gsm, dp_optimizer, *b, settings.precision, settings.contrastive_weight,
+                                                  trim),
                           (slots.batch(s) for s in poisson_slots(len(slots), q, sampler_rng)), settings.local_steps,
                           "DP-SGD")
     finally:
@@ -324,7 +328,8 @@ def poisson_slots(bound: int, q: float, generator: torch.Generator):
 TOKENS_PER_PASS = 8192
 
 
-def _private_step(gsm, dp_optimizer, tensors, real: torch.Tensor, precision: str, weight: float = 0.0) -> float:
+def _private_step(gsm, dp_optimizer, tensors, real: torch.Tensor, precision: str, weight: float = 0.0,
+                  trim: bool = False) -> float:
     """One DP-SGD step on a Poisson batch of rows (``real``: which are records; the others are
     padding rows, run like the rest and zeroed before clipping). Returns the records' mean loss
     (nan without one)."""
@@ -344,7 +349,7 @@ def _private_step(gsm, dp_optimizer, tensors, real: torch.Tensor, precision: str
     for start in range(0, rows, per_pass):
         part = tuple(t[start:start + per_pass] for t in tensors)
         keep = real[start:start + per_pass]
-        total += _loss(gsm, part, precision, weight, trim=False) * int(keep.sum())
+        total += _loss(gsm, part, precision, weight, trim=trim) * int(keep.sum())
         group_samples(dp_optimizer.params, rows_per_record)
         for p in dp_optimizer.params:  # bf16 autocast leaves bf16 per-sample gradients: clip in fp32
             if getattr(p, "grad_sample", None) is not None and p.grad_sample.dtype != torch.float32:

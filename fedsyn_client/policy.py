@@ -23,7 +23,7 @@ a node's records can lose, and what runs on them, comes from here, never from th
 | unconfirmed holds | ``max-unconfirmed-holds`` (default 1)   | 1                                |
 | reply retention   | ``keep-replies-days`` (default 30; 0 = forever) | 30 (the store is the run's)  |
 | token cap         | ``max-length`` (default 512): the longest ``max-length`` a request may ask | the run's ``max-length`` |
-| public size bound | ``max-records`` (**required**): every release does the work of exactly this many records; a file with more is subsampled once (``fedsyn_client.view``) | the partition's size |
+| public size bound | ``max-records`` (**required**): every release does the work of exactly this many records; a file with more is subsampled once (``fedsyn_client.view``) | none: the partition's size, no padding |
 
 ``policy-file`` names a TOML file with the same keys (node-config keys win), so an
 institution can keep its policy under version control. An unknown key, in the node config

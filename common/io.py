@@ -32,6 +32,11 @@ def _atomic_write(path: str | Path, write: Callable[[IO[Any]], Any], binary: boo
     return path
 
 
+def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
+    """Write ``data`` to ``path`` atomically (temp file in the same folder, mode 0600, then rename)."""
+    return _atomic_write(path, lambda f: f.write(data), binary=True)
+
+
 def atomic_write_text(path: str | Path, text: str) -> Path:
     """Write ``text`` to ``path`` via a temp file in the same folder and ``os.replace``."""
     return _atomic_write(path, lambda fh: fh.write(text))

@@ -117,7 +117,7 @@ def train(msg: Message, node: Node, cfg: RunConfig, req: Request) -> RecordDict:
     mechanism = DpSgdRound(cfg, lambda: node.records(req.vocabulary), msg.content.array_records.get(R.ARRAYS),
                            state, msg.metadata.dst_node_id,
                            phase_reserved=node.ledger.spent(run_id=req.run_id, phase=TRAIN) > 0,
-                           bound=node.policy.max_records or None)
+                           bound=node.bound)
     weights, statement = release(node, req, mechanism)
     # Uniform weight (A.3): a true example count would be an un-noised statistic.
     metrics = MetricRecord({R.WEIGHT_KEY: 1.0, "steps": float(cfg.local_steps)})
@@ -150,7 +150,7 @@ def vote(msg: Message, node: Node, cfg: RunConfig, req: Request) -> RecordDict:
         raise ConfigError(f"{len(texts)} candidate texts but {len(codes)} codes")
     name = str(req.params.get("histogram", "knn-vote"))
     compute, sensitivity = vote_histogram(name, node.records(req.vocabulary), texts, codes, req.params, cfg,
-                                          bound=node.policy.max_records or None)
+                                          bound=node.bound)
     noisy, statement = release(node, req, GaussianHistogram(name, compute, sensitivity,
                                                             prepare=lambda: load_embedder(cfg.embedder)))
     return R.vector_reply(R.VOTES, noisy, statement)

@@ -8,6 +8,8 @@ that needs another statistic registers it in ``VOTE_HISTOGRAMS`` with its sensit
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import sys
 import time
@@ -19,6 +21,7 @@ import numpy as np
 from common.config import ConfigError, RunConfig
 from common.data import TextData, dataset_fingerprint
 from common.logs import get_logger
+from fedsyn_client import fixed_work
 from fedsyn_client.voting import contrastive_votes, finite_rows, knn_votes, similarity_scores
 
 Compute = Callable[[], np.ndarray]
@@ -95,36 +98,53 @@ def vote_histogram(name: str, records: TextData, texts: list[str], codes: list[s
         build = VOTE_HISTOGRAMS[name]
     except KeyError:
         raise ConfigError(f"histogram {name!r} is unknown on this node; known: {sorted(VOTE_HISTOGRAMS)}") from None
-    import inspect
-
     # a plug-in written before the bound existed still works (its work is then its own to fix)
-    takes_bound = "bound" in inspect.signature(build).parameters
+    takes_bound = "bound" in _parameters(build)
     return build(records, texts, codes, params, cfg, **({"bound": bound} if takes_bound else {}))
+
+
+@functools.lru_cache(maxsize=64)
+def _parameters(build: Callable[..., Any]) -> tuple[str, ...]:
+    return tuple(inspect.signature(build).parameters)
 
 
 def local_embeddings(records: TextData, embedder_name: str, max_tokens: int | None = None,
                      bound: int | None = None) -> np.ndarray:
     """Embeddings of the node's records (each cut to its first ``max_tokens`` tokens; None = the
-    embedder's own limit), computed once per process (records never change).
+    embedder's own limit).
 
-    The work is that of ``bound`` rows (the node's max-records), each padded to the window: rows
-    beyond the records are empty texts whose vectors are dropped, so the time of a vote is a function
-    of the bound and the window, never of |D| or the records' lengths. None (a simulated node): the
-    records as they are."""
-    rows = max(len(records), bound or 0)
-    cache = _EMBEDDING_CACHE.setdefault((embedder_name, max_tokens, rows), {})
-    key = dataset_fingerprint(records)
-    if key not in cache:
-        from common.models import embed, load_embedder
+    Under ``bound`` (a deployed node's max-records) the work is that of ``bound`` rows, each padded
+    to the window: each record is cut to the window's bytes, the rows beyond the records are filler
+    whose vectors are dropped, and the bytes the records fall short of are tokenized as ballast
+    (``fedsyn_client.fixed_work``), so the time of a vote is a function of the bound and the window,
+    never of |D| or the records' lengths. None (a simulated node): the records as they are, computed
+    once per process (one worker serves many nodes, and the records never change)."""
+    from common.models import embed, load_embedder
 
-        t0 = time.time()
-        # a bar on a terminal; in a log file (a SuperNode's, Ray's) one line when done, not one per batch
-        texts = list(records.texts) + [""] * (rows - len(records))
-        # padded to the window under a bound; without one (simulation: no institution) as fast as it goes
-        cache[key] = embed(load_embedder(embedder_name), texts, progress=sys.stderr.isatty(),
-                           max_tokens=max_tokens, fixed_width=bound is not None)[:len(records)]
-        log.info("embedded the node's %d records as %d rows in %.0f s", len(records), rows, time.time() - t0)
-    return cache[key]
+    embedder = load_embedder(embedder_name)
+    if bound is None:
+        cache = _EMBEDDING_CACHE.setdefault((embedder_name, max_tokens, len(records)), {})
+        key = dataset_fingerprint(records)
+        if key not in cache:
+            cache[key] = embed(embedder, list(records.texts), progress=sys.stderr.isatty(), max_tokens=max_tokens)
+        return cache[key]
+    t0 = time.time()
+    rows = max(len(records), bound)
+    window = min(int(max_tokens or embedder.max_seq_length), int(embedder.max_seq_length))
+    limit = fixed_work.row_bytes(window)
+    texts = [fixed_work.cut(t, limit) for t in records.texts]
+    fixed_work.ballast(_tokenizer(embedder), texts, len(texts), limit, batch=_EMBED_BATCH)
+    texts += [fixed_work.filler(limit)] * (rows - len(records))
+    # a bar on a terminal; in a log file (a SuperNode's) one line when done, not one per batch
+    vectors = embed(embedder, texts, batch_size=_EMBED_BATCH, progress=sys.stderr.isatty(), max_tokens=max_tokens,
+                    fixed_width=True)[:len(records)]
+    log.info("embedded the node's records as %d rows in %.0f s", rows, time.time() - t0)
+    return vectors
+
+
+def _tokenizer(embedder: Any) -> Any:
+    # a SentenceTransformer's own, or the inner model's of a wrapper (common.sentiment_embedder)
+    return getattr(embedder, "tokenizer", None) or embedder.inner.tokenizer
 
 
 def candidate_embeddings(texts: list[str], embedder_name: str, max_tokens: int | None) -> np.ndarray:
@@ -144,4 +164,5 @@ def candidate_embeddings(texts: list[str], embedder_name: str, max_tokens: int |
 
 
 _EMBEDDING_CACHE: dict[tuple[str, int | None, int], dict[str, np.ndarray]] = {}
+_EMBED_BATCH = 64  # common.models.embed's batch: the ballast is tokenized in batches as large
 _CANDIDATES: dict[str, Any] = {}

@@ -13,6 +13,8 @@ read the records and the ledger.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -29,9 +31,13 @@ from fedsyn_client.ledger import PrivacyLedger
 from fedsyn_client.policy import NodePolicy, PolicyError, is_simulated, policy_from_node_config, simulation_policy
 from fedsyn_client.refusals import NodeSetupError
 from fedsyn_client.replies import ReplyStore
-from fedsyn_client.view import bounded, view_seed
+from fedsyn_client.fixed_work import row_bytes
+from fedsyn_client.view import bounded, cut_view, read_snapshot, view_seed, write_snapshot
 
 log = get_logger(__name__)
+# A record is kept to the bytes of the longer of the policy's max-length and the vote window of
+# MiniLM-sized embedders (256 tokens): enough for any training row or vote the policy allows.
+EMBEDDER_TOKENS = 256
 STATE_ENV = "FEDSYN_STATE_DIR"
 
 
@@ -66,10 +72,11 @@ class Node:
         return self.policy.tier
 
     @property
-    def bound(self) -> int:
-        """The public size bound a release works to: the policy's ``max-records``; in simulation,
-        where no institution exists and the partition is the server's choice, its size."""
-        return self.policy.max_records or len(self.data)
+    def bound(self) -> int | None:
+        """The public size bound every release works to (the policy's ``max-records``); None in
+        simulation, where no institution exists and the partition is the server's choice: a
+        simulated node works as fast as it goes."""
+        return self.policy.max_records or None
 
     def records(self, vocabulary: tuple[str, ...]) -> TextData:
         """The records whose code is in ``vocabulary``; the others are dropped the same way in
@@ -176,13 +183,12 @@ def _policy(run_id: str, node_config_items: tuple[tuple[str, str], ...], cfg: Ru
 
 @lru_cache(maxsize=16)
 def _open(policy: NodePolicy, sim_cfg: RunConfig | None) -> Node:
-    data = _data(policy, sim_cfg)
     state_dir = policy.state_dir or str(Path.home() / ".fedsyn" / "state")
-    if policy.max_records and len(data) > policy.max_records:  # the node's own log only: the count never leaves
-        log.warning("data-path %r holds %d records, above max-records = %d: every release uses the same uniform "
-                    "subsample of %d (fedsyn_client.view)", policy.data_path, len(data), policy.max_records,
-                    policy.max_records)
-        data = bounded(data, policy.max_records, view_seed(state_dir))
+    if policy.max_records:
+        data, fingerprint = _view(policy, state_dir)
+    else:  # a simulated node: its partition, public in simulation
+        data = _data(policy, sim_cfg)
+        fingerprint = dataset_fingerprint(data)
     # An empty data set is served like any other (every release is defined on it): refusing it
     # would answer "does this node hold any record" for free. node-check tells the operator.
     if len(data) == 0:
@@ -190,10 +196,46 @@ def _open(policy: NodePolicy, sim_cfg: RunConfig | None) -> Node:
     elif policy.delta >= 1.0 / len(data):  # the node's own log only: the count never leaves
         log.warning("delta = %g >= 1/%d records on this node: the guarantee is weak; set a smaller node-config delta",
                     policy.delta, len(data))
-    ledger = PrivacyLedger.open(state_dir, policy.epsilon, policy.ledger_id, dataset_fingerprint(data))
+    ledger = PrivacyLedger.open(state_dir, policy.epsilon, policy.ledger_id, fingerprint)
     log.info("node ready: tier=%s records=%d budget=%s ledger=%s", policy.tier, len(data), policy.epsilon, ledger.path)
     replies = ReplyStore(ledger.path.with_name(f"{ledger.path.stem}-replies"), policy.keep_replies_days)
     return Node(policy, data, ledger, replies)
+
+
+def _view(policy: NodePolicy, state_dir: str) -> tuple[TextData, str]:
+    """(the records under the policy's max-records, their fingerprint) from the node's snapshot
+    (``fedsyn_client.view``), built from the data file when it is missing or the file changed."""
+    text_bytes = row_bytes(max(policy.max_length, EMBEDDER_TOKENS))
+    try:
+        stat = os.stat(policy.data_path)
+    except OSError:
+        _data(policy, None)  # raises the data error the server sees as DATA
+        raise
+    seed = view_seed(state_dir)
+    terms = {"data-path": str(Path(policy.data_path).resolve()), "text-column": policy.text_column,
+             "control-columns": list(policy.control_columns), "table-schema": policy.table_schema,
+             "max-records": policy.max_records, "text-bytes": text_bytes,
+             "seed": hashlib.sha256(str(seed).encode()).hexdigest()[:16]}
+    path = Path(state_dir) / f"view-{hashlib.sha256(json.dumps(terms, sort_keys=True).encode()).hexdigest()[:16]}.bin"
+    stamp = {**terms, "size": stat.st_size, "mtime-ns": stat.st_mtime_ns}
+    found = read_snapshot(path, stamp)
+    if found is not None:
+        return found
+    # the node's own log only: this one request's time depends on the file (node-check builds it first)
+    log.warning("reading data-path %r into the node's view %s (no view yet, or the file changed): this request's "
+                "time depends on the file; run `fedsyn node-check` after changing the data", policy.data_path, path)
+    data = _data(policy, None)
+    if len(data) > policy.max_records:  # the node's own log only: the count never leaves
+        log.warning("data-path %r holds %d records, above max-records = %d: every release uses the same uniform "
+                    "subsample of %d (fedsyn_client.view)", policy.data_path, len(data), policy.max_records,
+                    policy.max_records)
+        data = bounded(data, policy.max_records, seed)
+    write_snapshot(path, cut_view(data, text_bytes), policy.max_records, text_bytes, stamp)
+    found = read_snapshot(path, stamp)
+    if found is None:
+        raise NodeSetupError(f"the node's view {path} cannot be read back after writing it; check the state-dir's "
+                             "disk and permissions", refusals.DATA)
+    return found
 
 
 def _data(policy: NodePolicy, sim_cfg: RunConfig | None) -> TextData:

@@ -163,7 +163,7 @@ class DpSgdRound(Mechanism):
             sample_rate=q, prompt=cfg.prompt, template=cfg.zero_shot_template,
             # the objective does not widen a release: each record's gradient is clipped to C whatever it is
             contrastive_weight=cfg.contrastive_weight, vocabulary=tuple(sorted(request.vocabulary)),
-            records_bound=max(self.bound, len(records)) if self.bound else None,
+            records_bound=self.bound,  # dp_train refuses a view above it (a fault, never a wider q)
         )
         result = dp_train(model, tokenizer, records.texts, records.codes, settings, delta, history)
         # The local loss is an un-noised statistic of the records: it stays in this log.

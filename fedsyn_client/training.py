@@ -32,6 +32,7 @@ from common.lm_loss import (conditional_lm_loss, encode_examples, fused_conditio
 from common.dp import dpsgd_epsilon, poisson_sample_rate
 from common.logs import get_logger
 from common.weights import trainable_state
+from fedsyn_client import fixed_work
 
 log = get_logger(__name__)
 
@@ -231,20 +232,26 @@ class Slots:
         """(tensors [b, (2,) max_length] per key, a bool vector of the rows that are records) for
         the sampled ``slots`` (indices in [0, bound))."""
         real = slots < len(self.texts)
-        picked = slots[real].tolist()
-        # the public width under a bound; without one (simulation) the batch's longest, as fast as it goes
-        width = self.settings.max_length if self.settings.records_bound is not None else None
-        tensors = _encode_rows(self.tokenizer, [self.texts[i] for i in picked], [self.codes[i] for i in picked],
-                               self.settings, self.generator, width=width)
-        pad = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
-        width = tensors[0].shape[-1]
-        shape = (int((~real).sum()), *((2,) if self.rows_per_record == 2 else ()), width)
-        filler = (torch.full(shape, pad, dtype=torch.long), torch.ones(shape, dtype=torch.long),
-                  torch.full(shape, pad, dtype=torch.long), torch.arange(width, dtype=torch.long).expand(shape).clone())
-        out = tuple(torch.empty((len(slots), *shape[1:]), dtype=torch.long) for _ in _KEYS)
-        for o, t, f in zip(out, tensors, filler):
-            o[real], o[~real] = t, f
-        return out, real
+        if self.settings.records_bound is None:  # no public bound (simulation): as fast as it goes
+            picked = slots[real].tolist()
+            tensors = _encode_rows(self.tokenizer, [self.texts[i] for i in picked], [self.codes[i] for i in picked],
+                                   self.settings, self.generator)
+            return tensors, real
+        # Under a bound every slot goes through the same encoding at the public width: a record cut to
+        # its row's bytes, a padding slot as filler under a public code (its gradient is zeroed), and
+        # the bytes the records fall short of are tokenized as ballast (fedsyn_client.fixed_work).
+        limit = fixed_work.row_bytes(self.settings.max_length)
+        filler = fixed_work.filler(limit)
+        public = self.settings.vocabulary[0] if self.settings.vocabulary else "record"
+        texts, codes = [], []
+        for slot in slots.tolist():
+            is_record = slot < len(self.texts)
+            texts.append(fixed_work.cut(self.texts[slot], limit) if is_record else filler)
+            codes.append(self.codes[slot] if is_record else public)
+        fixed_work.ballast(self.tokenizer, texts * self.rows_per_record, len(texts) * self.rows_per_record, limit)
+        tensors = _encode_rows(self.tokenizer, texts, codes, self.settings, self.generator,
+                               width=self.settings.max_length)
+        return tensors, real
 
 
 def sample_rate(settings: TrainSettings, num_records: int) -> float:
@@ -367,12 +374,11 @@ def _private_step(gsm, dp_optimizer, tensors, real: torch.Tensor, precision: str
 
 def zero_padding_samples(params, real: torch.Tensor) -> None:
     """Zero the per-sample gradients of the padding rows (``~real``): they count for nothing."""
-    if bool(real.all()):
-        return
+    # a multiply of every row, not a write to the padding rows: the same work however many there are
     for p in params:
         g = getattr(p, "grad_sample", None)
         if g is not None:
-            g[~real.to(g.device)] = 0
+            g.mul_(real.to(device=g.device, dtype=g.dtype).view(-1, *([1] * (g.dim() - 1))))
 
 
 def group_samples(params, rows_per_record: int) -> None:

@@ -404,11 +404,12 @@ def test_lora_on_the_top_blocks_trains_only_them():
 
 
 # ------------------------------------------------- issue 45: a round's work is a function of public inputs
-def _work(texts: list[str], codes: list[str], monkeypatch, **kw) -> list[tuple[int, ...]]:
-    """The shapes of every batch that went through the model in one private round."""
+def _work(texts: list[str], codes: list[str], monkeypatch, **kw) -> tuple[list[tuple[int, ...]], int]:
+    """(the shapes of every batch that went through the model in one private round, the bytes of
+    text the tokenizer read: records, filler and ballast; prompts aside)."""
     import fedsyn_client.training as training
 
-    shapes, tokenized = [], []
+    shapes, tokenized, text_bytes = [], [], []
     real_loss, real_encode = training._loss, training.encode_examples
 
     def loss(model, tensors, *a, **k):
@@ -419,28 +420,41 @@ def _work(texts: list[str], codes: list[str], monkeypatch, **kw) -> list[tuple[i
         tokenized.append(len(row_texts))
         return real_encode(tokenizer, row_texts, *a, **k)
 
+    model, tok = _model()
+    real_call = type(tok).__call__
+
+    def call(self, text=None, *a, **k):
+        if k.get("add_special_tokens") is False:  # a record's body, a padding row's filler, the ballast
+            text_bytes.append(sum(len(t.encode("utf-8")) for t in ([text] if isinstance(text, str) else text)))
+        return real_call(self, text, *a, **k)
+
     with monkeypatch.context() as patch:
         patch.setattr(training, "_loss", loss)
         patch.setattr(training, "encode_examples", encode)
-        model, tok = _model()
+        patch.setattr(type(tok), "__call__", call)
         dp_train(model, tok, texts, codes, _settings(**kw), DELTA, [])
-    assert sum(tokenized) <= 2 * sum(s[0] for s in shapes)  # only the sampled records (x2 for pairs), per batch
-    return shapes
+    assert sum(tokenized) <= 2 * sum(s[0] for s in shapes)  # only the sampled slots (x2 for pairs), per batch
+    return shapes, sum(text_bytes)
 
 
 @pytest.mark.parametrize("pairs", [False, True])
 def test_a_rounds_work_is_the_same_for_50_and_5000_records_and_any_longest_record(monkeypatch, pairs):
     """Under one records_bound (the node's max-records), a private round puts the same rows of the
-    same width through the model whatever the node holds: 50 records or 5,000, one record a thousand
-    times longer than the rest. Encoding everything up front, padded to the longest, made memory and
-    time (and an out-of-memory failure) functions of |D| and of the longest record."""
+    same width through the model whatever the node holds, 50 records or 5,000, one record a thousand
+    times longer than the rest, and its tokenizer reads the same bytes: each sampled slot's row cut
+    to 8 bytes a token, a padding slot read as filler, what short records lack read as ballast.
+    Encoding everything up front, padded to the longest, made memory and time (and an out-of-memory
+    failure) functions of |D| and of the longest record."""
     extra = {"contrastive_weight": 1.0, "vocabulary": ("topic=business", "topic=sport")} if pairs else {}
-    settings = {"records_bound": 5000, "batch_size": 200, "local_steps": 2, **extra}
+    settings = {"records_bound": 5000, "batch_size": 100, "local_steps": 2, **extra}
     small = _work(TEXTS + TEXTS[:10], CODES + CODES[:10], monkeypatch, **settings)
     large = _work([TEXTS[i % 40] for i in range(5000)], [CODES[i % 40] for i in range(5000)], monkeypatch, **settings)
     longest = _work(TEXTS + TEXTS[:9] + ["word " * 20_000], CODES + CODES[:10], monkeypatch, **settings)
-    assert small == large == longest and all(s[-1] == 24 for s in small)  # the public width, max_length
-    assert sum(s[0] for s in small) > 100  # Binomial(5000, 200/5000) per step, in passes
+    shapes, read = small
+    assert small == large == longest and all(s[-1] == 24 for s in shapes)  # the public width, max_length
+    assert sum(s[0] for s in shapes) > 100  # Binomial(5000, 100/5000) per step, in passes
+    rows = sum(s[0] * (2 if pairs else 1) for s in shapes)
+    assert read == rows * 8 * 24  # every row the bytes of max_length tokens (fedsyn_client.fixed_work)
 
 
 def test_a_padding_slot_counts_for_nothing(monkeypatch):

@@ -131,7 +131,7 @@ def profile(msg: Message, node: Node, cfg: RunConfig, req: Request) -> RecordDic
     """Algorithm 1 stage 2: per-code counts + analytic Gaussian noise (L2 sensitivity 1)."""
     # One record is in exactly one bucket: adding/removing it moves one count by 1.
     # (records are restricted to the vocabulary, so every one is counted exactly once)
-    mechanism = GaussianHistogram("code-counts", lambda: node.records(req.vocabulary).code_counts(req.vocabulary), 1.0)
+    mechanism = GaussianHistogram("code-counts", lambda: node.code_counts(req.vocabulary), 1.0)
     noisy, statement = release(node, req, mechanism)
     return R.vector_reply(R.PROFILE, noisy, statement)
 

@@ -22,6 +22,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from common.config import RunConfig
 from common.data import TextData, dataset_fingerprint, load_node_data
 from common.logs import get_logger
@@ -82,13 +84,27 @@ class Node:
         """The records whose code is in ``vocabulary``; the others are dropped the same way in
         every phase, and only this node's log says how many (a count is a statistic)."""
         if vocabulary not in self._views:
-            allowed = set(vocabulary)
-            keep = [i for i, c in enumerate(self.data.codes) if c in allowed]
+            keep = np.flatnonzero(self._in(vocabulary) < len(vocabulary))
             if len(keep) < len(self.data):
                 log.warning("%d of %d records have a code outside the run's vocabulary and are left out of "
                             "every release", len(self.data) - len(keep), len(self.data))
-            self._views[vocabulary] = self.data.subset(keep)
+            # numpy's take, not a loop over the kept records: the time of a view is the bound's
+            self._views[vocabulary] = TextData(list(np.asarray(self.data.texts, dtype=object)[keep]),
+                                               list(np.asarray(self.data.codes, dtype=object)[keep]))
         return self._views[vocabulary]
+
+    def code_counts(self, vocabulary: tuple[str, ...]) -> np.ndarray:
+        """Records per code of ``vocabulary`` (int64), those of ``records(vocabulary)``."""
+        return np.bincount(self._in(vocabulary), minlength=len(vocabulary) + 1)[:len(vocabulary)]
+
+    def _in(self, vocabulary: tuple[str, ...]) -> np.ndarray:
+        # Each slot's position in the vocabulary (len(vocabulary): none), one lookup per slot of the
+        # bound, records or padding: the work of a view and a count is the bound's, not |D|'s.
+        position = {code: j for j, code in enumerate(vocabulary)}
+        none = len(vocabulary)
+        slots = self.data.codes + [""] * max(0, (self.bound or 0) - len(self.data))
+        where = np.fromiter((position.get(c, none) for c in slots), dtype=np.int64, count=len(slots))
+        return where[:len(self.data)] if len(where) > len(self.data) else where
 
 
 def node_policy(run_id: str, node_config: dict[str, Any], cfg: RunConfig) -> NodePolicy:

@@ -58,3 +58,22 @@ def test_a_node_reads_its_file_once_and_again_only_when_it_changes(tmp_path, mon
     pd.DataFrame({"text": ["a new one"], "topic": ["x"]}).to_csv(path, index=False)
     os.utime(path, ns=(1, 1))
     assert node_module._view(policy, str(tmp_path / "s"))[0].texts == ["a new one"] and len(reads) == 2
+
+
+def test_a_nodes_views_and_counts_look_at_every_slot_and_padding_counts_for_nothing(tmp_path, monkeypatch):
+    import numpy as np
+
+    from fedsyn_client.node import Node
+
+    policy = policy_from_node_config({"tier": "weak", "data-path": str(tmp_path / "d.csv"), "epsilon": 3.0,
+                                      "max-records": 10})
+    node = Node(policy, TextData(["a", "b", "c", "d"], ["topic=x", "topic=y", "topic=x", ""]), None, None)
+    looked = []
+    fromiter = np.fromiter
+    monkeypatch.setattr(np, "fromiter", lambda it, dtype, count: looked.append(count) or fromiter(it, dtype, count))
+    # a vocabulary holding "" (a padding slot's code) still counts only records
+    vocabulary = ("topic=x", "", "topic=z")
+    assert node.code_counts(vocabulary).tolist() == [2, 1, 0]
+    assert node.records(vocabulary).texts == ["a", "c", "d"]
+    assert looked == [10, 10]  # the bound's slots, not the 4 records
+    assert node.records(("topic=y",)).codes == ["topic=y"]

@@ -76,6 +76,28 @@ def write_pair(folder: Path, remove: str, table: bool = False) -> tuple[str, str
     return paths[0], paths[1]
 
 
+def view_difference(d: str, other: str, state: Path, table: bool = False) -> str | None:
+    """None when the node's records from the two files (read as the node reads them: its policy's
+    columns, and schema for a table) differ in at most one record, added or removed, every other record
+    reading the same text and code; else what differs. The mechanisms' sensitivities assume it: a
+    rule that codes a record from the other rows (pandas typing a column from the whole file) moves
+    every record at once, while each release only shows noise."""
+    from collections import Counter
+
+    from fedsyn_client.policy import policy_from_node_config
+
+    seen = []
+    for path in (d, other):
+        config = {"tier": "weak", "data-path": path, "max-records": 100, "state-dir": str(state), "epsilon": BUDGET,
+                  **({"table-schema": SCHEMA} if table else {})}
+        records = node_module._data(policy_from_node_config(config), None)
+        seen.append(Counter(zip(records.texts, records.codes)))
+    only_d, only_other = seen[0] - seen[1], seen[1] - seen[0]
+    if sorted((sum(only_d.values()), sum(only_other.values()))) in ([0, 0], [0, 1]):  # a record no view holds: 0
+        return None
+    return f"the views differ in more than one record: only in D {dict(only_d)}, only in D' {dict(only_other)}"
+
+
 def _frame(rows: list[tuple[str, int]]) -> pd.DataFrame:
     return pd.DataFrame({"text": [f"record {i} about {t} and its subject {t * 3}" for t, i in rows],
                          "topic": [t for t, _ in rows], "size": [i % 90 for _, i in rows]})

@@ -14,12 +14,14 @@ import os
 import tempfile
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from common import records as R
-from tests.neighbours import ADDED, BUDGET, CODES, NEIGHBOURS, Step, first_difference, play, write_pair
+from tests.neighbours import (ADDED, BUDGET, CODES, NEIGHBOURS, Step, first_difference, play, view_difference,
+                              write_pair)
 
 EXAMPLES = int(os.environ.get("FEDSYN_NEIGHBOUR_EXAMPLES", "12"))
 X, Y, Z = CODES
@@ -107,7 +109,9 @@ def check_neighbours(steps: list[Step], remove: str, table: bool = False) -> Non
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         d, d_minus = write_pair(folder, remove, table)
+        views = view_difference(d, d_minus, folder / "view-state", table)
         seen = [play(steps, data, folder / f"state-{i}", table) for i, data in enumerate((d, d_minus))]
+    assert views is None, views
     difference = first_difference(*seen, steps)
     assert difference is None, difference
 
@@ -131,6 +135,45 @@ ADDED_STRONG = [Step(R.MSG_TRAIN, conf=_conf((X, Y, Z), "b", 1, 1e-5)), Step(R.M
 @pytest.mark.parametrize("added", sorted(ADDED))
 def test_an_added_record_changes_nothing_but_noise(steps, added):
     check_neighbours(steps, added)
+
+
+@pytest.mark.parametrize("added", ["4.5", "04", "", "4 stars", "٤"])
+def test_a_record_added_to_a_numeric_column_leaves_every_other_records_code(tmp_path, added):
+    """The harness's view check on a node whose control column looks numeric: one more record with
+    an odd value changes its own code only (pandas' whole-file typing recoded all 20: ``4.0``)."""
+    rows = pd.DataFrame({"text": [f"review {i}" for i in range(20)], "topic": [4, 5] * 10})
+    d, other = tmp_path / "d.csv", tmp_path / "d-other.csv"
+    rows.to_csv(d, index=False)
+    pd.concat([rows, pd.DataFrame({"text": ["one more"], "topic": [added]})]).to_csv(other, index=False)
+    assert view_difference(str(d), str(other), tmp_path / "s") is None
+
+
+def test_the_harness_sees_a_planted_count_and_a_planted_dtype_rule(tmp_path, monkeypatch):
+    """The harness can fail: a reply metric ``num-examples: |D|`` and pandas' whole-file typing of
+    a control column (the rules issue 45 removed) are each reported."""
+    import common.data as data
+    from common import records as R
+    from tests import neighbours
+
+    send = neighbours._send
+
+    def counted(step, data_path, state, arrays, table):
+        reply = send(step, data_path, state, arrays, table)
+        if not reply.has_error() and R.METRICS in reply.content.metric_records:
+            reply.content.metric_records[R.METRICS]["num-examples"] = float(len(pd.read_csv(data_path)))
+        return reply
+
+    with monkeypatch.context() as patch:
+        patch.setattr(neighbours, "_send", counted)
+        with pytest.raises(AssertionError, match="num-examples"):
+            check_neighbours(ADDED_STRONG[:1], "add-odd")
+    monkeypatch.setattr(data, "load_table", lambda path, text_columns=(): pd.read_csv(path))
+    monkeypatch.setattr(data, "control_value", lambda v: None if pd.isna(v) else str(v))
+    rows = pd.DataFrame({"text": [f"review {i}" for i in range(20)], "topic": [4, 5] * 10})
+    rows.to_csv(tmp_path / "d.csv", index=False)
+    pd.concat([rows, pd.DataFrame({"text": ["one more"], "topic": ["4.5"]})]).to_csv(tmp_path / "o.csv", index=False)
+    found = view_difference(str(tmp_path / "d.csv"), str(tmp_path / "o.csv"), tmp_path / "s")
+    assert found is not None and "topic=4.0" in found
 
 
 # Fresh examples every run (derandomize=False): a failure prints the blob that reproduces it

@@ -248,7 +248,12 @@ class Slots:
             is_record = slot < len(self.texts)
             texts.append(fixed_work.cut(self.texts[slot], limit) if is_record else filler)
             codes.append(self.codes[slot] if is_record else public)
-        fixed_work.ballast(self.tokenizer, texts * self.rows_per_record, len(texts) * self.rows_per_record, limit)
+        # A row's prompt is its code's: a prompt shorter than the vocabulary's widest (public) is made
+        # up in the ballast too, as a short record is (a pair's second reading counted as its first).
+        prompt = lambda code: make_prompt(code, self.settings.prompt, self.settings.template)  # noqa: E731
+        widest = max(len(prompt(c).encode("utf-8")) for c in {*self.settings.vocabulary, public})
+        read = [prompt(c) + t for c, t in zip(codes, texts)] * self.rows_per_record
+        fixed_work.ballast(self.tokenizer, read, len(read), limit + widest)
         tensors = _encode_rows(self.tokenizer, texts, codes, self.settings, self.generator,
                                width=self.settings.max_length)
         return tensors, real

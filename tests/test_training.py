@@ -406,7 +406,7 @@ def test_lora_on_the_top_blocks_trains_only_them():
 # ------------------------------------------------- issue 45: a round's work is a function of public inputs
 def _work(texts: list[str], codes: list[str], monkeypatch, **kw) -> tuple[list[tuple[int, ...]], int]:
     """(the shapes of every batch that went through the model in one private round, the bytes of
-    text the tokenizer read: records, filler and ballast; prompts aside)."""
+    text the tokenizer read: prompts, records, filler and ballast)."""
     import fedsyn_client.training as training
 
     shapes, tokenized, text_bytes = [], [], []
@@ -423,9 +423,8 @@ def _work(texts: list[str], codes: list[str], monkeypatch, **kw) -> tuple[list[t
     model, tok = _model()
     real_call = type(tok).__call__
 
-    def call(self, text=None, *a, **k):
-        if k.get("add_special_tokens") is False:  # a record's body, a padding row's filler, the ballast
-            text_bytes.append(sum(len(t.encode("utf-8")) for t in ([text] if isinstance(text, str) else text)))
+    def call(self, text=None, *a, **k):  # a prompt, a record's body, a padding row's filler, the ballast
+        text_bytes.append(sum(len(t.encode("utf-8")) for t in ([text] if isinstance(text, str) else text)))
         return real_call(self, text, *a, **k)
 
     with monkeypatch.context() as patch:
@@ -445,16 +444,26 @@ def test_a_rounds_work_is_the_same_for_50_and_5000_records_and_any_longest_recor
     to 8 bytes a token, a padding slot read as filler, what short records lack read as ballast.
     Encoding everything up front, padded to the longest, made memory and time (and an out-of-memory
     failure) functions of |D| and of the longest record."""
-    extra = {"contrastive_weight": 1.0, "vocabulary": ("topic=business", "topic=sport")} if pairs else {}
-    settings = {"records_bound": 5000, "batch_size": 100, "local_steps": 2, **extra}
+    vocabulary = ("topic=business", "topic=sport")
+    extra = {"contrastive_weight": 1.0} if pairs else {}
+    settings = {"records_bound": 5000, "batch_size": 100, "local_steps": 2, "vocabulary": vocabulary, **extra}
     small = _work(TEXTS + TEXTS[:10], CODES + CODES[:10], monkeypatch, **settings)
     large = _work([TEXTS[i % 40] for i in range(5000)], [CODES[i % 40] for i in range(5000)], monkeypatch, **settings)
     longest = _work(TEXTS + TEXTS[:9] + ["word " * 20_000], CODES + CODES[:10], monkeypatch, **settings)
-    shapes, read = small
-    assert small == large == longest and all(s[-1] == 24 for s in shapes)  # the public width, max_length
+    from common.codes import make_prompt
+
+    shapes = small[0]
+    assert small[0] == large[0] == longest[0] and all(s[-1] == 24 for s in shapes)  # the public width, max_length
+    if not pairs:
+        assert small[1] == large[1] == longest[1]
+    read = small[1]
     assert sum(s[0] for s in shapes) > 100  # Binomial(5000, 100/5000) per step, in passes
     rows = sum(s[0] * (2 if pairs else 1) for s in shapes)
-    assert read == rows * 8 * 24  # every row the bytes of max_length tokens (fedsyn_client.fixed_work)
+    widest = len(make_prompt("topic=business").encode())
+    # every row the bytes of max_length tokens and the widest prompt (fedsyn_client.fixed_work); a
+    # pair's second reading is counted as its first, so pairs are within a prompt's difference a row
+    slack = rows * (widest - len(make_prompt("topic=sport").encode())) if pairs else 0
+    assert rows * (8 * 24 + widest) - slack <= read <= rows * (8 * 24 + widest) + slack
 
 
 def test_a_padding_slot_counts_for_nothing(monkeypatch):

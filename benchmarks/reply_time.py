@@ -16,7 +16,8 @@ drift of the machine falls on both.
 ``padded``: the node as it is. ``unpadded``: the same code with the bound taken away (the node of
 before issue 45: it reads its file on every request, embeds and tokenizes its records as they are,
 and samples at q = B / |D|). For each, the two sizes' replies are compared with a two-sample KS
-test and their medians against the run-to-run spread (the larger interquartile range).
+test and their medians against the run-to-run spread (the larger interquartile range). Each
+reply's peak resident memory (Linux's VmHWM, reset before the clock starts) is kept beside its time.
 
 Writes ``--out`` (JSON: every time) and a plot beside it (``.png``); prints the table for
 ``benchmarks/README.md``.
@@ -44,6 +45,7 @@ from common.io import atomic_write_json
 KINDS = ("profile", "vote", "train")
 VARIANTS = ("padded", "unpadded")
 TIERS = {"profile": "weak", "vote": "weak", "train": "strong"}
+PEAKS: dict[tuple[str, str, int], list[float]] = {}  # peak resident MiB per reply, as ``measure``'s times
 MESSAGES = {"profile": R.MSG_PROFILE, "vote": R.MSG_VOTE, "train": R.MSG_TRAIN}
 
 
@@ -116,7 +118,9 @@ def measure(kinds: list[str], sizes: list[int], bound: int, replies: int, model:
                 for size in sizes if i % 2 else reversed(sizes):  # take turns: a drift falls on both
                     state = folder / f"s-{kind}-{variant}-{size}-{i}"
                     shutil.copytree(seeds[size], state, ignore=shutil.ignore_patterns("ledger*", "*.lock"))
-                    times[size].append(_forked(_reply, paths[size], state, *common))
+                    took, peak = _forked(_reply, paths[size], state, *common)
+                    times[size].append(took)
+                    PEAKS.setdefault((kind, variant, size), []).append(peak)
                     shutil.rmtree(state, ignore_errors=True)
                 print(f"{kind} {variant} reply {i + 1}/{replies}: " + ", ".join(
                     f"|D|={s}: {times[s][-1]:.3f} s" for s in sizes), file=sys.stderr, flush=True)
@@ -172,12 +176,26 @@ def _reply(data: str, state: Path, kind: str, variant: str, bound: int, model: s
         load_generator(model)
     node = client_node(app, 5, node_config(kind, data, state, bound), rc, run_id=1)
     msg = message(kind, vocabulary, texts, codes, arrays, RunConfig.from_flower(rc))
+    _reset_peak()
     t0 = time.perf_counter()
     reply = node(msg)
     took = time.perf_counter() - t0
     if reply.has_error():
         raise RuntimeError(f"{kind} on {data}: {reply.error.reason}")
-    return took
+    return took, _peak_mib()
+
+
+def _reset_peak() -> None:
+    # Linux: writing 5 to clear_refs resets the process's peak resident set (VmHWM) to its current size
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def _peak_mib() -> float:
+    """The process's peak resident set since ``_reset_peak`` (MiB): the models, loaded before, included."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def compare(a: list[float], b: list[float]) -> dict[str, float | bool]:
@@ -253,6 +271,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {kind} | {variant} | {v['median_small']:.3f} s | {v['median_large']:.3f} s | "
                   f"{v['median_difference']:+.3f} s | {v['spread']:.3f} s | {v['ks_p']:.3g} | "
                   f"{'yes' if v['told_apart'] else 'no'} |")
+    print(f"\n| reply | code | peak memory |D|={small} | peak memory |D|={large} (median, min-max MiB) |")
+    print("|---|---|---|---|")
+    for (kind, variant), _ in {(k, v): 0 for k, v, _ in PEAKS}.items():
+        cells = [PEAKS[(kind, variant, size)] for size in args.sizes]
+        print(f"| {kind} | {variant} | " + " | ".join(f"{np.median(c):.0f} ({min(c):.0f}-{max(c):.0f})" for c in cells) + " |")
+    result["peak_mib"] = {f"{k} {v} {n}": p for (k, v, n), p in PEAKS.items()}
+    atomic_write_json(args.out, result)
     for kind in times:
         if "unpadded" in times[kind] and "padded" in times[kind]:
             cost = np.median(times[kind]["padded"][small]) / np.median(times[kind]["unpadded"][small])

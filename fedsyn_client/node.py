@@ -67,6 +67,7 @@ class Node:
     ledger: PrivacyLedger
     replies: ReplyStore  # the noised replies it released, for repeated requests
     _views: dict[tuple[str, ...], TextData] = field(default_factory=dict, repr=False)
+    _positions: dict[tuple[str, ...], np.ndarray] = field(default_factory=dict, repr=False)
 
     @property
     def tier(self) -> str:
@@ -85,9 +86,6 @@ class Node:
         every phase, and only this node's log says how many (a count is a statistic)."""
         if vocabulary not in self._views:
             keep = np.flatnonzero(self._in(vocabulary) < len(vocabulary))
-            if len(keep) < len(self.data):
-                log.warning("%d of %d records have a code outside the run's vocabulary and are left out of "
-                            "every release", len(self.data) - len(keep), len(self.data))
             # numpy's take, not a loop over the kept records: the time of a view is the bound's
             self._views[vocabulary] = TextData(list(np.asarray(self.data.texts, dtype=object)[keep]),
                                                list(np.asarray(self.data.codes, dtype=object)[keep]))
@@ -98,13 +96,20 @@ class Node:
         return np.bincount(self._in(vocabulary), minlength=len(vocabulary) + 1)[:len(vocabulary)]
 
     def _in(self, vocabulary: tuple[str, ...]) -> np.ndarray:
-        # Each slot's position in the vocabulary (len(vocabulary): none), one lookup per slot of the
-        # bound, records or padding: the work of a view and a count is the bound's, not |D|'s.
-        position = {code: j for j, code in enumerate(vocabulary)}
-        none = len(vocabulary)
-        slots = self.data.codes + [""] * max(0, (self.bound or 0) - len(self.data))
-        where = np.fromiter((position.get(c, none) for c in slots), dtype=np.int64, count=len(slots))
-        return where[:len(self.data)] if len(where) > len(self.data) else where
+        """Each record's position in ``vocabulary`` (``len(vocabulary)``: none), once per vocabulary."""
+        if vocabulary not in self._positions:
+            # one lookup per slot of the bound, records or padding: the work is the bound's, not |D|'s
+            position = {code: j for j, code in enumerate(vocabulary)}
+            none = len(vocabulary)
+            slots = self.data.codes + [""] * max(0, (self.bound or 0) - len(self.data))
+            where = np.fromiter((position.get(c, none) for c in slots), dtype=np.int64, count=len(slots))
+            where = where[:len(self.data)]
+            outside = int((where == none).sum())
+            if outside:  # the node's own log only: a count is a statistic
+                log.warning("%d of %d records have a code outside the run's vocabulary and are left out of "
+                            "every release", outside, len(self.data))
+            self._positions[vocabulary] = where
+        return self._positions[vocabulary]
 
 
 def node_policy(run_id: str, node_config: dict[str, Any], cfg: RunConfig) -> NodePolicy:

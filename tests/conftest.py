@@ -16,6 +16,21 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: loads real model weights; takes tens of seconds")
     config.addinivalue_line("markers", "flwr: starts a real local SuperLink with `flwr run` (minutes)")
     config.addinivalue_line("markers", "gpu: runs on CUDA; skipped where torch sees no GPU (`pytest -m gpu`)")
+    config.addinivalue_line("markers", "session(covered_by): a multi-process check another test already covers; "
+                                       "skipped in CI's run for its time, run in a developer's session with "
+                                       "`pytest -m session` (docs/testing.md)")
+
+
+def pytest_collection_modifyitems(config, items):
+    # CI's budget is 45 minutes on two cores: the checks below repeat, through real processes, what
+    # another test covers, and each developers' session runs them (`-m session`, or FEDSYN_ALL_TESTS=1).
+    if "session" in (config.getoption("-m") or "") or os.environ.get("FEDSYN_ALL_TESTS") == "1":
+        return
+    for item in items:
+        mark = item.get_closest_marker("session")
+        if mark is not None:
+            covered = mark.kwargs.get("covered_by", "")
+            item.add_marker(pytest.mark.skip(reason=f"session-only (covered in CI by {covered}); run: pytest -m session"))
 
 
 @pytest.fixture(autouse=True)

@@ -580,6 +580,7 @@ def _once_per_round(books: dict[str, list[dict]]) -> None:
         assert sum(float(r["epsilon"]) for r in book) <= EPSILON + 1e-6, (name, book)
 
 
+@pytest.mark.session(covered_by="tests/test_sovereign.py::test_a_strong_node_killed_mid_round_rejoins_later_rounds_without_paying_twice")
 def test_deployment_strong_node_killed_mid_round_rejoins_and_weak_node_killed_after_profile(tmp_path):
     """SIGKILL a strong SuperNode during phase-1 round 2 and restart it (Flower gives it a new node
     id): the round aggregates the other strong node, the restarted one trains in round 3 and pays
@@ -629,6 +630,7 @@ def test_deployment_strong_node_killed_mid_round_rejoins_and_weak_node_killed_af
         assert [r["phase"] for r in weak["releases"]][:1] == ["profile"], weak["releases"]
 
 
+@pytest.mark.session(covered_by="tests/test_sovereign.py::test_two_concurrent_runs_cannot_both_pass_the_budget_check")
 def test_deployment_two_runs_started_at_once_never_both_spend(deployment):
     """Two operators start a run on the same nodes at the same moment. Each node holds its
     budget for the first run whose pre-flight reached it, so the other run is refused before

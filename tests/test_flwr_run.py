@@ -65,8 +65,13 @@ def test_default_run_with_real_weights_follows_the_noisy_profile(tmp_path):
     assert (run_dir / "evaluation.json").exists() and (run_dir / "model" / "adapter_config.json").exists()
 
 
+_BOOKED_IN_PROCESS = "tests/test_refinement.py::test_multi_round_refinements_split_epsilon_vote_across_their_rounds"
+
+
 @pytest.mark.flwr
-@pytest.mark.parametrize("refinement", ["pe", "popri", "examples.top_voted:TopVoted"])
+@pytest.mark.parametrize("refinement", [pytest.param("pe", marks=pytest.mark.session(covered_by=_BOOKED_IN_PROCESS)),
+                                        pytest.param("popri", marks=pytest.mark.session(covered_by=_BOOKED_IN_PROCESS)),
+                                        "examples.top_voted:TopVoted"])
 def test_flwr_run_refinement_plugins_book_every_vote_round(tmp_path, refinement):
     """`flwr run` with each refinement plug-in (tiny model): every vote round is in each weak
     node's own ledger, and the rounds add up to its epsilon_vote."""

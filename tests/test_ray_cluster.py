@@ -109,6 +109,7 @@ def test_a_simulation_on_two_ray_nodes_runs_clientapps_on_both_and_keeps_one_led
         assert not list((node_dir / "tmp").glob("fedsyn-sim*")), node_dir
 
 
+@pytest.mark.session(covered_by="tests/test_resume.py::test_a_vote_round_no_voter_answered_is_not_done_and_a_resume_under_new_node_ids_finishes")
 def test_clientapp_actors_killed_mid_vote_then_resume_completes_with_one_release_per_round(cluster, tmp_path):
     """Kill every ClientApp actor that is voting (the PIDs the nodes recorded) once both have
     reserved their vote: the run stops with the round unanswered. The resumed run (a new

@@ -103,7 +103,16 @@ def measure(kinds: list[str], sizes: list[int], bound: int, replies: int, model:
     from tests.neighbours import initial_arrays
 
     paths, vocabulary, texts, codes = write_nodes(folder, sizes)
-    # no model is loaded here: a thread it starts could hold a lock at a fork, and the child wait on it forever
+    # The libraries are imported here, once: in a SuperNode's ClientApp their import falls inside the
+    # reply's time (the app is loaded after the message is pulled), the same public work for any
+    # data, and leaving it out makes the comparison stricter. No model is loaded here: a thread it
+    # starts could hold a lock at a fork, and the child wait on it forever.
+    import opacus  # noqa: F401
+    import peft  # noqa: F401
+    import sentence_transformers  # noqa: F401
+    import transformers  # noqa: F401
+
+    from fedsyn_client import client_app, train_release  # noqa: F401
     arrays = _forked(initial_arrays, run_config(paths[sizes[0]], model)) if "train" in kinds else None
     out: dict[str, dict[str, dict[int, list[float]]]] = {}
     for kind in kinds:

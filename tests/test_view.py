@@ -32,7 +32,7 @@ def test_a_snapshot_holds_the_records_in_rows_of_fixed_size(tmp_path):
         assert got.texts == view.texts[:n] and got.codes == view.codes[:n] and len(fingerprint) == 64
         assert (os.stat(path).st_mode & 0o777) == 0o600
         sizes.append(len(path.read_bytes().partition(b"\n")[2]))
-    assert sizes == [5 * (64 + CODE_BYTES)] * 2  # the body is the bound's, whatever it holds
+    assert sizes == [5 * (8 + 64 + CODE_BYTES)] * 2  # the body is the bound's, whatever it holds
     assert read_snapshot(tmp_path / "v3.bin", {**STAMP, "size": 11}) is None  # the file changed: stale
     assert read_snapshot(tmp_path / "missing.bin", STAMP) is None
     (tmp_path / "v3.bin").write_bytes((tmp_path / "v3.bin").read_bytes()[:-1])

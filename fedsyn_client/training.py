@@ -224,6 +224,14 @@ class Slots:
         self.tokenizer, self.texts, self.codes, self.settings = tokenizer, texts, codes, settings
         self.bound, self.generator = bound, generator
         self.rows_per_record = 2 if pairs_on(settings) else 1
+        # under a bound, the public terms of every batch's rows, fixed for the round
+        self.limit = fixed_work.row_bytes(settings.max_length)
+        self.filler = fixed_work.filler(self.limit)
+        self.public = settings.vocabulary[0] if settings.vocabulary else "record"
+        self.widest = max(len(self._prompt(c).encode("utf-8")) for c in {*settings.vocabulary, self.public})
+
+    def _prompt(self, code: str) -> str:
+        return make_prompt(code, self.settings.prompt, self.settings.template)
 
     def __len__(self) -> int:
         return self.bound
@@ -240,20 +248,15 @@ class Slots:
         # Under a bound every slot goes through the same encoding at the public width: a record cut to
         # its row's bytes, a padding slot as filler under a public code (its gradient is zeroed), and
         # the bytes the records fall short of are tokenized as ballast (fedsyn_client.fixed_work).
-        limit = fixed_work.row_bytes(self.settings.max_length)
-        filler = fixed_work.filler(limit)
-        public = self.settings.vocabulary[0] if self.settings.vocabulary else "record"
         texts, codes = [], []
         for slot in slots.tolist():
             is_record = slot < len(self.texts)
-            texts.append(fixed_work.cut(self.texts[slot], limit) if is_record else filler)
-            codes.append(self.codes[slot] if is_record else public)
+            texts.append(fixed_work.cut(self.texts[slot], self.limit) if is_record else self.filler)
+            codes.append(self.codes[slot] if is_record else self.public)
         # A row's prompt is its code's: a prompt shorter than the vocabulary's widest (public) is made
         # up in the ballast too, as a short record is (a pair's second reading counted as its first).
-        prompt = lambda code: make_prompt(code, self.settings.prompt, self.settings.template)  # noqa: E731
-        widest = max(len(prompt(c).encode("utf-8")) for c in {*self.settings.vocabulary, public})
-        read = [prompt(c) + t for c, t in zip(codes, texts)] * self.rows_per_record
-        fixed_work.ballast(self.tokenizer, read, len(read), limit + widest)
+        read = [self._prompt(c) + t for c, t in zip(codes, texts)] * self.rows_per_record
+        fixed_work.ballast(self.tokenizer, read, len(read), self.limit + self.widest)
         tensors = _encode_rows(self.tokenizer, texts, codes, self.settings, self.generator,
                                width=self.settings.max_length)
         return tensors, real

@@ -32,6 +32,7 @@ import numpy as np
 
 from common.data import TextData, dataset_fingerprint
 from common.io import atomic_write_bytes, atomic_write_text
+from fedsyn_client.fixed_work import cut
 
 SEED_FILE = "view-seed"
 SNAPSHOT_FORMAT = 2
@@ -63,7 +64,7 @@ def view_seed(state_dir: str | Path) -> int:
 def cut_view(data: TextData, text_bytes: int) -> TextData:
     """``data`` with each text cut to its first ``text_bytes`` UTF-8 bytes (whole characters) and each
     code longer than ``CODE_BYTES`` bytes replaced by no code: what a snapshot can hold."""
-    texts = [t.encode("utf-8")[:text_bytes].decode("utf-8", "ignore") for t in data.texts]
+    texts = [cut(t, text_bytes) for t in data.texts]
     return TextData(texts, [c if len(c.encode("utf-8")) <= CODE_BYTES else "" for c in data.codes])
 
 

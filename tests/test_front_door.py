@@ -362,7 +362,7 @@ def test_every_preset_is_a_run_config_the_app_accepts():
     from common.config import RunConfig
 
     presets = sorted((APP / "presets").glob("*.toml"))
-    assert {p.name for p in presets} >= {"quality-cpu.toml", "gpu.toml", "rotten-tomatoes.toml"}
+    assert {p.name for p in presets} >= {"quality-cpu.toml", "gpu.toml", "rotten-tomatoes.toml", "movie-review-source.toml"}
     for preset in presets:
         cfg = effective_run_config([str(APP), "--run-config", str(preset)])
         RunConfig.from_flower(cfg)  # ConfigError names the key

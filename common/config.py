@@ -75,6 +75,9 @@ class RunConfig:
     # codes the strong nodes hold less than this share of (relative to the data) are written by the
     # pretrained weights (strategies.coverage); 0 = off, every code from the finetuned model
     coverage_floor: float = 0.0
+    # the share of each code's pool written by the pretrained weights with the zero-shot instruction,
+    # the rest by the finetuned ones; the votes choose between them (strategies.writers). 0 = the paper
+    pretrained_share: float = 0.5
     prompt: str = "instruction"
     zero_shot_template: str = "Please generate a news article about {fields}:\n\n"
     refinement: str = "contrastive-vote"  # the paper's is "knn-vote"; chosen by measurement (docs/results.md)
@@ -154,6 +157,9 @@ class RunConfig:
             ("top-p", 0 < self.top_p <= 1, "a float in (0, 1] (1 = plain sampling)"),
             ("guidance", 1 <= self.guidance <= 10, "a float in [1, 10] (1 = off)"),
             ("coverage-floor", 0 <= self.coverage_floor <= 1, "a float in [0, 1] (0 = off)"),
+            ("pretrained-share", 0 <= self.pretrained_share <= 1,
+             "a float in [0, 1]: the share of each code's pool the pretrained model writes (0 = every text "
+             "from the finetuned model, the paper)"),
             ("prompt", self.prompt in PROMPTS, f"one of {list(PROMPTS)}"),
             ("zero-shot-template", "{fields}" in self.zero_shot_template, "a string containing {fields}"),
             ("refinement", self.refinement in REFINEMENTS or is_class_path(self.refinement),

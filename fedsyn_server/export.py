@@ -25,8 +25,11 @@ def dataset_card(run_dir: Path, rows: list[dict[str, Any]]) -> str:
     report = read_json(run_dir / "privacy_report.json")
     evaluation = read_json(run_dir / "evaluation.json") if (run_dir / "evaluation.json").is_file() else None
     counts: dict[str, int] = {}
+    by_writer: dict[str, dict[str, int]] = {}
     for r in rows:
         counts[r["control_code"]] = counts.get(r["control_code"], 0) + 1
+        mine = by_writer.setdefault(r["control_code"], {})
+        mine[r.get("writer", "unknown")] = mine.get(r.get("writer", "unknown"), 0) + 1
     private = bool(report.get("private", True))
     nodes = report.get("nodes", [])
     node_lines = "\n".join(
@@ -69,7 +72,9 @@ size_categories:
   institutions, DP profiles and `{cfg.refinement}` refinement with DP votes of the others.
 - **Source data:** `{cfg.dataset}` (text column `{cfg.text_column}`, control columns `{', '.join(cfg.control_columns)}`);
   the texts here are generated, not copied, but carry whatever the pretrained model already knew.
-- **Rows:** {len(rows)} (`text`, `control_code`, one column per control column).
+- **Rows:** {len(rows)} (`text`, `control_code`, one column per control column, `writer`: the
+  weights that wrote the row, `pretrained` (the public model, zero-shot) or `finetuned` (DP-finetuned);
+  the institutions' DP votes chose between them per control code).
 - **Run:** `{run_dir.name}`; its full privacy report is `privacy_report.json` of the run folder.
 
 ## Privacy per institution
@@ -80,9 +85,10 @@ size_categories:
 
 ## Rows per control code
 
-| control code | rows |
-|---|---|
-""" + "\n".join(f"| `{c}` | {n} |" for c, n in sorted(counts.items())) + f"""
+| control code | rows | by writer |
+|---|---|---|
+""" + "\n".join(f"| `{c}` | {n} | {', '.join(f'{w} {k}' for w, k in sorted(by_writer[c].items()))} |"
+                for c, n in sorted(counts.items())) + f"""
 
 ## Evaluation against real held-out data
 

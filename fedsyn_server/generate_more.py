@@ -5,6 +5,10 @@ profile are DP outputs already; generating from them is post-processing, so no n
 and no budget is spent, and the run's privacy report holds for the new texts unchanged. What
 the new texts do not get is the run's refinement: the DP votes judged the run's pool only, so
 these texts are like ``refinement = "none"`` on the same model (say so to whoever uses them).
+
+What the votes did choose carries over: each code's texts are written by the pretrained weights
+θ⁰ and the released ones in the shares the run's final set kept of each writer (``writers`` in
+``profile.json``, ``strategies.writers``), and every row says its ``writer``.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from common.io import atomic_write_json, atomic_write_jsonl, read_json
 from common.logs import get_logger
 from fedsyn_server.outputs import text_row
 from strategies.allocation import allocate_exactly
-from strategies.coverage import generate_by_coverage
+from strategies.writers import PRETRAINED, generate_pool, pretrained_counts
 
 log = get_logger(__name__)
 MORE = "more"  # <run-dir>/more/<name>.jsonl
@@ -58,6 +62,24 @@ def parse_allocation(spec: str, vocabulary: list[str]) -> dict[str, int]:
     return out
 
 
+def run_writers(profile: dict[str, Any], counts: dict[str, int]) -> tuple[dict[str, int], str | None]:
+    """Per code, how many of ``counts`` θ⁰ writes, and the tag of the released weights' texts
+    (None: the run had one writer, θ⁰). From the share of each writer the run's final set kept
+    per code (a code the run kept none of: the run's pool share); a run written before writers
+    existed: its coverage-floor codes by θ⁰, the rest by the released weights."""
+    writers = profile.get("writers")
+    if not writers:
+        return pretrained_counts(counts, 0.0, profile.get("pretrained_codes", [])), "finetuned"
+    kept = writers.get("kept_share", {})
+    tuned = sorted({w for s in kept.values() for w, v in s.items() if w != PRETRAINED and v > 0}
+                   | {w for s in writers.get("pool", {}).values() for w in s if w != PRETRAINED})
+    if not tuned:
+        return dict.fromkeys(counts, 0), None
+    share = float(writers.get("pretrained_share", 0.0))
+    return ({c: pretrained_counts({c: n}, kept[c].get(PRETRAINED, 0.0) if c in kept else share)[c]
+             for c, n in counts.items()}, tuned[-1])
+
+
 def released_arrays(run_dir: Path) -> Any:
     """The run's released trainable weights (None: the run generated with the pretrained model)."""
     from strategies.checkpoint import load_checkpoint
@@ -87,10 +109,11 @@ def generate_more(run_dir: str | Path, n: int | None = None, allocation: str | N
     total = sum(counts.values())
     target = Path(out) if out else run_dir / MORE / f"{time.strftime('%Y%m%d-%H%M%S')}-n{total}.jsonl"
     model = ServerModel(cfg)
-    # the codes the run wrote with the pretrained weights (coverage-floor) are written so again
-    texts, codes, report = generate_by_coverage(model, counts, profile.get("pretrained_codes", []), model.weights(),
-                                                released_arrays(run_dir), seed)
-    atomic_write_jsonl(target, [text_row(t, c) for t, c in zip(texts, codes)])
+    base_counts, tuned_writer = run_writers(profile, counts)
+    pool = generate_pool(model, counts, base_counts, model.weights(), released_arrays(run_dir), seed,
+                         finetuned=tuned_writer is not None, tuned_writer=tuned_writer or PRETRAINED)
+    texts, codes, report = pool.texts, pool.codes, pool.report
+    atomic_write_jsonl(target, [{**text_row(t, c), "writer": w} for t, c, w in zip(texts, codes, pool.writers)])
     atomic_write_json(target.with_suffix(".privacy.json"), {
         "derived_from": str(run_dir), "epsilon_spent": 0.0, "nodes_asked": 0, "seed": seed, "allocation": counts,
         "generation": report,

@@ -2,16 +2,16 @@
 
 | file | what |
 |---|---|
-| ``synthetic.jsonl`` | the final set: ``text``, ``control_code`` and one field per control column |
+| ``synthetic.jsonl`` | the final set: ``text``, ``control_code``, one field per control column and ``writer`` (the weights that wrote it: ``pretrained``, ``finetuned``, ``refined``; ``strategies.writers``) |
 | ``synthetic.parquet``, ``synthetic.csv`` | a table run: the final set as the typed table, the schema's columns in its order |
-| ``pool.jsonl`` | the refinement's final population (for knn-vote: the generated pool) with its aggregated noisy votes and whether it was kept |
+| ``pool.jsonl`` | the refinement's final population (for knn-vote: the generated pool) with its writer, its aggregated noisy votes and whether it was kept |
 | ``refinement_rounds.jsonl`` | for methods with several rounds (``pe``, ``popri``): every text each round saw, with its aggregated noisy score and the method's columns (PE: ``survived``, ``children``; POPri: ``role`` chosen / rejected) |
-| ``profile.json`` | vocabulary, each node's noisy profile, the global profile, the allocation |
+| ``profile.json`` | vocabulary, each node's noisy profile, the global profile, the allocation, the writers' split and what the votes kept of each writer per code (``writers``) |
 | ``privacy_report.json`` | per node: budget, spent, every release, basic and PLD totals (``fedsyn_server.privacy_report``) |
 | ``metrics.json`` | held-out loss per round, phase timings, failures, degradations, sizes, generation (texts asked again, dropped, written per code against the allocation) |
 | ``config.json`` | the validated run config |
 | ``model/`` | the finetuned trainable weights (a peft adapter or a full model folder) |
-| ``plots/*.png`` | votes per code, allocation vs. final counts, held-out loss per round |
+| ``plots/*.png`` | votes per code, allocation vs. final counts, each writer's texts in the pool and kept per code, held-out loss per round |
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from common.io import atomic_folder, atomic_write_frame, atomic_write_json, atom
 from common.logs import get_logger
 from fedsyn_server.privacy_report import privacy_report
 from strategies.result import FedSynResult
+from strategies.writers import pool_writers, writers_summary
 
 if TYPE_CHECKING:
     from common.rows import Schema
@@ -39,9 +40,10 @@ def write_outputs(run_dir: Path, cfg: RunConfig, vocabulary: list[str], res: Fed
     """Write all run outputs under ``run_dir``; returns the written paths by name."""
     run_dir.mkdir(parents=True, exist_ok=True)
     selected = set(int(i) for i in (res.selected if res.selected is not None else []))
-    final = [text_row(res.pool_texts[i], res.pool_codes[i]) for i in sorted(selected)]
-    pool = [{**text_row(t, c), "votes": (float(res.votes[i]) if res.votes is not None else None),
-             "selected": i in selected} for i, (t, c) in enumerate(zip(res.pool_texts, res.pool_codes))]
+    writers = pool_writers(res)
+    final = [{**text_row(res.pool_texts[i], res.pool_codes[i]), "writer": writers[i]} for i in sorted(selected)]
+    pool = [{**text_row(t, c), "writer": w, "votes": (float(res.votes[i]) if res.votes is not None else None),
+             "selected": i in selected} for i, (t, c, w) in enumerate(zip(res.pool_texts, res.pool_codes, writers))]
     final_counts = Counter(r["control_code"] for r in final)
     paths = {
         "synthetic": atomic_write_jsonl(run_dir / "synthetic.jsonl", final),
@@ -51,6 +53,7 @@ def write_outputs(run_dir: Path, cfg: RunConfig, vocabulary: list[str], res: Fed
             "node_profiles": {str(n): p for n, p in res.node_profiles.items()},
             "global_profile": res.profile, "allocation": res.allocation, "pretrained_codes": res.pretrained_codes,
             "final_counts": {c: final_counts.get(c, 0) for c in vocabulary},
+            "writers": writers_summary(res),
         }),
         "privacy_report": atomic_write_json(run_dir / "privacy_report.json", privacy_report(cfg, res)),
         "metrics": atomic_write_json(run_dir / "metrics.json", {
@@ -141,6 +144,22 @@ def write_plots(plot_dir: Path, vocabulary: list[str], res: FedSynResult, final_
         axes[0][0].set_ylabel("synthetic texts")
         fig.suptitle("Vote distribution per control code")
         out["plot_votes"] = save_figure(fig, plot_dir / "votes_per_code.png")
+
+    shares = writers_summary(res)["kept_share"]
+    if len({w for s in shares.values() for w in s}) > 1:
+        names = sorted({w for s in shares.values() for w in s})
+        codes = list(shares)
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        bottom = np.zeros(len(codes))
+        for name in names:
+            part = np.asarray([shares[c].get(name, 0.0) for c in codes])
+            ax.bar(np.arange(len(codes)), part, 0.6, bottom=bottom, label=name)
+            bottom += part
+        ax.set_xticks(np.arange(len(codes)), [c.split("=", 1)[-1] for c in codes], rotation=30, ha="right")
+        ax.set_ylabel("share of the kept texts")
+        ax.set_title(f"Who wrote the final set (pool: {res.pretrained_share:.0%} pretrained)")
+        ax.legend()
+        out["plot_writers"] = save_figure(fig, plot_dir / "writers.png")
 
     if res.eval_metrics:
         rounds = sorted(res.eval_metrics)

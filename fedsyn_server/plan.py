@@ -111,6 +111,7 @@ def plan_run(flwr_args: list[str], cwd: Path) -> Plan:
         out.lines += ["  " + line for line in _phase_lines(cfg, tier, len(data), cfg.resolve_delta(len(bench.train)),
                                                             speed)]
     out.lines += _server_lines(cfg, parts, speed)
+    out.lines.append(writers_line(cfg, [t for t, _ in parts]))
     return out
 
 
@@ -161,7 +162,26 @@ def deployment_lines(cfg: RunConfig, answered: dict[int, str], result: FedSynRes
         lines += ["  " + line for line in _phase_lines(cfg, tier, bound, delta, _speeds() if bound else {})]
     lines += [f"node {f['node_id']} cannot take part: {f['reason']}" for f in result.failures
               if f["phase"] == "tiers" and f["node_id"] not in answered]
+    lines.append(writers_line(cfg, tiers))
     return lines
+
+
+def writers_line(cfg: RunConfig, tiers: list[str]) -> str:
+    """Who will write the pool with these node ``tiers`` (``strategies.writers.effective_share``,
+    the rule the run applies at stage 3): both writers under the votes, or the one that remains."""
+    from strategies.refinement import build_refinement
+    from strategies.writers import effective_share
+
+    voters = len(tiers) if cfg.voters == "all" else sum(t != STRONG for t in tiers)
+    try:
+        asks_votes = build_refinement(cfg.refinement).asks_votes
+    except ValueError:
+        asks_votes = True
+    finetuned = cfg.trains and STRONG in tiers
+    share, why = effective_share(cfg.pretrained_share, finetuned=finetuned, votes=asks_votes and voters > 0)
+    who = (f"{voters} voter(s) ({cfg.voters})" if voters else
+           f"no voter (voters = {cfg.voters!r} and no weak node)" if asks_votes else f"no vote ({cfg.refinement})")
+    return f"writers: {why} [{who}]"
 
 
 def _phase_lines(cfg: RunConfig, tier: str, records: int | None, delta: float, speed: dict[str, Any]) -> list[str]:

@@ -14,6 +14,7 @@ from typing import Any
 from common.config import RunConfig
 from common.dp import composed_epsilon, phase_epsilon
 from strategies.result import FedSynResult
+from strategies.writers import writers_summary
 
 
 def privacy_report(cfg: RunConfig, res: FedSynResult) -> dict[str, Any]:
@@ -66,6 +67,9 @@ def privacy_report(cfg: RunConfig, res: FedSynResult) -> dict[str, Any]:
         "epsilon_split": {"epsilon": cfg.epsilon, "epsilon_profile": cfg.epsilon_profile,
                           "voters": cfg.voters},
         "nodes": nodes,
+        # which weights wrote the kept texts, per code: chosen by the released votes, so free in epsilon
+        "writers": {**writers_summary(res), "epsilon": 0.0,
+                    "note": "post-processing of the released votes (strategies.writers): no epsilon beyond them"},
     }
 
 

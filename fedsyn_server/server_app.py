@@ -23,6 +23,7 @@ from strategies.fedsyn import FedSynStrategy, RoundUnanswered
 from strategies.membership import NodesMissing, RunRefused
 from strategies.result import FedSynResult
 from strategies.refinement import build_refinement
+from strategies.writers import writers_summary
 
 log = get_logger("fedsyn")
 RESUME_CONFIG = "resume.toml"
@@ -138,6 +139,7 @@ def evaluate_run(run_dir: Path, cfg: RunConfig, result: FedSynResult, bench: Ben
                                            [result.pool_codes[i] for i in final], bench)
         except Exception as err:  # noqa: BLE001 - as above
             log.error("the table evaluation failed: %s", err)
+    scores["writers"] = writers_summary(result)  # per code, the share of the kept texts each writer wrote
     write_evaluation(run_dir / EVALUATION_FILE, scores)
     log.info("evaluation against %d held-out records:\n%s", len(bench.test), format_report(scores))
 

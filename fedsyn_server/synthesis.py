@@ -65,6 +65,7 @@ class ServerModel(Generator):
         model, self.tokenizer = load_generator(cfg.model, seed=cfg.seed)
         self.model = prepare_model(model, cfg.finetune, cfg.lora_rank, seed=cfg.seed, lora_layers=cfg.lora_layers)
         self._report: dict[str, Any] = {}
+        self._style = cfg.prompt  # the prompt style ``prompt`` writes with (``generate(prompt=...)`` sets it)
         schema = cfg.schema()
         self.row_schema = None if schema is None else generated_part(schema, cfg.control_columns)
 
@@ -82,13 +83,23 @@ class ServerModel(Generator):
             load_trainable_state(self.model, R.state_from_arrays(arrays))
         return self.model
 
-    def generate(self, allocation: Mapping[str, int], seed: int) -> tuple[list[str], list[str]]:
+    def generate(self, allocation: Mapping[str, int], seed: int, prompt: str | None = None) -> tuple[list[str], list[str]]:
         """s_j samples for each code c_j, prompted by the code (paper eq. 3); (texts, codes).
+        ``prompt``: the prompt style (run-config ``prompt`` values) to write with, the run's by
+        default; the pretrained writer of a mixed pool writes with the instruction
+        (``strategies.writers``).
 
         Only usable texts (``fedsyn_server.text_quality``): a text stopped by the token limit
         loses its cut last word; an empty, prompt-copy or looping one is asked again, up to
         ``REGENERATE`` times with other seeds, then dropped. ``generation_report`` counts both.
         """
+        self._style = prompt or self.cfg.prompt
+        try:
+            return self._generate(allocation, seed)
+        finally:
+            self._style = self.cfg.prompt
+
+    def _generate(self, allocation: Mapping[str, int], seed: int) -> tuple[list[str], list[str]]:
         codes = [code for code, n in allocation.items() for _ in range(n)]
         log.info("[generate] %d texts for %d codes", len(codes), sum(n > 0 for n in allocation.values()))
         prompts = [self.prompt(c) for c in codes]
@@ -216,18 +227,18 @@ class ServerModel(Generator):
         tokens (records were cut there), ``max-length`` itself for zero-shot prompts."""
         if self.cfg.max_new_tokens:
             return self.cfg.max_new_tokens
-        if self.cfg.prompt == "zero-shot" or not prompts:
+        if self._style == "zero-shot" or not prompts:
             return self.cfg.max_length
         longest = max(len(self.tokenizer(p)["input_ids"]) for p in set(prompts))
         return max(1, self.cfg.max_length - longest)
 
     def unconditional_prompt(self, code: str) -> str:
         """The prompt of ``code`` with its values replaced (classifier-free guidance's other branch)."""
-        return unconditional_prompt(code, self.cfg.prompt, self.cfg.zero_shot_template)
+        return unconditional_prompt(code, self._style, self.cfg.zero_shot_template)
 
     def prompt(self, code: str) -> str:
         """The generation prompt for ``code``, the one phase 1 trained on (``common.codes.make_prompt``)."""
-        return make_prompt(code, self.cfg.prompt, self.cfg.zero_shot_template)
+        return make_prompt(code, self._style, self.cfg.zero_shot_template)
 
     def heldout_loss(self, arrays: ArrayRecord, test: TextData) -> dict[str, float] | None:
         """Mean conditional LM loss (eq. 5) of the global model on held-out records."""

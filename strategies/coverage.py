@@ -11,19 +11,17 @@ to zero-shot's mean on BBC and gains nothing on Rotten Tomatoes, so it is opt-in
 The decision reads only the nodes' noisy profiles (stage 2's releases) and which nodes are strong
 (stage 0, public), so it is post-processing: it costs no ε and asks no node anything. Run config
 ``coverage-floor`` sets the threshold (0 = off: every code from the finetuned model, the paper).
-Only the pool (stage 3) is split; a refinement that writes new texts (PE's variations, POPri)
-writes them with the weights phase 1 and the refinement left.
+Since issue 46 every code's pool is split between the two writers by ``pretrained-share`` and the
+votes choose (``strategies.writers``); a coverage-floor code is the special case of a share of 1,
+decided before any vote. A refinement that writes new texts (PE's variations, POPri) writes them
+with the weights phase 1 and the refinement left.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
-from flwr.app import ArrayRecord
-
-from strategies.refinement import Generator
 
 
 def finetune_coverage(strong: Sequence[Sequence[float]], everyone: Sequence[Sequence[float]]) -> np.ndarray:
@@ -48,27 +46,3 @@ def finetune_coverage(strong: Sequence[Sequence[float]], everyone: Sequence[Sequ
 def pretrained_codes(vocabulary: Sequence[str], coverage: np.ndarray, floor: float) -> list[str]:
     """The codes whose coverage ρ is below ``floor`` (in vocabulary order); none when floor is 0."""
     return [code for code, rho in zip(vocabulary, coverage) if rho < floor]
-
-
-def generate_by_coverage(generator: Generator, allocation: Mapping[str, int], pretrained: Sequence[str],
-                         base: ArrayRecord | None, tuned: ArrayRecord | None,
-                         seed: int) -> tuple[list[str], list[str], dict[str, Any]]:
-    """The pool: the ``pretrained`` codes' texts from weights ``base`` (θ⁰), the others' from
-    ``tuned``; returns (texts, codes, report), grouped by code in allocation order, the
-    generator left on ``tuned``. The report is the tuned half's ``generation_report`` with the
-    pretrained half's under ``"pretrained"`` and the codes under ``"pretrained_codes"``."""
-    split = [c for c in pretrained if allocation.get(c, 0) > 0]
-    if not split or base is None:
-        generator.load(tuned)
-        texts, codes = generator.generate(allocation, seed=seed)
-        return texts, codes, generator.generation_report()
-    generator.load(base)
-    old_texts, old_codes = generator.generate({c: n for c, n in allocation.items() if c in split}, seed=seed)
-    old_report = generator.generation_report()
-    generator.load(tuned)
-    new_texts, new_codes = generator.generate({c: (0 if c in split else n) for c, n in allocation.items()}, seed=seed)
-    report = {**generator.generation_report(), "pretrained": old_report, "pretrained_codes": list(split)}
-    by_code: dict[str, list[str]] = {c: [] for c in allocation}
-    for text, code in zip([*old_texts, *new_texts], [*old_codes, *new_codes]):
-        by_code[code].append(text)
-    return ([t for c in allocation for t in by_code[c]], [c for c in allocation for _ in by_code[c]], report)

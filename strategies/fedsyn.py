@@ -8,10 +8,12 @@
 1. finetune   -- R rounds of DP federated finetuning on strong nodes (A.3), aggregated
                  by a plug-in Flower strategy
 2. profile    -- every node sends its noisy per-code counts
-3. generate   -- the server allocates the pool by the noisy profile and generates it
+3. generate   -- the server allocates the pool by the noisy profile and generates it with two
+                 writers, the pretrained weights and the finetuned ones (``strategies.writers``)
 4. refine     -- the refinement plug-in runs its own rounds (``refinement.refine(ctx)``): for
-                 knn-vote one round of noisy kNN votes (A.2) and A.4 resampling; each vote
-                 round is ``_vote``, one federated round on the voters
+                 knn-vote one round of noisy kNN votes (A.2) and A.4 resampling, which keeps
+                 per code whichever writer the votes favour; each vote round is ``_vote``, one
+                 federated round on the voters
 5. ledgers    -- every node states this run's releases from its own ledger (free), for the report
 
 Who takes part, and as what, is ``strategies.membership.Membership``: stage 0 (``discover``)
@@ -52,11 +54,12 @@ from common.config import RunConfig
 from common.dp import PHASES, PROFILE, TRAIN, VOTE
 from strategies.allocation import aggregate_profiles, allocate
 from strategies.checkpoint import Checkpoint, Progress, save_checkpoint
-from strategies.coverage import finetune_coverage, generate_by_coverage, pretrained_codes
+from strategies.coverage import finetune_coverage, pretrained_codes
 from strategies.membership import Membership
 from strategies.messaging import Courier, SubGrid
 from strategies.refinement import Generator, Refinement, RefinementContext
 from strategies.result import FedSynResult
+from strategies.writers import FINETUNED, PRETRAINED, effective_share, generate_pool, pretrained_counts, writers_of
 
 log = get_logger("fedsyn")
 
@@ -157,9 +160,16 @@ class FedSynStrategy(Strategy):
 
         t = time.time()                                                 # stage 3
         if "generate" not in done:
-            # θ⁰ (initial_arrays) writes the codes phase 1 did not see (coverage-floor), res.arrays the rest
-            res.pool_texts, res.pool_codes, res.generation = generate_by_coverage(
-                self.generator, res.allocation, res.pretrained_codes, initial_arrays, res.arrays, seed=self.cfg.seed)
+            # θ⁰ (initial_arrays) writes pretrained-share of each code (all of a coverage-floor code), res.arrays the rest
+            res.pretrained_share, res.writers_note = effective_share(
+                self.cfg.pretrained_share, finetuned=res.finetuned,
+                votes=self.refinement.asks_votes and bool(self.members.voters))
+            log.info("writers: %s", res.writers_note)
+            pool = generate_pool(self.generator, res.allocation,
+                                 pretrained_counts(res.allocation, res.pretrained_share, res.pretrained_codes),
+                                 initial_arrays, res.arrays, seed=self.cfg.seed, finetuned=res.finetuned)
+            res.pool_texts, res.pool_codes, res.pool_writers, res.generation = (pool.texts, pool.codes, pool.writers,
+                                                                                pool.report)
             self._checkpoint("generate")
             res.timings["generate"] = time.time() - t
 
@@ -167,11 +177,18 @@ class FedSynStrategy(Strategy):
         if "refine" not in done:
             self.generator.load(res.arrays)
             self._vote_round, res.vote_rounds = 0, res.vote_rounds[:len(self.progress.vote_totals)]
+            writer = FINETUNED if res.finetuned else PRETRAINED
             refined = self.refinement.refine(RefinementContext(
                 cfg=self.cfg, texts=list(res.pool_texts), codes=list(res.pool_codes), allocation=dict(res.allocation),
                 profile=res.profile, vocabulary=list(self.vocabulary), generator=self.generator, vote=self._vote,
-                rng=np.random.default_rng(self.cfg.seed)))
-            res.pool_texts, res.pool_codes, res.votes = refined.texts, refined.codes, refined.votes
+                rng=np.random.default_rng(self.cfg.seed), writers=list(res.pool_writers), writer=writer))
+            writers = (refined.writers if refined.writers is not None
+                       else writers_of(refined.texts, res.pool_texts, res.pool_writers, writer))
+            if len(writers) != len(refined.texts):
+                raise ValueError(f"refinement {self.refinement.name!r} returned {len(refined.texts)} texts but "
+                                 f"{len(writers)} writers")
+            res.pool_texts, res.pool_codes, res.pool_writers, res.votes = (refined.texts, refined.codes, writers,
+                                                                           refined.votes)
             res.selected, res.refinement = np.asarray(refined.selected, dtype=np.int64), refined.notes
             res.refinement_history = refined.history
             if refined.trained_generator:
@@ -305,6 +322,7 @@ class FedSynStrategy(Strategy):
         skip = ("prompt = zero-shot (pretrained baseline)" if self.cfg.prompt == "zero-shot"
                 else "no strong node" if not self.members.strong else "num-server-rounds = 0" if rounds == 0 else "")
         if arrays is None or skip:
+            self.result.finetuned = False
             if not self.members.strong and TRAIN in self._plan():  # the run asked for training and gets none
                 self.courier.degrade("phase 1 skipped: no strong node in the run; generating with the pretrained model",
                               skipped=True)
@@ -338,6 +356,7 @@ class FedSynStrategy(Strategy):
                 self._evaluate(rnd, arrays)
             self.result.arrays, self.progress.train_round = arrays, rnd
             self._checkpoint()
+        self.result.finetuned = trained
         if not trained:
             self.courier.degrade("phase 1 skipped: no strong node answered any round; generating with the pretrained model",
                           skipped=True)

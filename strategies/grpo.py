@@ -40,6 +40,7 @@ import numpy as np
 
 from common.logs import get_logger
 from strategies.refinement import Refined, RefinementContext, Refinement, final_size, round_rows
+from strategies.writers import REFINED
 
 log = get_logger("fedsyn")
 HISTOGRAM = "similarity"
@@ -152,4 +153,5 @@ class GRPO(Refinement):
             note["train_loss"] = float(result.training_loss)
         final_texts, final_codes = gen.generate(ctx.allocation_for(final_size(cfg)), seed=cfg.seed + rounds + 1)
         return Refined(final_texts, final_codes, np.arange(len(final_codes)), None, notes={"rounds": notes},
-                       trained_generator=bool(notes), history=history)
+                       trained_generator=bool(notes), history=history,
+                       writers=[REFINED if notes else ctx.writer] * len(final_texts))

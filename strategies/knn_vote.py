@@ -29,7 +29,7 @@ class KnnVoteRefinement(Refinement):
         votes = ctx.vote(ctx.texts, ctx.codes, histogram=self.histogram, epsilon_share=1.0,
                          **{"num-votes": ctx.cfg.num_votes})
         selected = resample_by_code(ctx.codes, votes, ctx.cfg.sampling_rate, ctx.cfg.seed)
-        return Refined(ctx.texts, ctx.codes, selected, votes)
+        return Refined(ctx.texts, ctx.codes, selected, votes, writers=list(ctx.writers))
 
 
 class ContrastiveVoteRefinement(KnnVoteRefinement):
@@ -47,7 +47,8 @@ class UniformRefinement(Refinement):
     asks_votes = False
 
     def refine(self, ctx: RefinementContext) -> Refined:  # noqa: D102
-        return Refined(ctx.texts, ctx.codes, resample_by_code(ctx.codes, None, ctx.cfg.sampling_rate, ctx.cfg.seed))
+        return Refined(ctx.texts, ctx.codes, resample_by_code(ctx.codes, None, ctx.cfg.sampling_rate, ctx.cfg.seed),
+                       writers=list(ctx.writers))
 
 
 class NoRefinement(Refinement):
@@ -60,4 +61,4 @@ class NoRefinement(Refinement):
         return final_size(cfg)
 
     def refine(self, ctx: RefinementContext) -> Refined:  # noqa: D102
-        return Refined(ctx.texts, ctx.codes, np.arange(len(ctx.codes)))
+        return Refined(ctx.texts, ctx.codes, np.arange(len(ctx.codes)), writers=list(ctx.writers))

@@ -37,6 +37,7 @@ import numpy as np
 
 from common.logs import get_logger
 from strategies.refinement import Generator, Refined, RefinementContext, Refinement, final_size, round_rows
+from strategies.writers import REFINED
 
 log = get_logger("fedsyn")
 HISTOGRAM = "similarity"
@@ -134,5 +135,7 @@ class POPri(Refinement):
             log.info("[popri] round %d/%d: %d texts scored, %d preference pairs%s", t, rounds, len(texts), len(pairs),
                      f", DPO loss {note['dpo_loss']:.4f}" if "dpo_loss" in note else "")
         final_texts, final_codes = gen.generate(ctx.allocation_for(final_size(cfg)), seed=cfg.seed + rounds + 1)
+        trained = any("dpo_loss" in n for n in notes)
         return Refined(final_texts, final_codes, np.arange(len(final_codes)), None, notes={"rounds": notes},
-                       trained_generator=any("dpo_loss" in n for n in notes), history=history)
+                       trained_generator=trained, history=history,
+                       writers=[REFINED if trained else ctx.writer] * len(final_texts))

@@ -66,7 +66,9 @@ class PrivateEvolution(Refinement):
 
     def refine(self, ctx: RefinementContext) -> Refined:  # noqa: D102
         rounds = ctx.cfg.refinement_rounds
-        texts, codes = list(ctx.texts), list(ctx.codes)
+        # the population starts as the pool, both writers' texts (strategies.writers); a child is
+        # written by the weights the generator holds
+        texts, codes, writers = list(ctx.texts), list(ctx.codes), list(ctx.writers) or [ctx.writer] * len(ctx.texts)
         notes: list[dict[str, float]] = []
         history: list[dict] = []
         votes = np.zeros(len(texts))
@@ -76,18 +78,19 @@ class PrivateEvolution(Refinement):
             notes.append({"round": t, "population": len(texts), "mean_votes": float(np.mean(votes)) if len(votes) else 0.0})
             log.info("[pe] round %d/%d: %d texts voted, mean noisy votes %.2f", t, rounds, len(texts), notes[-1]["mean_votes"])
             if t == rounds:
-                history += round_rows(t, texts, codes, votes)
+                history += round_rows(t, texts, codes, votes, writer=writers)
                 break
             survivors, parents = next_generation(codes, votes)
             kept = set(survivors)
-            history += round_rows(t, texts, codes, votes, survived=[i in kept for i in range(len(texts))],
+            history += round_rows(t, texts, codes, votes, writer=writers, survived=[i in kept for i in range(len(texts))],
                                   children=np.bincount(parents, minlength=len(texts)).tolist())
             children = ctx.generator.variation([texts[i] for i in parents], [codes[i] for i in parents],
                                                seed=ctx.cfg.seed + t)
             texts = [texts[i] for i in survivors] + children
             codes = [codes[i] for i in survivors] + [codes[i] for i in parents]
+            writers = [writers[i] for i in survivors] + [ctx.writer] * len(parents)
         selected = resample_by_code(codes, votes, ctx.cfg.sampling_rate, ctx.cfg.seed)
-        return Refined(texts, codes, selected, votes, notes={"rounds": notes}, history=history)
+        return Refined(texts, codes, selected, votes, notes={"rounds": notes}, history=history, writers=writers)
 
 
 class ContrastivePrivateEvolution(PrivateEvolution):

@@ -3,14 +3,16 @@
 A ``Refinement`` owns its rounds. The strategy generates the pool (stage 3) and calls
 ``refine(ctx)`` once; the context gives the method everything it may use:
 
-- the pool (``texts``, ``codes``), the ``allocation`` and the noisy ``profile``;
+- the pool (``texts``, ``codes``, and ``writers``: which weights wrote each text,
+  ``strategies.writers``), the ``allocation`` and the noisy ``profile``;
 - the ``generator`` (``generate``, ``variation``, and its model for training);
 - ``vote(texts, codes, histogram=..., epsilon_share=...)``: one federated round on the voters,
   returning the sum of their noised histograms (each node authorises, noises and books it);
 - a seeded ``rng``.
 
-A method returns a ``Refined``: the population the final set is drawn from, which of it is
-kept, and that population's aggregated votes (if any). Built-ins are registered by name in
+A method returns a ``Refined``: the population the final set is drawn from, its writers (a text
+of the pool keeps its writer; a text the method wrote is ``ctx.writer``'s), which of it is kept,
+and that population's aggregated votes (if any). Built-ins are registered by name in
 ``common.plugins.REFINEMENTS``; any other class is named by path, ``"package.module:Class"``. See
 ``docs/writing_a_refinement.md``.
 """
@@ -50,8 +52,9 @@ class Generator(ABC):
         """The generation prompt for a control code."""
 
     @abstractmethod
-    def generate(self, allocation: Mapping[str, int], seed: int) -> tuple[list[str], list[str]]:
-        """``allocation[c]`` samples for each code ``c``; returns (texts, codes), grouped by code."""
+    def generate(self, allocation: Mapping[str, int], seed: int, prompt: str | None = None) -> tuple[list[str], list[str]]:
+        """``allocation[c]`` samples for each code ``c``; returns (texts, codes), grouped by code.
+        ``prompt``: the prompt style to write with (a run-config ``prompt`` value; None: the run's)."""
 
     @abstractmethod
     def variation(self, texts: list[str], codes: list[str], seed: int) -> list[str]:
@@ -83,6 +86,8 @@ class RefinementContext:
     generator: Generator
     vote: VoteFn
     rng: np.random.Generator
+    writers: list[str] = field(default_factory=list)  # the pool's writer per text (strategies.writers)
+    writer: str = "finetuned"  # the writer of a text the generator writes now (the weights it holds)
 
     def allocation_for(self, size: int) -> dict[str, int]:
         """The profile's allocation of ``size`` samples (Algorithm 1, stage 3)."""
@@ -97,6 +102,9 @@ class Refined:
     codes: list[str]
     selected: np.ndarray
     votes: np.ndarray | None = None  # aggregated noisy votes of ``texts`` (the last round), if any
+    # the writer of each of ``texts``; None: a pool text's own, ``ctx.writer`` for any other
+    # (``strategies.writers.writers_of``)
+    writers: list[str] | None = None
     notes: dict[str, Any] = field(default_factory=dict)  # per-round diagnostics for metrics.json
     trained_generator: bool = False  # the method trained the generator: the run saves its weights
     # every text a round saw, one row each (``round_rows``), for ``refinement_rounds.jsonl``: what a

@@ -24,6 +24,11 @@ class FedSynResult:
     pretrained_codes: list[str] = field(default_factory=list)  # written by θ⁰ (``strategies.coverage``)
     pool_texts: list[str] = field(default_factory=list)
     pool_codes: list[str] = field(default_factory=list)
+    # who wrote each pool text (``strategies.writers``): pretrained, finetuned, refined
+    pool_writers: list[str] = field(default_factory=list)
+    finetuned: bool = False  # phase 1 trained the weights (else the one writer is θ⁰)
+    pretrained_share: float = 0.0  # the share of each code's pool θ⁰ wrote in this run, and why:
+    writers_note: str = ""
     generation: dict[str, Any] = field(default_factory=dict)  # ``Generator.generation_report`` of the pool
     node_votes: dict[int, list[float]] = field(default_factory=dict)  # the last vote round's, by node
     votes: np.ndarray | None = None  # aggregated noisy votes of the final population (last round)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -105,6 +106,12 @@ def finished_run(tmp_path_factory):
     return root / "out" / "r"
 
 
+def meta_allocation(path: Path) -> dict[str, int]:
+    import json
+
+    return json.loads(path.read_text())["allocation"]
+
+
 def _ledgers(run_dir: Path) -> list[str]:
     return [p.read_text() for p in sorted((run_dir.parent.parent / "state").glob("node*/ledger.json"))]
 
@@ -115,8 +122,30 @@ def test_outputs_latest_and_the_held_out_split_has_the_synthetic_columns(finishe
     assert (finished_run.parent / "latest").resolve() == finished_run
     synthetic = [json.loads(line) for line in (finished_run / "synthetic.jsonl").read_text().splitlines()]
     heldout = [json.loads(line) for line in (finished_run / "heldout.jsonl").read_text().splitlines()]
-    assert synthetic and heldout and set(heldout[0]) == set(synthetic[0]) == {"text", "control_code", "topic"}
+    assert synthetic and heldout and set(heldout[0]) == {"text", "control_code", "topic"}
+    assert set(synthetic[0]) == {"text", "control_code", "topic", "writer"}
     assert all(r["control_code"] == f"topic={r['topic']}" for r in heldout)
+
+
+def test_each_kept_text_says_its_writer_and_every_report_what_the_votes_kept(finished_run):
+    """The writer tag survives A.4's resampling into synthetic.jsonl, and profile.json,
+    evaluation.json and the privacy report say per code the share each writer kept."""
+    import json
+
+    synthetic = [json.loads(line) for line in (finished_run / "synthetic.jsonl").read_text().splitlines()]
+    pool = [json.loads(line) for line in (finished_run / "pool.jsonl").read_text().splitlines()]
+    by_text = {r["text"]: r["writer"] for r in pool}
+    assert {r["writer"] for r in pool} == {"pretrained", "finetuned"}
+    assert all(by_text[r["text"]] == r["writer"] for r in synthetic)
+    assert [r["writer"] for r in pool if r["selected"]] == [r["writer"] for r in synthetic]
+    for name in ("profile.json", "evaluation.json", "privacy_report.json"):
+        writers = json.loads((finished_run / name).read_text())["writers"]
+        assert writers["pretrained_share"] == 0.5 and "votes choose" in writers["why"]
+        for code, shares in writers["kept_share"].items():
+            mine = [r["writer"] for r in synthetic if r["control_code"] == code]
+            assert shares == {w: mine.count(w) / len(mine) for w in ("finetuned", "pretrained")}
+    assert json.loads((finished_run / "privacy_report.json").read_text())["writers"]["epsilon"] == 0.0
+    assert (finished_run / "plots" / "writers.png").is_file()
 
 
 def test_generate_more_spends_nothing_and_carries_the_privacy_report(finished_run, tmp_path, capsys):
@@ -129,6 +158,12 @@ def test_generate_more_spends_nothing_and_carries_the_privacy_report(finished_ru
     rows = [json.loads(line) for line in (tmp_path / "more.jsonl").read_text().splitlines()]
     vocabulary = json.loads((finished_run / "profile.json").read_text())["vocabulary"]
     assert 0 < len(rows) <= 9 and all(r["control_code"] in vocabulary and r["text"].strip() for r in rows)
+    # each code written by the two writers in the shares the run's votes kept, and each row says which
+    kept = json.loads((finished_run / "profile.json").read_text())["writers"]["kept_share"]
+    for code, n in meta_allocation(tmp_path / "more.privacy.json").items():
+        mine = [r["writer"] for r in rows if r["control_code"] == code]
+        if n and code in kept and len(mine) == n:
+            assert mine.count("pretrained") == math.floor(kept[code]["pretrained"] * n + 0.5)
     meta = json.loads((tmp_path / "more.privacy.json").read_text())
     assert meta["epsilon_spent"] == 0 and meta["nodes_asked"] == 0 and meta["seed"] == 3
     assert sum(meta["allocation"].values()) in range(7, 12)  # the run's noisy profile scaled to 9 (rounding)
@@ -158,12 +193,15 @@ def test_export_is_a_loadable_dataset_with_a_card_that_states_the_privacy(finish
     assert main(["export", str(finished_run), "--out", str(tmp_path / "ds")]) == 0
     ds = load_from_disk(str(tmp_path / "ds"))["train"]
     synthetic = [json.loads(line) for line in (finished_run / "synthetic.jsonl").read_text().splitlines()]
-    assert ds.to_list() == synthetic
+    assert ds.to_list() == synthetic and {"writer"} <= set(ds.column_names)
     assert pd.read_parquet(tmp_path / "ds" / "data" / "train-00000-of-00001.parquet").to_dict("records") == synthetic
     card = (tmp_path / "ds" / "README.md").read_text()
     report = json.loads((finished_run / "privacy_report.json").read_text())
     for node in report["nodes"]:
         assert f"| {node['node_id']} | {node['tier']} | {node['epsilon_spent']:.4g} |" in card
+    code = synthetic[0]["control_code"]
+    mine = [r["writer"] for r in synthetic if r["control_code"] == code]
+    assert f"| `{code}` | {len(mine)} | " + ", ".join(f"{w} {mine.count(w)}" for w in sorted(set(mine))) + " |" in card
     assert "differential-privacy" in card and "tiny-gpt2" in card and f"**Rows:** {len(synthetic)}" in card
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no half-written folder left
 
@@ -196,10 +234,13 @@ def test_plan_prints_each_phases_cost_and_one_line_per_problem(tmp_path, capsys)
     assert "node 0 (strong, 1001 records)" in out and "node 1 (weak, 1001 records)" in out
     assert "train: epsilon 3, delta 1e-05, DP-SGD noise multiplier" in out and "q = 0.032" in out
     assert "vote: epsilon 3 in 1 round(s)" in out and "profile: epsilon 1" in out and "nothing was spent" in out
+    assert "writers: each code's pool 50% by the pretrained model, 50% by the finetuned one" in out and "1 voter(s)" in out
     from common.dp import analytic_gaussian_sigma
 
     # the default contrastive votes, K = 4: sensitivity sqrt(8)
     assert f"sigma {analytic_gaussian_sigma(3.0, 1e-5, 8 ** 0.5):.3g} per round (sensitivity sqrt(2K))" in out
+    assert main(["plan", str(APP), "--run-config", "refinement=\"none\""]) == 0  # no vote: one writer, said
+    assert "writers: no vote judges the pool" in capsys.readouterr().out
     assert main(["plan", str(APP), "--run-config", "refinement=\"pe-contrastive\" refinement-rounds=3"]) == 0
     assert (f"in 3 round(s), delta 1e-05, Gaussian sigma {analytic_gaussian_sigma(6 / 3, 1e-5 / 3, 2 ** 0.5):.3g} "
             "per round (sensitivity sqrt(2))") in capsys.readouterr().out

@@ -73,6 +73,11 @@ def test_full_flow_with_real_node_handlers(dataset, tmp_path):
         assert res.pool_codes.count(code) == n
         assert [res.pool_codes[i] for i in res.selected].count(code) == sample_size(n, 0.5)
     assert len(res.votes) == len(res.pool_texts)
+    # both writers wrote each code's pool (pretrained-share 0.5) and each kept text says which
+    assert res.finetuned and res.pretrained_share == 0.5
+    for code, n in res.allocation.items():
+        written = [w for w, c in zip(res.pool_writers, res.pool_codes) if c == code]
+        assert written == ["pretrained"] * ((n + 1) // 2) + ["finetuned"] * (n // 2)
     # every node stayed within budget; the strong node's DP-SGD epsilon came from the accountant
     for nid, rels in res.releases.items():
         spent = sum(float(r["epsilon"]) for r in rels)
@@ -151,6 +156,7 @@ def test_refinements_without_votes_send_no_vote_request(dataset, tmp_path, refin
     res, grid, _ = run(rc, nodes_for(rc, 2, tmp_path))
     assert not [m for m in grid.sent if m.metadata.message_type in (R.MSG_VOTE, R.MSG_TRAIN)]
     assert res.votes is None
+    assert set(res.pool_writers) == {"pretrained"} and not res.finetuned  # no phase 1: one writer, θ⁰
     if refinement == "none":
         assert len(res.selected) == len(res.pool_texts) == pytest.approx(12, abs=3)
 
@@ -170,6 +176,7 @@ def test_zero_shot_baseline_skips_phase_1_and_prompts_with_an_instruction(datase
     res, grid, _ = run(rc, nodes_for(rc, 3, tmp_path))
     assert not [m for m in grid.sent if m.metadata.message_type == R.MSG_TRAIN]
     assert not res.train_metrics and res.votes is not None
+    assert res.pool_writers == ["pretrained"] * len(res.pool_texts) and res.pretrained_share == 1.0
     assert zero_shot_prompt("topic=sport|stars=4", "Write about {fields}:\n") == "Write about topic: sport, stars: 4:\n"
 
 
@@ -330,6 +337,7 @@ def test_a_run_whose_votes_no_node_can_cast_is_refused_before_anything_is_spent(
     rc_all = {**rc, "voters": "all"}  # the strong node may vote instead: the run goes on, degraded
     res, grid, _ = run(rc_all, broken_weak_nodes(rc_all, tmp_path / "all"))
     assert res.vote_rounds[0]["voters"] == [100] and not res.skipped and res.degradations
+    assert set(res.pool_writers) == {"pretrained", "finetuned"}  # a voter judges: both writers
 
 
 def test_non_finite_weights_from_a_node_or_an_aggregator_never_reach_the_global_model(dataset, tmp_path):
@@ -375,8 +383,11 @@ def test_codes_the_strong_node_never_saw_are_written_by_the_pretrained_weights(d
     rc = run_config(dataset, partitioning="strong-codes:sport", epsilon=math.inf, **{"coverage-floor": 0.5})
     res, _, _ = run(rc, nodes_for(rc, 3, tmp_path))
     assert res.pretrained_codes == ["topic=politics", "topic=tech"]
-    assert res.generation["pretrained_codes"] == ["topic=politics", "topic=tech"]
-    assert res.generation["pretrained"]["requested"] == res.allocation["topic=politics"] + res.allocation["topic=tech"]
+    sport = res.allocation["topic=sport"]
+    assert res.generation["pretrained"]["requested"] == (res.allocation["topic=politics"] + res.allocation["topic=tech"]
+                                                         + (sport + 1) // 2)  # sport: the default share of 0.5
     for code, n in res.allocation.items():  # one pool, grouped by code as before
         assert res.pool_codes.count(code) == n
+        written = [w for w, c in zip(res.pool_writers, res.pool_codes) if c == code]
+        assert written.count("pretrained") == (n if code != "topic=sport" else (n + 1) // 2)
     assert res.pool_codes == sorted(res.pool_codes, key=list(res.allocation).index)

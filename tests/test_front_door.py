@@ -159,6 +159,7 @@ def test_generate_more_spends_nothing_and_carries_the_privacy_report(finished_ru
     vocabulary = json.loads((finished_run / "profile.json").read_text())["vocabulary"]
     assert 0 < len(rows) <= 9 and all(r["control_code"] in vocabulary and r["text"].strip() for r in rows)
     # each code written by the two writers in the shares the run's votes kept, and each row says which
+    assert {r["writer"] for r in rows} <= {"pretrained", "finetuned"}
     kept = json.loads((finished_run / "profile.json").read_text())["writers"]["kept_share"]
     for code, n in meta_allocation(tmp_path / "more.privacy.json").items():
         mine = [r["writer"] for r in rows if r["control_code"] == code]

@@ -2,7 +2,9 @@
 
 Usage: python -m benchmarks.writer_grid [--out docs/writer_grid]
 
-Reads the ``fedsyn experiment`` results of ``benchmarks/writer_grid_{bbc,rt,source}.toml`` and, for
+Reads the finished cells of ``benchmarks/writer_grid_{bbc,rt,source}.toml`` and
+``benchmarks/writer_quality.toml`` (each run's ``evaluation.json``, as ``fedsyn experiment`` collects
+them; nothing is run) and, for
 the cells those grids did not run again, the earlier grids' rows of the same set-up (4 nodes, one
 strong, ε = 8, 3 seeds: BBC IID from ``docs/finetune_study_results.csv``, BBC non-IID from
 ``docs/finetune_study_noniid_results.csv``, Rotten Tomatoes from ``docs/label_grid_results.csv``).
@@ -26,16 +28,19 @@ from fedsyn_server.outputs import save_figure
 ROOT = Path(__file__).resolve().parents[1]
 LABEL = {"bbc": "topic", "rt": "sentiment", "source": "source"}
 NAMES = {"bbc": "BBC News (topic)", "rt": "Rotten Tomatoes (sentiment)", "source": "movie-review-source (who wrote it)"}
-# (dataset, results file, the partitioning of a file without that column)
+# (dataset, grid file or results file, the partitioning of a file without that column)
 SOURCES = [
-    ("bbc", "results/writer_grid_bbc/results.csv", None),
+    ("bbc", "benchmarks/writer_grid_bbc.toml", None),
+    ("bbc", "benchmarks/writer_quality.toml", None),
     ("bbc", "docs/finetune_study_results.csv", "iid"),
     ("bbc", "docs/finetune_study_noniid_results.csv", "strong-codes:sport,tech"),
-    ("rt", "results/writer_grid_rt/results.csv", None),
+    ("rt", "benchmarks/writer_grid_rt.toml", None),
     ("rt", "docs/label_grid_results.csv", None),
-    ("source", "results/writer_grid_source/results.csv", None),
+    ("source", "benchmarks/writer_grid_source.toml", None),
 ]
 ONE_WRITER = ("zero-shot-contrastive-vote", "dp-contrastive-vote")
+# issue 33's quality preset (one writer) beside its re-measure with the mixed pool
+QUALITY = ("dp-pe-contrastive-12steps", "quality-mixed")
 MIXED = "mixed-contrastive-vote"
 COLUMNS = ["dataset", "partitioning", "method", "seed", "accuracy", "label_fidelity", "mauve",
            "kept_pretrained", "seconds", "from"]
@@ -50,25 +55,34 @@ def read_rows(root: Path = ROOT) -> list[dict]:
         if not path.is_file():
             continue
         label = LABEL[dataset]
-        with open(path, newline="") as f:
-            for r in csv.DictReader(f):
-                if r["method"] not in ONE_WRITER and not r["method"].startswith("mixed"):
-                    continue
-                part = r.get("partitioning") or partitioning
-                key = (dataset, part, r["method"], int(float(r["seed"])))
-                kept = [float(v) for k, v in r.items() if v and k.startswith("writers/kept_share/")
-                        and k.endswith("/pretrained")]
-                rows.setdefault(key, {
-                    "dataset": dataset, "partitioning": part, "method": r["method"], "seed": key[3],
-                    "accuracy": float(r[f"utility/{label}/accuracy"]),
-                    "label_fidelity": _float(r.get(f"utility/{label}/label_fidelity")),
-                    "mauve": _float(r.get("alignment/mauve/mean")),
-                    # a one-writer method wrote no writers block: its writer is its name's
-                    "kept_pretrained": (float(np.mean(kept)) if kept else
-                                        1.0 if r["method"].startswith("zero-shot") else
-                                        0.0 if r["method"].startswith("dp-") else float("nan")),
-                    "seconds": _float(r.get("seconds/total")), "from": name})
+        for r in _results(path):
+            if r["method"] not in ONE_WRITER + QUALITY and not r["method"].startswith("mixed"):
+                continue
+            part = r.get("partitioning") or partitioning
+            key = (dataset, part, r["method"], int(float(r["seed"])))
+            kept = [float(v) for k, v in r.items() if v and k.startswith("writers/kept_share/")
+                    and k.endswith("/pretrained")]
+            rows.setdefault(key, {
+                "dataset": dataset, "partitioning": part, "method": r["method"], "seed": key[3],
+                "accuracy": float(r[f"utility/{label}/accuracy"]),
+                "label_fidelity": _float(r.get(f"utility/{label}/label_fidelity")),
+                "mauve": _float(r.get("alignment/mauve/mean")),
+                # a one-writer method wrote no writers block: its writer is its name's
+                "kept_pretrained": (float(np.mean(kept)) if kept else
+                                    1.0 if r["method"].startswith("zero-shot") else
+                                    0.0 if r["method"].startswith("dp-") else float("nan")),
+                "seconds": _float(r.get("seconds/total")), "from": name})
     return list(rows.values())
+
+
+def _results(path: Path) -> list[dict]:
+    """The rows of a results CSV, or a grid file's finished cells (as strings, like the CSV's)."""
+    if path.suffix == ".toml":
+        from fedsyn_server.experiment import collect, load_grid
+
+        return [{k: str(v) for k, v in row.items()} for row in collect(load_grid(path))]
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
 
 
 def _float(value: str | None) -> float:

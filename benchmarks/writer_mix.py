@@ -86,18 +86,38 @@ def study_cell(run_pre: Path, run_tuned: Path, draws: int, embedders: dict[str, 
         exact = sum(contrastive_votes(e, c, cand, codes, cfg.num_votes) for e, c in local).astype(np.float64)
         syn_emb, labels = embed(eval_emb, texts), [parse_code(c)[column] for c in codes]
         rate = cfg.sampling_rate / (1 + extra)
-        accuracies, kept_pre = [], []
-        for d in range(draws):
-            noise = np.random.default_rng([cfg.seed, d]).normal(0, sigma, (len(local), len(texts))).sum(axis=0)
-            idx = resample_by_code(codes, exact + noise, rate, seed=cfg.seed + 1000 * d)
-            accuracies.append(downstream_utility(syn_emb[idx], [labels[i] for i in idx], real_emb, real_labels)["accuracy"])
-            kept_pre.append(np.mean([writers[i] == "pretrained" for i in idx]))
-        out.append({"variant": f"pool {1 + extra:g}s, share {extra / (1 + extra):.2g}" if share is None
-                    else f"pool s, share {share:g}",
-                    "share": extra / (1 + extra) if share is None else share, "pool": len(texts), "kept": len(idx),
-                    "accuracy": float(np.mean(accuracies)), "accuracy_std": float(np.std(accuracies)),
-                    "kept_pretrained": float(np.mean(kept_pre))})
+        rules = [("", lambda v, d: resample_by_code(codes, v, rate, seed=cfg.seed + 1000 * d))]
+        if share is None and extra == 1.0:
+            # each code's final texts from one writer: the one whose texts the votes rate higher (mean of
+            # the clamped noisy votes), drawn by A.4 at the run's rate among that writer's texts alone
+            rules.append((", the code's better-voted writer only",
+                          lambda v, d: _winner_draw(codes, writers, v, cfg.sampling_rate, cfg.seed + 1000 * d)))
+        for suffix, rule in rules:
+            accuracies, kept_pre = [], []
+            for d in range(draws):
+                noise = np.random.default_rng([cfg.seed, d]).normal(0, sigma, (len(local), len(texts))).sum(axis=0)
+                idx = rule(exact + noise, d)
+                accuracies.append(downstream_utility(syn_emb[idx], [labels[i] for i in idx], real_emb,
+                                                     real_labels)["accuracy"])
+                kept_pre.append(np.mean([writers[i] == "pretrained" for i in idx]))
+            out.append({"variant": (f"pool {1 + extra:g}s, share {extra / (1 + extra):.2g}" if share is None
+                                    else f"pool s, share {share:g}") + suffix,
+                        "share": extra / (1 + extra) if share is None else share, "pool": len(texts), "kept": len(idx),
+                        "accuracy": float(np.mean(accuracies)), "accuracy_std": float(np.std(accuracies)),
+                        "kept_pretrained": float(np.mean(kept_pre))})
     return out
+
+
+def _winner_draw(codes: list[str], writers: list[str], votes: np.ndarray, rate: float, seed: int) -> np.ndarray:
+    """Per code, A.4 at ``rate`` among the texts of the writer with the higher mean clamped vote."""
+    codes_arr, writers_arr, v = np.asarray(codes), np.asarray(writers), np.clip(votes, 0, None)
+    keep = np.zeros(len(codes), dtype=bool)
+    for code in set(codes):
+        mine = codes_arr == code
+        means = {w: v[mine & (writers_arr == w)].mean() for w in set(writers_arr[mine])}
+        keep |= mine & (writers_arr == max(sorted(means), key=means.get))
+    sub = np.flatnonzero(keep)
+    return sub[resample_by_code([codes[i] for i in sub], votes[sub], rate, seed)]
 
 
 def main() -> int:

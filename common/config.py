@@ -25,6 +25,7 @@ PROMPTS = ("code", "instruction", "zero-shot")
 VOTERS = ("weak", "all")
 ON_NODE_SHORTFALL = ("refuse", "continue-without")
 PRECISIONS = ("auto", "fp32")
+WRITER_CHOICES = ("better", "mix")  # strategies.writers.better_writer
 
 
 class ConfigError(ValueError):
@@ -64,10 +65,10 @@ class RunConfig:
     delta: str = "1e-5"
     embedder: str = "all-MiniLM-L6-v2"
     eval_embedder: str = "all-MiniLM-L6-v2"  # the server's metrics: fixed, so methods with other vote embedders compare
-    num_synthetic: int = 120
+    num_synthetic: int = 240  # the pool: each of the two writers 120 (pretrained-share 0.5)
     max_new_tokens: int = 0  # 0 = from the data: max-length minus the code prompt (what phase 1 trained)
     generation_batch_size: int = 0  # 0 = auto: from free memory, at most 128 on CPU, 512 on CUDA
-    sampling_rate: float = 0.5
+    sampling_rate: float = 0.25  # keeps 60 of 240
     num_votes: int = 4
     temperature: float = 1.0
     top_p: float = 1.0
@@ -78,6 +79,8 @@ class RunConfig:
     # the share of each code's pool written by the pretrained weights with the zero-shot instruction,
     # the rest by the finetuned ones; the votes choose between them (strategies.writers). 0 = the paper
     pretrained_share: float = 0.5
+    # "better": each code's final texts from the writer its votes rate higher; "mix": A.4 over the whole pool
+    writer_choice: str = "better"
     prompt: str = "instruction"
     zero_shot_template: str = "Please generate a news article about {fields}:\n\n"
     refinement: str = "contrastive-vote"  # the paper's is "knn-vote"; chosen by measurement (docs/results.md)
@@ -160,6 +163,7 @@ class RunConfig:
             ("pretrained-share", 0 <= self.pretrained_share <= 1,
              "a float in [0, 1]: the share of each code's pool the pretrained model writes (0 = every text "
              "from the finetuned model, the paper)"),
+            ("writer-choice", self.writer_choice in WRITER_CHOICES, f"one of {list(WRITER_CHOICES)}"),
             ("prompt", self.prompt in PROMPTS, f"one of {list(PROMPTS)}"),
             ("zero-shot-template", "{fields}" in self.zero_shot_template, "a string containing {fields}"),
             ("refinement", self.refinement in REFINEMENTS or is_class_path(self.refinement),

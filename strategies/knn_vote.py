@@ -17,6 +17,7 @@ import numpy as np
 from common.config import RunConfig
 from strategies.refinement import Refined, RefinementContext, Refinement, final_size
 from strategies.resampling import resample_by_code
+from strategies.writers import better_writer
 
 
 class KnnVoteRefinement(Refinement):
@@ -28,7 +29,9 @@ class KnnVoteRefinement(Refinement):
     def refine(self, ctx: RefinementContext) -> Refined:  # noqa: D102
         votes = ctx.vote(ctx.texts, ctx.codes, histogram=self.histogram, epsilon_share=1.0,
                          **{"num-votes": ctx.cfg.num_votes})
-        selected = resample_by_code(ctx.codes, votes, ctx.cfg.sampling_rate, ctx.cfg.seed)
+        # each code from its better-voted writer (strategies.writers; None: the whole pool)
+        among = better_writer(ctx.codes, ctx.writers, votes, ctx.cfg.writer_choice)
+        selected = resample_by_code(ctx.codes, votes, ctx.cfg.sampling_rate, ctx.cfg.seed, among=among)
         return Refined(ctx.texts, ctx.codes, selected, votes, writers=list(ctx.writers))
 
 

@@ -30,6 +30,7 @@ import numpy as np
 from common.logs import get_logger
 from strategies.refinement import Refined, RefinementContext, Refinement, round_rows
 from strategies.resampling import resample_by_code
+from strategies.writers import better_writer
 
 log = get_logger("fedsyn")
 HISTOGRAM = "nearest-neighbour"
@@ -89,7 +90,8 @@ class PrivateEvolution(Refinement):
             texts = [texts[i] for i in survivors] + children
             codes = [codes[i] for i in survivors] + [codes[i] for i in parents]
             writers = [writers[i] for i in survivors] + [ctx.writer] * len(parents)
-        selected = resample_by_code(codes, votes, ctx.cfg.sampling_rate, ctx.cfg.seed)
+        selected = resample_by_code(codes, votes, ctx.cfg.sampling_rate, ctx.cfg.seed,
+                                    among=better_writer(codes, writers, votes, ctx.cfg.writer_choice))
         return Refined(texts, codes, selected, votes, notes={"rounds": notes}, history=history, writers=writers)
 
 

@@ -4,10 +4,17 @@ Phase 1 adds on average but not always (docs/results.md): where DP finetuning di
 pool written only by the finetuned model pays for it. The pretrained model with the zero-shot
 instruction is a DP-free writer every run already has, so each code's pool is written by both:
 ``pretrained-share`` of it by θ⁰, the rest by the finetuned weights, each text tagged with its
-writer. The same DP votes judge the whole pool and A.4 draws from it, so the final set takes, code
-by code, whichever writer the sites' records favour. Choosing by released votes is post-processing:
-it costs no ε beyond the votes the run pays for anyway, and the pool size (the vote's cost on a
-node) is the one ``num-synthetic`` always set.
+writer. The same DP votes judge the whole pool, and each code's final texts come from whichever
+writer the sites' records favour: ``writer-choice = "better"`` (default) draws a code's A.4 sample
+among the texts of the writer whose texts its votes rate higher (the mean of the clamped noisy
+votes), ``"mix"`` draws it from the code's whole pool. Measured
+(docs/results.md#issue-46-the-votes-choose-the-writer): the contrastive votes barely tell the
+writers apart text by text (a mixed draw keeps each writer about in its pool share), their mean
+over a code's texts does better; and a writer's texts need as much choice as a one-writer pool
+gives, so the default pool is twice as large (``num-synthetic`` 240, each writer 120) at half the
+rate (0.25), which keeps the final 60. Choosing by released votes is post-processing: no ε beyond
+the votes the run pays for anyway; the larger pool costs the server twice the generation and each
+voter twice the candidates to embed.
 
 The split applies only where it can be judged and where there are two writers:
 
@@ -31,6 +38,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from flwr.app import ArrayRecord
 
 from strategies.refinement import Generator
@@ -55,6 +63,25 @@ def effective_share(share: float, *, finetuned: bool, votes: bool) -> tuple[floa
                      "the finetuned model (pretrained-share does not apply)")
     return share, (f"each code's pool {share:.0%} by the pretrained model, {1 - share:.0%} by the finetuned one; "
                    "the votes choose between them")
+
+
+def better_writer(codes: Sequence[str], writers: Sequence[str], votes: np.ndarray | None,
+                  choice: str = "better") -> np.ndarray | None:
+    """Which texts a code's A.4 sample is drawn from first (``resample_by_code``'s ``among``): for
+    ``choice`` "better", per code the texts of the writer with the higher mean clamped vote (a tie,
+    as with no votes, goes to the finetuned model, the paper's writer); None, the whole pool, for
+    "mix", no votes, or a pool of one writer."""
+    if choice != "better" or votes is None or len(set(writers)) < 2:
+        return None
+    codes_arr, writers_arr = np.asarray(codes), np.asarray(writers)
+    v = np.clip(np.asarray(votes, dtype=np.float64), 0, None)
+    mask = np.zeros(len(codes), dtype=bool)
+    for code in set(codes):
+        mine = codes_arr == code
+        means = {w: float(v[mine & (writers_arr == w)].mean()) for w in set(writers_arr[mine])}
+        best = max(sorted(means, key=lambda w: (w != FINETUNED, w)), key=means.__getitem__)
+        mask |= mine & (writers_arr == best)
+    return mask
 
 
 def pretrained_counts(allocation: Mapping[str, int], share: float, whole: Sequence[str] = ()) -> dict[str, int]:

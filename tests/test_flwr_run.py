@@ -55,7 +55,7 @@ def test_default_run_with_real_weights_follows_the_noisy_profile(tmp_path):
     profile = json.loads((run_dir / "profile.json").read_text())
     assert len(profile["vocabulary"]) == 5
     for code, n in profile["allocation"].items():
-        assert profile["final_counts"][code] == (sample_size(n, 0.5) if n else 0)
+        assert profile["final_counts"][code] == (sample_size(n, 0.25) if n else 0)  # the default r
     report = json.loads((run_dir / "privacy_report.json").read_text())
     assert sorted(n["tier"] for n in report["nodes"]) == ["strong", "weak"]
     for node in report["nodes"]:

@@ -294,7 +294,7 @@ def test_the_docs_example_runs_end_to_end(dataset, tmp_path):
     assert not res.failures and len(res.vote_rounds) == 1
     for code, n in res.allocation.items():
         kept = [i for i in res.selected if res.pool_codes[i] == code]
-        assert len(kept) == max(1, math.floor(0.5 * n)) if n else not kept
+        assert len(kept) == max(1, math.floor(RunConfig().sampling_rate * n)) if n else not kept
         others = [res.votes[i] for i in range(len(res.pool_codes)) if res.pool_codes[i] == code and i not in kept]
         assert all(res.votes[i] >= max(others, default=-math.inf) for i in kept)  # the top-voted per code
 

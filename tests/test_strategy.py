@@ -71,7 +71,7 @@ def test_full_flow_with_real_node_handlers(dataset, tmp_path):
     assert len(res.pool_texts) == sum(res.allocation.values())
     for code, n in res.allocation.items():
         assert res.pool_codes.count(code) == n
-        assert [res.pool_codes[i] for i in res.selected].count(code) == sample_size(n, 0.5)
+        assert [res.pool_codes[i] for i in res.selected].count(code) == sample_size(n, RunConfig().sampling_rate)
     assert len(res.votes) == len(res.pool_texts)
     # both writers wrote each code's pool (pretrained-share 0.5) and each kept text says which
     assert res.finetuned and res.pretrained_share == 0.5

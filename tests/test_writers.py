@@ -14,7 +14,7 @@ from strategies.knn_vote import ContrastiveVoteRefinement, NoRefinement
 from strategies.private_evolution import PrivateEvolution
 from strategies.refinement import Generator, RefinementContext
 from strategies.resampling import resample_by_code
-from strategies.writers import (FINETUNED, PRETRAINED, effective_share, generate_pool, kept_shares,
+from strategies.writers import (FINETUNED, PRETRAINED, better_writer, effective_share, generate_pool, kept_shares,
                                 pretrained_counts, writers_of)
 
 
@@ -92,7 +92,7 @@ def test_share_zero_is_one_call_on_the_finetuned_weights_and_no_phase_1_is_all_p
 
 
 def _context(gen: Recorder, pool, votes_for, cfg: RunConfig | None = None) -> RefinementContext:
-    cfg = cfg or RunConfig(sampling_rate=0.5, refinement_rounds=2)
+    cfg = cfg or RunConfig(sampling_rate=0.5, refinement_rounds=2, writer_choice="mix")
     return RefinementContext(cfg=cfg, texts=list(pool.texts), codes=list(pool.codes), allocation={}, profile=np.ones(1),
                              vocabulary=sorted(set(pool.codes)), generator=gen,
                              vote=lambda texts, codes, **_: votes_for(texts), rng=np.random.default_rng(0),
@@ -114,6 +114,36 @@ def test_a_writer_voted_down_leaves_the_final_set_to_the_other_and_the_tags_surv
         c: {PRETRAINED: float(favoured == PRETRAINED), FINETUNED: float(favoured == FINETUNED)} for c in alloc}
     # A.4 itself, without the refinement: the same selection from the same votes
     assert np.array_equal(refined.selected, resample_by_code(pool.codes, votes(pool.texts), 0.5, 0))
+
+
+def test_the_better_voted_writer_takes_the_code_and_a_short_writer_is_topped_up():
+    codes = ["a"] * 6 + ["b"] * 4
+    writers = [PRETRAINED] * 3 + [FINETUNED] * 3 + [PRETRAINED, PRETRAINED, FINETUNED, FINETUNED]
+    votes = np.array([5.0, -3.0, 4.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0])
+    mask = better_writer(codes, writers, votes)
+    # a: θ⁰'s mean clamped vote (9/3) beats the finetuned (1); b: a tie goes to the finetuned model
+    assert mask.tolist() == [True] * 3 + [False] * 3 + [False, False, True, True]
+    assert better_writer(codes, writers, votes, "mix") is None and better_writer(codes, writers, None) is None
+    assert better_writer(codes, [FINETUNED] * 10, votes) is None              # one writer: the whole pool
+    chosen = resample_by_code(codes, votes, 0.5, seed=0, among=mask)
+    assert sorted(chosen[:3].tolist()) == [0, 1, 2] and sorted(chosen[3:].tolist()) == [8, 9]
+    # M = 4 of a's 6 at r = 2/3: θ⁰'s 3 texts, then one more drawn among the finetuned model's
+    more = resample_by_code(codes, votes, 2 / 3, seed=0, among=mask)
+    assert set(more[:3].tolist()) == {0, 1, 2} and more[3] in (3, 4, 5)
+    # with every text eligible the draw is A.4's exactly
+    assert np.array_equal(resample_by_code(codes, votes, 0.5, 3, among=np.ones(10, bool)),
+                          resample_by_code(codes, votes, 0.5, 3))
+
+
+def test_by_default_each_code_keeps_only_its_better_voted_writers_texts():
+    gen, alloc = Recorder(), {"a": 8, "b": 6}
+    pool = generate_pool(gen, alloc, pretrained_counts(alloc, 0.5), arrays(0), arrays(1), seed=0)
+    # a's θ⁰ texts and b's finetuned texts are voted up a little; the other writer's vary around 0
+    votes = lambda texts: np.array([(1.0 if ("a@0" in t or "b@1" in t) else 0.0) + (i % 4) * 0.3  # noqa: E731
+                                    for i, t in enumerate(texts)])
+    refined = ContrastiveVoteRefinement().refine(_context(gen, pool, votes, RunConfig(sampling_rate=0.25)))
+    assert kept_shares(refined.codes, refined.writers, refined.selected) == {
+        "a": {PRETRAINED: 1.0, FINETUNED: 0.0}, "b": {PRETRAINED: 0.0, FINETUNED: 1.0}}
 
 
 def test_pe_children_are_the_finetuned_writers_and_survivors_keep_theirs():

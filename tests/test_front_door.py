@@ -279,7 +279,8 @@ def test_plan_asks_a_deployment_and_reads_its_connection_like_flwr(tmp_path, mon
     assert "node 7 (strong, epsilon budget 8):" in lines and "node 9 (weak, epsilon budget 4):" in lines
     train = [line for line in lines if "train:" in line]
     assert len(train) == 1 and "never sent" in train[0]  # |D| is the node's secret: no noise multiplier here
-    assert lines[-1] == "node 11 cannot take part: refused: policy: model 'x' is not allowed"
+    assert lines[-2] == "node 11 cannot take part: refused: policy: model 'x' is not allowed"
+    assert lines[-1].startswith("writers: each code's pool 50% by the pretrained model") and "1 voter(s)" in lines[-1]
 
 
 # --------------------------------------------------------------------------- the README, walked

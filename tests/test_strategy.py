@@ -158,7 +158,7 @@ def test_refinements_without_votes_send_no_vote_request(dataset, tmp_path, refin
     assert res.votes is None
     assert set(res.pool_writers) == {"pretrained"} and not res.finetuned  # no phase 1: one writer, θ⁰
     if refinement == "none":
-        assert len(res.selected) == len(res.pool_texts) == pytest.approx(12, abs=3)
+        assert len(res.selected) == len(res.pool_texts) == pytest.approx(24 * RunConfig().sampling_rate, abs=3)
 
 
 def test_epsilon_inf_adds_no_noise_and_says_so(dataset, tmp_path):

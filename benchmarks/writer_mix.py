@@ -36,6 +36,7 @@ from common.models import embed, load_embedder
 from fedsyn_client.voting import contrastive_votes
 from fedsyn_server.evaluation import downstream_utility
 from strategies.resampling import resample_by_code
+from strategies.writers import better_writer
 
 SHARES = (0.0, 0.25, 0.5, 0.75, 1.0)
 EXTRA = (0.5, 1.0)  # θ⁰'s texts beside the finetuned model's whole pool, per text of it
@@ -88,10 +89,11 @@ def study_cell(run_pre: Path, run_tuned: Path, draws: int, embedders: dict[str, 
         rate = cfg.sampling_rate / (1 + extra)
         rules = [("", lambda v, d: resample_by_code(codes, v, rate, seed=cfg.seed + 1000 * d))]
         if share is None and extra == 1.0:
-            # each code's final texts from one writer: the one whose texts the votes rate higher (mean of
-            # the clamped noisy votes), drawn by A.4 at the run's rate among that writer's texts alone
+            # writer-choice "better": each code's final texts from the writer whose texts its votes rate
+            # higher (mean of the clamped noisy votes), A.4 among that writer's texts
             rules.append((", the code's better-voted writer only",
-                          lambda v, d: _winner_draw(codes, writers, v, cfg.sampling_rate, cfg.seed + 1000 * d)))
+                          lambda v, d: resample_by_code(codes, v, rate, seed=cfg.seed + 1000 * d,
+                                                        among=better_writer(codes, writers, v))))
         for suffix, rule in rules:
             accuracies, kept_pre = [], []
             for d in range(draws):
@@ -106,18 +108,6 @@ def study_cell(run_pre: Path, run_tuned: Path, draws: int, embedders: dict[str, 
                         "accuracy": float(np.mean(accuracies)), "accuracy_std": float(np.std(accuracies)),
                         "kept_pretrained": float(np.mean(kept_pre))})
     return out
-
-
-def _winner_draw(codes: list[str], writers: list[str], votes: np.ndarray, rate: float, seed: int) -> np.ndarray:
-    """Per code, A.4 at ``rate`` among the texts of the writer with the higher mean clamped vote."""
-    codes_arr, writers_arr, v = np.asarray(codes), np.asarray(writers), np.clip(votes, 0, None)
-    keep = np.zeros(len(codes), dtype=bool)
-    for code in set(codes):
-        mine = codes_arr == code
-        means = {w: v[mine & (writers_arr == w)].mean() for w in set(writers_arr[mine])}
-        keep |= mine & (writers_arr == max(sorted(means), key=means.get))
-    sub = np.flatnonzero(keep)
-    return sub[resample_by_code([codes[i] for i in sub], votes[sub], rate, seed)]
 
 
 def main() -> int:

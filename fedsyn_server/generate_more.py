@@ -24,7 +24,7 @@ from common.io import atomic_write_json, atomic_write_jsonl, read_json
 from common.logs import get_logger
 from fedsyn_server.outputs import text_row
 from strategies.allocation import allocate_exactly
-from strategies.writers import PRETRAINED, generate_pool, pretrained_counts
+from strategies.writers import FINETUNED, PRETRAINED, generate_pool, pretrained_counts
 
 log = get_logger(__name__)
 MORE = "more"  # <run-dir>/more/<name>.jsonl
@@ -69,7 +69,7 @@ def run_writers(profile: dict[str, Any], counts: dict[str, int]) -> tuple[dict[s
     existed: its coverage-floor codes by θ⁰, the rest by the released weights."""
     writers = profile.get("writers")
     if not writers:
-        return pretrained_counts(counts, 0.0, profile.get("pretrained_codes", [])), "finetuned"
+        return pretrained_counts(counts, 0.0, profile.get("pretrained_codes", [])), FINETUNED
     kept = writers.get("kept_share", {})
     tuned = sorted({w for s in kept.values() for w, v in s.items() if w != PRETRAINED and v > 0}
                    | {w for s in writers.get("pool", {}).values() for w in s if w != PRETRAINED})

@@ -24,7 +24,8 @@ from common.io import atomic_write_json, atomic_write_jsonl, read_json
 from common.logs import get_logger
 from fedsyn_server.outputs import text_row
 from strategies.allocation import allocate_exactly
-from strategies.writers import FINETUNED, PRETRAINED, generate_pool, pretrained_counts
+from strategies.refinement import FINETUNED, PRETRAINED
+from strategies.writers import generate_pool, pretrained_counts
 
 log = get_logger(__name__)
 MORE = "more"  # <run-dir>/more/<name>.jsonl

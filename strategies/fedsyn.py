@@ -57,9 +57,9 @@ from strategies.checkpoint import Checkpoint, Progress, save_checkpoint
 from strategies.coverage import finetune_coverage, pretrained_codes
 from strategies.membership import Membership
 from strategies.messaging import Courier, SubGrid
-from strategies.refinement import Generator, Refinement, RefinementContext
+from strategies.refinement import FINETUNED, PRETRAINED, Generator, Refinement, RefinementContext
 from strategies.result import FedSynResult
-from strategies.writers import FINETUNED, PRETRAINED, effective_share, generate_pool, pretrained_counts, writers_of
+from strategies.writers import effective_share, generate_pool, pretrained_counts, writers_of
 
 log = get_logger("fedsyn")
 

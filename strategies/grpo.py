@@ -39,8 +39,7 @@ from typing import Any
 import numpy as np
 
 from common.logs import get_logger
-from strategies.refinement import Refined, RefinementContext, Refinement, final_size, round_rows
-from strategies.writers import REFINED
+from strategies.refinement import REFINED, Refined, RefinementContext, Refinement, final_size, round_rows
 
 log = get_logger("fedsyn")
 HISTOGRAM = "similarity"

@@ -36,8 +36,7 @@ import tempfile
 import numpy as np
 
 from common.logs import get_logger
-from strategies.refinement import Generator, Refined, RefinementContext, Refinement, final_size, round_rows
-from strategies.writers import REFINED
+from strategies.refinement import REFINED, Generator, Refined, RefinementContext, Refinement, final_size, round_rows
 
 log = get_logger("fedsyn")
 HISTOGRAM = "similarity"

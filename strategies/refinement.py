@@ -32,6 +32,12 @@ from common.config import RunConfig
 from common.plugins import REFINEMENTS, load_class
 from strategies.allocation import allocate
 
+# The writers a text can come from (issue 46; the rules that choose between them: strategies.writers).
+# Here, beside the plug-in interface, because a refinement tags the texts it writes with them.
+PRETRAINED = "pretrained"  # θ⁰ with the zero-shot instruction
+FINETUNED = "finetuned"  # phase 1's DP-finetuned weights
+REFINED = "refined"  # weights a refinement trained (POPri's DPO)
+
 
 class Generator(ABC):
     """The server's generator as a refinement sees it (implemented by ``fedsyn_server.synthesis``)."""
@@ -87,7 +93,7 @@ class RefinementContext:
     vote: VoteFn
     rng: np.random.Generator
     writers: list[str] = field(default_factory=list)  # the pool's writer per text (strategies.writers)
-    writer: str = "finetuned"  # the writer of a text the generator writes now (the weights it holds)
+    writer: str = FINETUNED  # the writer of a text the generator writes now (the weights it holds)
 
     def allocation_for(self, size: int) -> dict[str, int]:
         """The profile's allocation of ``size`` samples (Algorithm 1, stage 3)."""

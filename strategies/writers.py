@@ -41,12 +41,9 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord
 
-from strategies.refinement import Generator
+from strategies.refinement import FINETUNED, PRETRAINED, Generator
 from strategies.result import FedSynResult
 
-PRETRAINED = "pretrained"  # θ⁰ with the zero-shot instruction
-FINETUNED = "finetuned"  # phase 1's DP-finetuned weights
-REFINED = "refined"  # weights a refinement trained (POPri's DPO)
 # The prompt θ⁰ writes with: the zero-shot template filled with the code (common.codes), which the
 # pretrained model can follow; the run's ``prompt`` may be the paper's bare code, which it cannot.
 PRETRAINED_PROMPT = "instruction"

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from strategies.refinement import Refined, RefinementContext, Refinement
+from common.config import RunConfig
+from strategies.refinement import Refined, RefinementContext, Refinement, VotePlan
 
 
 class TopVoted(Refinement):
@@ -15,9 +16,12 @@ class TopVoted(Refinement):
 
     name = "top-voted"
 
+    def vote_plan(self, cfg: RunConfig) -> VotePlan:
+        """One kNN round at the whole epsilon_vote (``fedsyn plan`` prints its noise from this)."""
+        return VotePlan(1, "knn-vote", {"num-votes": cfg.num_votes})
+
     def refine(self, ctx: RefinementContext) -> Refined:
-        votes = ctx.vote(ctx.texts, ctx.codes, histogram="knn-vote", epsilon_share=1.0,
-                         **{"num-votes": ctx.cfg.num_votes})
+        votes = ctx.vote(ctx.texts, ctx.codes, **self.vote_plan(ctx.cfg).request())
         codes = np.asarray(ctx.codes)
         keep: list[int] = []
         for code in sorted(set(ctx.codes)):

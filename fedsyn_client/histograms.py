@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import math
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -20,6 +19,7 @@ import numpy as np
 
 from common.config import ConfigError, RunConfig
 from common.data import TextData, dataset_fingerprint
+from common.histograms import num_votes, sensitivity
 from common.logs import get_logger
 from fedsyn_client import fixed_work
 from fedsyn_client.voting import contrastive_votes, finite_rows, knn_votes, similarity_scores
@@ -31,37 +31,32 @@ log = get_logger(__name__)
 def knn_vote_histogram(records: TextData, texts: list[str], codes: list[str], params: Mapping[str, Any],
                        cfg: RunConfig, bound: int | None = None) -> tuple[Compute, float]:
     """Paper A.2: each record gives +1 to its K nearest same-code candidates; sensitivity sqrt(K)."""
-    k = _num_votes(params)
-    # each record adds +1 to at most K distinct candidates: the L2 norm of its change is sqrt(K)
-    return _on_embeddings(records, texts, codes, cfg, bound, lambda *emb: knn_votes(*emb, k)), math.sqrt(k)
+    k = num_votes(params)
+    return (_on_embeddings(records, texts, codes, cfg, bound, lambda *emb: knn_votes(*emb, k)),
+            sensitivity("knn-vote", params))
 
 
 def contrastive_vote_histogram(records: TextData, texts: list[str], codes: list[str], params: Mapping[str, Any],
                                cfg: RunConfig, bound: int | None = None) -> tuple[Compute, float]:
     """Issue 34: each record +1 to its K nearest same-code candidates and -1 to its K nearest
     other-code candidates; sensitivity sqrt(2K)."""
-    k = _num_votes(params)
-    # K entries +1 and K other entries -1 per record: the L2 norm of its change is sqrt(2K)
-    return _on_embeddings(records, texts, codes, cfg, bound, lambda *emb: contrastive_votes(*emb, k)), math.sqrt(2 * k)
-
-
-def _num_votes(params: Mapping[str, Any]) -> int:
-    k = params.get("num-votes")
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ConfigError(f"num-votes = {k!r}; must be an integer >= 1")
-    return k
+    k = num_votes(params)
+    return (_on_embeddings(records, texts, codes, cfg, bound, lambda *emb: contrastive_votes(*emb, k)),
+            sensitivity("contrastive-vote", params))
 
 
 def nearest_neighbour_histogram(records: TextData, texts: list[str], codes: list[str], params: Mapping[str, Any],
                                 cfg: RunConfig, bound: int | None = None) -> tuple[Compute, float]:
     """Private Evolution's histogram: each record +1 to its nearest same-code candidate; sensitivity 1."""
-    return _on_embeddings(records, texts, codes, cfg, bound, lambda *emb: knn_votes(*emb, 1)), 1.0
+    return (_on_embeddings(records, texts, codes, cfg, bound, lambda *emb: knn_votes(*emb, 1)),
+            sensitivity("nearest-neighbour", params))
 
 
 def similarity_histogram(records: TextData, texts: list[str], codes: list[str], params: Mapping[str, Any],
                          cfg: RunConfig, bound: int | None = None) -> tuple[Compute, float]:
     """POPri's scores: each record's clipped (norm <= 1) cosine similarities, summed; sensitivity 1."""
-    return _on_embeddings(records, texts, codes, cfg, bound, similarity_scores), 1.0
+    return (_on_embeddings(records, texts, codes, cfg, bound, similarity_scores),
+            sensitivity("similarity", params))
 
 
 def _on_embeddings(records: TextData, texts: list[str], codes: list[str], cfg: RunConfig, bound: int | None,

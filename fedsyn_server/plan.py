@@ -185,6 +185,8 @@ def writers_line(cfg: RunConfig, tiers: list[str]) -> str:
 
 
 def _phase_lines(cfg: RunConfig, tier: str, records: int | None, delta: float, speed: dict[str, Any]) -> list[str]:
+    from strategies.refinement import planned_votes
+
     lines = []
     eps_profile = phase_epsilon(cfg.epsilon, cfg.epsilon_profile, tier, cfg.voters, PROFILE)
     lines.append(f"profile: epsilon {eps_profile:g}, delta {delta:g}, Gaussian sigma "
@@ -204,29 +206,17 @@ def _phase_lines(cfg: RunConfig, tier: str, records: int | None, delta: float, s
                      f"(q = {q:.3g}, {steps} steps, C = {cfg.max_grad_norm:g}); {tokens:,} tokens"
                      + (f", about {tokens / rate:.0f} s" if rate else ""))
     eps_vote = phase_epsilon(cfg.epsilon, cfg.epsilon_profile, tier, cfg.voters, VOTE)
-    terms = _vote_terms(cfg)
+    terms = planned_votes(cfg)
     if eps_vote and terms is not None:
         rounds, sens, formula = terms
         rate = speed.get("embedding_vote_window_texts_per_s") or speed.get("embedding_texts_per_s")
         lines.append(f"vote: epsilon {eps_vote:g} in {rounds} round(s), delta {delta:g}, Gaussian sigma "
                      f"{analytic_gaussian_sigma(eps_vote / rounds, delta / rounds, sens):.3g} per round (sensitivity "
-                     f"{formula})"
+                     f"{formula} = {sens:.3g})"
                      + (f"; embedding {records} rows, about {records / rate:.0f} s" if rate and records else ""))
     elif eps_vote:
         lines.append(f"vote: epsilon {eps_vote:g} in the rounds refinement {cfg.refinement!r} asks for (never more)")
     return lines
-
-
-def _vote_terms(cfg: RunConfig) -> tuple[int, float, str] | None:
-    """(vote rounds, L2 sensitivity, its formula) of a shipped refinement's votes, None for others.
-
-    A prediction for the plan only: each node computes the sensitivity it noises with itself
-    (``fedsyn_client.histograms``), and the privacy report shows what the nodes booked.
-    """
-    k, t = cfg.num_votes, cfg.refinement_rounds
-    return {"knn-vote": (1, math.sqrt(k), "sqrt(K)"), "contrastive-vote": (1, math.sqrt(2 * k), "sqrt(2K)"),
-            "pe": (t, 1.0, "1"), "pe-contrastive": (t, math.sqrt(2), "sqrt(2)"),
-            "popri": (t, 1.0, "1")}.get(cfg.refinement)
 
 
 def _server_lines(cfg: RunConfig, parts: list[tuple[str, Any]], speed: dict[str, Any]) -> list[str]:

@@ -11,8 +11,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from common import histograms
 from common.config import RunConfig
 from common.dp import composed_epsilon, phase_epsilon
+from strategies.refinement import planned_votes
 from strategies.result import FedSynResult
 from strategies.writers import writers_summary
 
@@ -61,9 +63,9 @@ def privacy_report(cfg: RunConfig, res: FedSynResult) -> dict[str, Any]:
         "mechanisms": {"train": "DP-SGD (Opacus, Poisson sampling, RDP accountant over all rounds; the whole "
                                 "phase's epsilon is reserved at round 1)",
                        "profile": "analytic Gaussian, L2 sensitivity 1",
-                       "vote": "analytic Gaussian at the named histogram's L2 sensitivity (knn-vote sqrt(K), "
-                               "contrastive-vote sqrt(2K), nearest-neighbour 1, similarity 1); a refinement's "
-                               "vote rounds split epsilon_vote"},
+                       "vote": "analytic Gaussian at the named histogram's L2 sensitivity ("
+                               + ", ".join(f"{name} {histograms.formula(name)}" for name in histograms.SENSITIVITIES)
+                               + "); a refinement's vote rounds split epsilon_vote" + _this_run(cfg)},
         "epsilon_split": {"epsilon": cfg.epsilon, "epsilon_profile": cfg.epsilon_profile,
                           "voters": cfg.voters},
         "nodes": nodes,
@@ -72,6 +74,16 @@ def privacy_report(cfg: RunConfig, res: FedSynResult) -> dict[str, Any]:
                     "note": "post-processing of the released votes (strategies.writers): no epsilon beyond them"},
     }
 
+
+
+def _this_run(cfg: RunConfig) -> str:
+    """The run's own vote terms, as its refinement declares them (``planned_votes``)."""
+    terms = planned_votes(cfg)
+    if terms is None:
+        return ""
+    rounds, sens, formula = terms
+    return (f"; this run ({cfg.refinement}): {rounds} round(s), each at 1/{rounds} of epsilon_vote and delta, "
+            f"sensitivity {formula} = {sens:.3g}")
 
 def _by_ledger(ids: list[int], res: FedSynResult) -> dict[int, list[int]]:
     """Each report entry's node id -> every node id it covers. A SuperNode restarted after a

@@ -38,8 +38,9 @@ from typing import Any
 
 import numpy as np
 
+from common.config import RunConfig
 from common.logs import get_logger
-from strategies.refinement import REFINED, Refined, RefinementContext, Refinement, final_size, round_rows
+from strategies.refinement import REFINED, Refined, RefinementContext, Refinement, VotePlan, final_size, round_rows
 
 log = get_logger("fedsyn")
 HISTOGRAM = "similarity"
@@ -78,6 +79,10 @@ class GRPO(Refinement):
 
     name = "grpo"
 
+    def vote_plan(self, cfg: RunConfig) -> VotePlan:
+        """T = ``refinement-rounds`` rounds of similarity scores (the rewards), each at epsilon_vote / T."""
+        return VotePlan(cfg.refinement_rounds, HISTOGRAM)
+
     def refine(self, ctx: RefinementContext) -> Refined:  # noqa: D102
         import torch
         from datasets import Dataset
@@ -86,7 +91,8 @@ class GRPO(Refinement):
         from common.devices import model_device
 
         cfg, gen = ctx.cfg, ctx.generator
-        rounds, group = cfg.refinement_rounds, cfg.grpo_group_size
+        plan = self.vote_plan(cfg)
+        rounds, group = plan.rounds, cfg.grpo_group_size
         groups = group_counts(ctx.allocation, group)
         code_of = {gen.prompt(c): c for c in groups}
         rows = [gen.prompt(c) for c, n in groups.items() for _ in range(n)]
@@ -123,7 +129,7 @@ class GRPO(Refinement):
             scores = np.zeros(len(fedsyn_text))
             if keep:
                 scores[keep] = ctx.vote([fedsyn_text[i] for i in keep], [codes[i] for i in keep],
-                                        histogram=HISTOGRAM, epsilon_share=1.0 / rounds)
+                                        **plan.request())
             history.extend(round_rows(t, [fedsyn_text[i] for i in keep], [codes[i] for i in keep], scores[keep]))
             notes.append({"round": t, "texts": len(keep), "groups": len(fedsyn_text) // group,
                           "reward_mean": float(scores[keep].mean()) if keep else 0.0,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from common.config import RunConfig
-from strategies.refinement import Refined, RefinementContext, Refinement, final_size
+from strategies.refinement import Refined, RefinementContext, Refinement, VotePlan, final_size
 from strategies.resampling import resample_by_code
 from strategies.writers import better_writer
 
@@ -26,9 +26,12 @@ class KnnVoteRefinement(Refinement):
     name = "knn-vote"
     histogram = "knn-vote"  # the node-side statistic (fedsyn_client.histograms.VOTE_HISTOGRAMS)
 
+    def vote_plan(self, cfg: RunConfig) -> VotePlan:
+        """One round of ``histogram`` with K = ``num-votes``, at the whole epsilon_vote."""
+        return VotePlan(1, self.histogram, {"num-votes": cfg.num_votes})
+
     def refine(self, ctx: RefinementContext) -> Refined:  # noqa: D102
-        votes = ctx.vote(ctx.texts, ctx.codes, histogram=self.histogram, epsilon_share=1.0,
-                         **{"num-votes": ctx.cfg.num_votes})
+        votes = ctx.vote(ctx.texts, ctx.codes, **self.vote_plan(ctx.cfg).request())
         # each code from its better-voted writer (strategies.writers; None: the whole pool)
         among = better_writer(ctx.codes, ctx.writers, votes, ctx.cfg.writer_choice)
         selected = resample_by_code(ctx.codes, votes, ctx.cfg.sampling_rate, ctx.cfg.seed, among=among)

@@ -35,8 +35,10 @@ import tempfile
 
 import numpy as np
 
+from common.config import RunConfig
 from common.logs import get_logger
-from strategies.refinement import REFINED, Generator, Refined, RefinementContext, Refinement, final_size, round_rows
+from strategies.refinement import (REFINED, Generator, Refined, RefinementContext, Refinement, VotePlan, final_size,
+                                   round_rows)
 
 log = get_logger("fedsyn")
 HISTOGRAM = "similarity"
@@ -107,16 +109,21 @@ class POPri(Refinement):
 
     name = "popri"
 
+    def vote_plan(self, cfg: RunConfig) -> VotePlan:
+        """T = ``refinement-rounds`` rounds of similarity scores, each at epsilon_vote / T."""
+        return VotePlan(cfg.refinement_rounds, HISTOGRAM)
+
     def refine(self, ctx: RefinementContext) -> Refined:  # noqa: D102
         cfg, gen = ctx.cfg, ctx.generator
-        rounds = cfg.refinement_rounds
+        plan = self.vote_plan(cfg)
+        rounds = plan.rounds
         texts, codes = list(ctx.texts), list(ctx.codes)
         notes: list[dict[str, float]] = []
         history: list[dict] = []
         for t in range(1, rounds + 1):
             if t > 1:
                 texts, codes = gen.generate(ctx.allocation, seed=cfg.seed + t)
-            scores = ctx.vote(texts, codes, histogram=HISTOGRAM, epsilon_share=1.0 / rounds)
+            scores = ctx.vote(texts, codes, **plan.request())
             pairs = preference_pairs(codes, scores, cfg.popri_samples_per_prompt, cfg.popri_rejected_rank)
             role: list[str | None] = [None] * len(texts)
             for i, j in pairs:

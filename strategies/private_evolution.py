@@ -27,8 +27,9 @@ import math
 
 import numpy as np
 
+from common.config import RunConfig
 from common.logs import get_logger
-from strategies.refinement import Refined, RefinementContext, Refinement, round_rows
+from strategies.refinement import Refined, RefinementContext, Refinement, VotePlan, round_rows
 from strategies.resampling import resample_by_code
 from strategies.writers import better_writer
 
@@ -65,8 +66,13 @@ class PrivateEvolution(Refinement):
     histogram = HISTOGRAM
     histogram_params: dict[str, int] = {}
 
+    def vote_plan(self, cfg: RunConfig) -> VotePlan:
+        """T = ``refinement-rounds`` rounds of ``histogram``, each at epsilon_vote / T."""
+        return VotePlan(cfg.refinement_rounds, self.histogram, dict(self.histogram_params))
+
     def refine(self, ctx: RefinementContext) -> Refined:  # noqa: D102
-        rounds = ctx.cfg.refinement_rounds
+        plan = self.vote_plan(ctx.cfg)
+        rounds = plan.rounds
         # the population starts as the pool, both writers' texts (strategies.writers); a child is
         # written by the weights the generator holds
         texts, codes, writers = list(ctx.texts), list(ctx.codes), list(ctx.writers) or [ctx.writer] * len(ctx.texts)
@@ -74,8 +80,7 @@ class PrivateEvolution(Refinement):
         history: list[dict] = []
         votes = np.zeros(len(texts))
         for t in range(1, rounds + 1):
-            votes = ctx.vote(texts, codes, histogram=self.histogram, epsilon_share=1.0 / rounds,
-                             **self.histogram_params)
+            votes = ctx.vote(texts, codes, **plan.request())
             notes.append({"round": t, "population": len(texts), "mean_votes": float(np.mean(votes)) if len(votes) else 0.0})
             log.info("[pe] round %d/%d: %d texts voted, mean noisy votes %.2f", t, rounds, len(texts), notes[-1]["mean_votes"])
             if t == rounds:

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import numpy as np
 from flwr.app import ArrayRecord
 
+from common import histograms
 from common.config import RunConfig
 from common.plugins import REFINEMENTS, load_class
 from strategies.allocation import allocate
@@ -70,6 +71,27 @@ class Generator(ABC):
         """What the last ``generate`` wrote against what it was asked (texts asked again,
         dropped, written per code); {} when the generator keeps no such count."""
         return {}
+
+
+@dataclass(frozen=True)
+class VotePlan:
+    """The votes a refinement asks of every voter in one run: ``rounds`` releases of the node-side
+    ``histogram`` (``fedsyn_client.histograms``) under ``params``, each at ``1 / rounds`` of the
+    node's epsilon_vote and delta. ``fedsyn plan`` and the privacy report read it from the class,
+    so a plug-in that declares it is planned and reported like the shipped methods."""
+
+    rounds: int
+    histogram: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def share(self) -> float:
+        """Each round's part of the phase's epsilon and delta."""
+        return 1.0 / self.rounds
+
+    def request(self) -> dict[str, Any]:
+        """The keyword arguments of ``ctx.vote`` for one of its rounds."""
+        return {"histogram": self.histogram, "epsilon_share": self.share, **self.params}
 
 
 class VoteFn(Protocol):
@@ -127,6 +149,12 @@ class Refinement(ABC):
     # votes while saying False is still bounded by every node's ledger).
     asks_votes: bool = True
 
+    def vote_plan(self, cfg: RunConfig) -> VotePlan | None:
+        """The votes this method asks for in a run of ``cfg``; None: none, or not declared (then
+        ``fedsyn plan`` cannot predict their noise, and every node's ledger still bounds them).
+        A method's own rounds call ``ctx.vote(texts, codes, **plan.request())`` with it."""
+        return None
+
     def pool_size(self, cfg: RunConfig) -> int:
         """How many texts stage 3 generates (then allocated by the profile); default s."""
         return cfg.num_synthetic
@@ -161,3 +189,18 @@ def build_refinement(name: str) -> Refinement:
     ``Refinement``) before any message is sent.
     """
     return load_class(name, REFINEMENTS, "refinement", Refinement)()
+
+
+def planned_votes(cfg: RunConfig) -> tuple[int, float, str] | None:
+    """(vote rounds, L2 sensitivity, its formula) that the run's refinement will ask of each voter,
+    from its class's ``vote_plan`` and the shipped histograms' bounds (``common.histograms``);
+    None where the method declares no plan, cannot be loaded here, or votes with a histogram only
+    its nodes know. A prediction for ``fedsyn plan`` and the report: each node computes the
+    sensitivity it noises with itself, and its ledger books what it released."""
+    try:
+        plan = build_refinement(cfg.refinement).vote_plan(cfg)
+    except ValueError:
+        return None
+    if plan is None or plan.histogram not in histograms.SENSITIVITIES:
+        return None
+    return plan.rounds, histograms.sensitivity(plan.histogram, plan.params), histograms.formula(plan.histogram)

@@ -336,3 +336,62 @@ def test_grpo_learns_from_the_dp_votes_alone_one_round_each(dataset, tmp_path):
     assert all(math.isfinite(r["train_loss"]) for r in rounds)
     assert res.generator_refined
     assert len(res.selected) == len(res.pool_texts) == pytest.approx(final_size(cfg), abs=len(res.allocation))
+
+
+# --------------------------------------------------------------------------- vote plans (no Flower)
+class _Recorder:
+    """A ``ctx.vote`` that records each round's request and answers with ones."""
+
+    def __init__(self) -> None:
+        self.requests: list[dict] = []
+
+    def __call__(self, texts, codes, histogram="knn-vote", epsilon_share=1.0, **params):
+        self.requests.append({"histogram": histogram, "epsilon_share": epsilon_share, **params})
+        return np.ones(len(texts))
+
+
+class _Writer:
+    """A generator whose variation of a text is the text with a mark (PE's children)."""
+
+    def variation(self, texts, codes, seed):
+        return [t + "'" for t in texts]
+
+
+@pytest.mark.parametrize("method", ["knn-vote", "contrastive-vote", "pe", "pe-contrastive"])
+def test_a_refinement_asks_exactly_the_votes_its_plan_declares(method):
+    from strategies.refinement import RefinementContext
+
+    cfg = RunConfig(refinement=method, num_votes=3, refinement_rounds=3)
+    vote = _Recorder()
+    codes = ["a", "b"] * 4
+    ctx = RefinementContext(cfg=cfg, texts=[f"t{i}" for i in range(8)], codes=codes, allocation={"a": 4, "b": 4},
+                            profile=np.array([4.0, 4.0]), vocabulary=["a", "b"], generator=_Writer(), vote=vote,
+                            rng=np.random.default_rng(0), writers=["finetuned"] * 8)
+    refinement = build_refinement(method)
+    refinement.refine(ctx)
+    plan = refinement.vote_plan(cfg)
+    assert vote.requests == [plan.request()] * plan.rounds  # the plan fedsyn plan and the report read
+    assert plan.rounds == (3 if method.startswith("pe") else 1)
+    assert sum(r["epsilon_share"] for r in vote.requests) == pytest.approx(1.0)
+
+
+def test_the_plan_and_the_nodes_read_one_sensitivity_per_histogram():
+    from common import histograms
+    from common.data import TextData
+    from fedsyn_client.histograms import vote_histogram
+    from strategies.refinement import planned_votes
+
+    params = {"num-votes": 3}
+    expected = {"knn-vote": math.sqrt(3), "contrastive-vote": math.sqrt(6), "nearest-neighbour": 1.0, "similarity": 1.0}
+    records = TextData(["x"], ["a"])
+    for name, value in expected.items():
+        assert histograms.sensitivity(name, params) == pytest.approx(value)
+        # the node's builder (nothing is computed until after the reservation) states the same bound
+        assert vote_histogram(name, records, ["y"], ["a"], params, RunConfig())[1] == pytest.approx(value)
+    assert set(histograms.SENSITIVITIES) == set(VOTE_HISTOGRAMS)  # every shipped histogram has its bound here
+    with pytest.raises(ConfigError, match="not shipped"):
+        histograms.sensitivity("a-plug-in's", params)
+    assert planned_votes(RunConfig(refinement="pe-contrastive", refinement_rounds=4)) == (4, pytest.approx(math.sqrt(2)),
+                                                                                         "sqrt(2K)")
+    assert planned_votes(RunConfig(refinement="uniform")) is None
+    assert planned_votes(RunConfig(refinement="tests.test_refinement:Greedy")) is None  # declares no plan

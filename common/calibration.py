@@ -1,0 +1,131 @@
+"""Noise for a node's planned releases, by the rule its ledger composes them with (issue 47).
+
+A node's run releases, in the plan's order, its profile (one Gaussian, sensitivity 1), its
+DP-SGD phase (Poisson-subsampled Gaussian steps) and/or its vote rounds (T Gaussians of one
+sigma), each phase with its appendix-B share of the node's epsilon and its own delta. Two rules:
+
+- ``basic`` (the paper's, and this project's before issue 47): each phase meets its share on its
+  own, a Gaussian round by the analytic Gaussian mechanism at (share / T, delta / T), DP-SGD by
+  Opacus' RDP accountant; the node is charged the sum of the shares. Composed by a PLD
+  accountant, such a node has spent well under its budget (60–80% in the default run).
+- ``pld``: the phases are solved in the plan's order, each for the noise that brings the PLD
+  composition of it and the phases before it to their cumulative share at their summed delta.
+  The last phase ends the node's run at its whole epsilon, never above; the profile, first, has
+  the same sigma as under ``basic`` (one Gaussian is exact either way).
+
+Everything here reads public inputs only (shares, deltas, sensitivities, T, q = B /
+max-records, steps): never a record count. The solver is a bisection on the noise because the
+composed epsilon falls as the noise grows and ``dp_accounting`` has no inverse for a composition
+of several mechanisms.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from common.dp import (DPSGD, GAUSSIAN, analytic_gaussian_sigma, dpsgd_event, dpsgd_noise_multiplier, gaussian_event,
+                       pld_epsilon)
+
+BASIC, PLD = "basic", "pld"
+RULES = (BASIC, PLD)
+# The bisection stops when the noise is known to this relative width; it keeps the side whose
+# composition is within the target, so a node never spends more than its share.
+NOISE_TOLERANCE = 1e-4
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One phase a node plans to release in a run, on public inputs only.
+
+    ``share``: the phase's epsilon (appendix B); ``delta``: the phase's delta (all its rounds
+    together). A Gaussian phase is ``rounds`` releases of one sigma at L2 ``sensitivity``; a
+    DP-SGD phase is ``steps`` steps at Poisson rate ``sample_rate``.
+    """
+
+    phase: str
+    mechanism: str
+    share: float
+    delta: float
+    sensitivity: float = 1.0
+    rounds: int = 1
+    sample_rate: float = 0.0
+    steps: int = 0
+
+    def events(self, noise: float) -> list[Any]:
+        """The ``dp_accounting`` events of this phase at ``noise`` (Gaussian: each round's sigma;
+        DP-SGD: the noise multiplier)."""
+        if self.mechanism == DPSGD:
+            return [dpsgd_event(noise, self.sample_rate, self.steps)]
+        return [gaussian_event(noise, self.sensitivity)] * self.rounds
+
+    def basic_noise(self) -> float:
+        """The noise that meets ``share`` on its own (the ``basic`` rule)."""
+        if self.mechanism == DPSGD:
+            return dpsgd_noise_multiplier(self.share, self.delta, self.sample_rate, self.steps)
+        return analytic_gaussian_sigma(self.share / self.rounds, self.delta / self.rounds, self.sensitivity)
+
+
+def composed(planned: Sequence[Planned], noises: Sequence[float]) -> float:
+    """Epsilon of ``planned`` at ``noises`` composed by PLD at the sum of their deltas."""
+    events = [e for p, n in zip(planned, noises) for e in p.events(n)]
+    return pld_epsilon(events, sum(p.delta for p in planned))
+
+
+def solve_noise(before: Sequence[Planned], before_noises: Sequence[float], phase: Planned, target: float) -> float:
+    """The least noise (within ``NOISE_TOLERANCE``) for ``phase`` such that the PLD composition of
+    ``before`` at ``before_noises`` and ``phase`` stays within ``target`` epsilon; inf if even an
+    unbounded noise cannot (``before`` alone exceeds it)."""
+    planned = [*before, phase]
+
+    def fits(noise: float) -> bool:
+        return composed(planned, [*before_noises, noise]) <= target
+
+    hi = phase.basic_noise()  # meets the phase's own share, so a start near the answer
+    if not fits(hi):
+        lo = hi
+        while not fits(hi):
+            lo, hi = hi, hi * 2
+            if hi > 1e6:
+                return math.inf
+    else:
+        lo = hi / 2
+        while fits(lo):
+            lo, hi = lo / 2, lo
+            if lo < 1e-6:
+                return lo
+    while (hi - lo) > NOISE_TOLERANCE * hi:
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return hi
+
+
+def calibrate(planned: Sequence[Planned], rule: str = PLD) -> list[float]:
+    """The noise of each planned phase, in the plan's order, under ``rule`` (``basic`` or
+    ``pld``, see the module docstring). An infinite share (no DP) gets 0 noise."""
+    return list(_calibrate(tuple(planned), rule))
+
+
+@functools.lru_cache(maxsize=64)  # a node solves the same plan at every release of a run
+def _calibrate(planned: tuple[Planned, ...], rule: str) -> tuple[float, ...]:
+    if rule not in RULES:
+        raise ValueError(f"unknown accounting rule {rule!r}; one of {RULES}")
+    if any(math.isinf(p.share) for p in planned):
+        return (0.0,) * len(planned)
+    if rule == BASIC:
+        return tuple(p.basic_noise() for p in planned)
+    noises: list[float] = []
+    target = 0.0
+    for i, phase in enumerate(planned):
+        target += phase.share
+        noises.append(solve_noise(planned[:i], noises, phase, target))
+    return tuple(noises)
+
+
+def release_epsilon(phase: Planned, noise: float) -> float:
+    """Epsilon of one phase on its own at ``noise`` and the phase's delta: what basic composition
+    charges it (the upper bound the report keeps beside the PLD total)."""
+    return pld_epsilon(phase.events(noise), phase.delta) if noise > 0 else math.inf

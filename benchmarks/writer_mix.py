@@ -1,6 +1,10 @@
 """How much of the pool should the pretrained model write? A paired, offline study of the split.
 
-Usage: python -m benchmarks.writer_mix <grid-runs-dir> [--draws 5] [--out docs/writer_mix.csv]
+Usage: python -m benchmarks.writer_mix <grid-runs-dir> [--draws 5] [--out docs/writer_mix.csv] [--mixed]
+
+``--mixed`` studies the mixed default's own runs instead (``mixed-contrastive-vote``, whose pool
+holds both writers' texts, tagged): the rules ``mix``, ``better`` and each writer alone on the
+same texts and votes.
 
 For every (partitioning, seed) of a ``fedsyn experiment`` grid that ran both one-writer methods
 (``zero-shot-contrastive-vote``: θ⁰'s pool; ``dp-contrastive-vote``: the finetuned model's), it
@@ -41,6 +45,7 @@ from strategies.writers import better_writer
 SHARES = (0.0, 0.25, 0.5, 0.75, 1.0)
 EXTRA = (0.5, 1.0)  # θ⁰'s texts beside the finetuned model's whole pool, per text of it
 PRETRAINED_RUN, FINETUNED_RUN = "zero-shot-contrastive-vote", "dp-contrastive-vote"
+MIXED_RUN = "mixed-contrastive-vote"
 FIELDS = ["partitioning", "seed", "variant", "share", "pool", "kept", "accuracy", "accuracy_std", "kept_pretrained"]
 
 
@@ -63,29 +68,57 @@ def mixed_pool(pre: list[dict], tuned: list[dict], share: float | None,
     return rows, writers
 
 
+class Judge:
+    """A run's votes and classifier, outside the run: every weak node's exact contrastive votes over
+    its own records, the analytic Gaussian noise of its ε_vote, and the run's classifier on the
+    real held-out split. ``judge`` scores a kept set chosen by a rule, over ``draws`` noise draws."""
+
+    def __init__(self, run: Path, embedders: dict[str, Any]) -> None:
+        cfg = self.cfg = RunConfig.from_flower(json.loads((run / "config.json").read_text()))
+        self.column = cfg.control_columns[0]
+        real = read_jsonl(run / "heldout.jsonl")
+        self.vote_emb = embedders.setdefault(cfg.embedder, load_embedder(cfg.embedder))
+        self.eval_emb = embedders.setdefault(cfg.eval_embedder, load_embedder(cfg.eval_embedder))
+        nodes = 4
+        voters = [data for tier, data in (simulation_node_data(cfg, p, nodes) for p in range(nodes)) if tier == WEAK]
+        self.local = [(embed(self.vote_emb, d.texts, max_tokens=cfg.vote_window), list(d.codes)) for d in voters]
+        delta = cfg.resolve_delta(len(benchmark(cfg).train))
+        self.sigma = analytic_gaussian_sigma(phase_epsilon(cfg.epsilon, cfg.epsilon_profile, WEAK, cfg.voters, VOTE),
+                                             delta, math.sqrt(2 * cfg.num_votes))
+        self.real_emb = embed(self.eval_emb, [r["text"] for r in real])
+        self.real_labels = [parse_code(r["control_code"])[self.column] for r in real]
+
+    def votes(self, texts: list[str], codes: list[str]) -> np.ndarray:
+        """The weak nodes' exact (noise-free) summed contrastive votes on the candidates."""
+        cand = embed(self.vote_emb, texts, max_tokens=self.cfg.vote_window)
+        return sum(contrastive_votes(e, c, cand, codes, self.cfg.num_votes) for e, c in self.local).astype(np.float64)
+
+    def judge(self, texts: list[str], codes: list[str], writers: list[str], rule: Any, draws: int,
+              exact: np.ndarray | None = None) -> dict[str, float]:
+        """Accuracy (mean, std over ``draws``) and θ⁰'s kept share of ``rule(noisy votes, draw)``."""
+        exact = self.votes(texts, codes) if exact is None else exact
+        syn_emb, labels = embed(self.eval_emb, texts), [parse_code(c)[self.column] for c in codes]
+        accuracies, kept_pre = [], []
+        for d in range(draws):
+            noise = np.random.default_rng([self.cfg.seed, d]).normal(0, self.sigma, (len(self.local), len(texts)))
+            idx = rule(exact + noise.sum(axis=0), d)
+            accuracies.append(downstream_utility(syn_emb[idx], [labels[i] for i in idx], self.real_emb,
+                                                 self.real_labels)["accuracy"])
+            kept_pre.append(np.mean([writers[i] == "pretrained" for i in idx]))
+        return {"kept": len(idx), "accuracy": float(np.mean(accuracies)), "accuracy_std": float(np.std(accuracies)),
+                "kept_pretrained": float(np.mean(kept_pre))}
+
+
 def study_cell(run_pre: Path, run_tuned: Path, draws: int, embedders: dict[str, Any]) -> list[dict[str, Any]]:
     """Every variant of one (partitioning, seed): mean and std of the kept set's accuracy over draws."""
-    cfg = RunConfig.from_flower(json.loads((run_tuned / "config.json").read_text()))
-    column = cfg.control_columns[0]
+    judge = Judge(run_tuned, embedders)
+    cfg = judge.cfg
     pre, tuned = read_jsonl(run_pre / "pool.jsonl"), read_jsonl(run_tuned / "pool.jsonl")
-    real = read_jsonl(run_tuned / "heldout.jsonl")
-    vote_emb = embedders.setdefault(cfg.embedder, load_embedder(cfg.embedder))
-    eval_emb = embedders.setdefault(cfg.eval_embedder, load_embedder(cfg.eval_embedder))
-    nodes = 4
-    voters = [data for tier, data in (simulation_node_data(cfg, p, nodes) for p in range(nodes)) if tier == WEAK]
-    local = [(embed(vote_emb, d.texts, max_tokens=cfg.vote_window), list(d.codes)) for d in voters]
-    delta = cfg.resolve_delta(len(benchmark(cfg).train))
-    sigma = analytic_gaussian_sigma(phase_epsilon(cfg.epsilon, cfg.epsilon_profile, WEAK, cfg.voters, VOTE), delta,
-                                    math.sqrt(2 * cfg.num_votes))
-    real_emb = embed(eval_emb, [r["text"] for r in real])
-    real_labels = [parse_code(r["control_code"])[column] for r in real]
     out = []
     for share, extra in [*((s, 0.0) for s in SHARES), *((None, e) for e in EXTRA)]:
         rows, writers = mixed_pool(pre, tuned, share, extra)
         texts, codes = [r["text"] for r in rows], [r["control_code"] for r in rows]
-        cand = embed(vote_emb, texts, max_tokens=cfg.vote_window)
-        exact = sum(contrastive_votes(e, c, cand, codes, cfg.num_votes) for e, c in local).astype(np.float64)
-        syn_emb, labels = embed(eval_emb, texts), [parse_code(c)[column] for c in codes]
+        exact = judge.votes(texts, codes)
         rate = cfg.sampling_rate / (1 + extra)
         rules = [("", lambda v, d: resample_by_code(codes, v, rate, seed=cfg.seed + 1000 * d))]
         if share is None and extra == 1.0:
@@ -95,19 +128,35 @@ def study_cell(run_pre: Path, run_tuned: Path, draws: int, embedders: dict[str, 
                           lambda v, d: resample_by_code(codes, v, rate, seed=cfg.seed + 1000 * d,
                                                         among=better_writer(codes, writers, v))))
         for suffix, rule in rules:
-            accuracies, kept_pre = [], []
-            for d in range(draws):
-                noise = np.random.default_rng([cfg.seed, d]).normal(0, sigma, (len(local), len(texts))).sum(axis=0)
-                idx = rule(exact + noise, d)
-                accuracies.append(downstream_utility(syn_emb[idx], [labels[i] for i in idx], real_emb,
-                                                     real_labels)["accuracy"])
-                kept_pre.append(np.mean([writers[i] == "pretrained" for i in idx]))
             out.append({"variant": (f"pool {1 + extra:g}s, share {extra / (1 + extra):.2g}" if share is None
                                     else f"pool s, share {share:g}") + suffix,
-                        "share": extra / (1 + extra) if share is None else share, "pool": len(texts), "kept": len(idx),
-                        "accuracy": float(np.mean(accuracies)), "accuracy_std": float(np.std(accuracies)),
-                        "kept_pretrained": float(np.mean(kept_pre))})
+                        "share": extra / (1 + extra) if share is None else share, "pool": len(texts),
+                        **judge.judge(texts, codes, writers, rule, draws, exact)})
     return out
+
+
+def study_mixed_run(run: Path, draws: int, embedders: dict[str, Any]) -> list[dict[str, Any]]:
+    """A run of the mixed default (its pool carries both writers, tagged): the same texts kept by
+    each rule, paired. ``mix`` = A.4 over the whole pool at the run's rate; ``better`` = each code
+    from its better-voted writer; one writer = A.4 among that writer's texts only, at twice the
+    rate (the same final size)."""
+    judge = Judge(run, embedders)
+    cfg = judge.cfg
+    rows = read_jsonl(run / "pool.jsonl")
+    texts, codes, writers = [r["text"] for r in rows], [r["control_code"] for r in rows], [r["writer"] for r in rows]
+    exact = judge.votes(texts, codes)
+    rate = cfg.sampling_rate
+
+    def among(writer: str):
+        mine = np.array([w == writer for w in writers])
+        return lambda v, d: resample_by_code(codes, v, rate, seed=cfg.seed + 1000 * d, among=mine)
+
+    rules = {"mix": lambda v, d: resample_by_code(codes, v, rate, seed=cfg.seed + 1000 * d),
+             "better": lambda v, d: resample_by_code(codes, v, rate, seed=cfg.seed + 1000 * d,
+                                                     among=better_writer(codes, writers, v)),
+             "finetuned only": among("finetuned"), "pretrained only": among("pretrained")}
+    return [{"variant": name, "share": 0.5, "pool": len(texts), **judge.judge(texts, codes, writers, rule, draws, exact)}
+            for name, rule in rules.items()]
 
 
 def main() -> int:
@@ -116,9 +165,17 @@ def main() -> int:
     ap.add_argument("runs", type=Path)
     ap.add_argument("--draws", type=int, default=5)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--mixed", action="store_true", help="study the mixed default's own runs (each rule on its pool)")
     args = ap.parse_args()
     rows, embedders = [], {}
-    for tuned in sorted(args.runs.glob(f"{FINETUNED_RUN}__*")):
+    for run in sorted(args.runs.glob(f"{MIXED_RUN}__*")) if args.mixed else []:
+        if not (run / "pool.jsonl").is_file():
+            continue
+        cell = dict(part.split("=", 1) for part in run.name.split("__")[1:])
+        for r in study_mixed_run(run, args.draws, embedders):
+            rows.append({"partitioning": cell.get("partitioning", ""), "seed": int(cell["seed"]), **r})
+            print(rows[-1], flush=True)
+    for tuned in [] if args.mixed else sorted(args.runs.glob(f"{FINETUNED_RUN}__*")):
         pre = tuned.with_name(tuned.name.replace(FINETUNED_RUN, PRETRAINED_RUN, 1))
         if not ((tuned / "pool.jsonl").is_file() and (pre / "pool.jsonl").is_file()):
             continue

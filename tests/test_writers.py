@@ -135,15 +135,20 @@ def test_the_better_voted_writer_takes_the_code_and_a_short_writer_is_topped_up(
                           resample_by_code(codes, votes, 0.5, 3))
 
 
-def test_by_default_each_code_keeps_only_its_better_voted_writers_texts():
+def test_writer_choice_better_keeps_only_each_codes_better_voted_writers_texts():
     gen, alloc = Recorder(), {"a": 8, "b": 6}
     pool = generate_pool(gen, alloc, pretrained_counts(alloc, 0.5), arrays(0), arrays(1), seed=0)
     # a's θ⁰ texts and b's finetuned texts are voted up a little; the other writer's vary around 0
     votes = lambda texts: np.array([(1.0 if ("a@0" in t or "b@1" in t) else 0.0) + (i % 4) * 0.3  # noqa: E731
                                     for i, t in enumerate(texts)])
-    refined = ContrastiveVoteRefinement().refine(_context(gen, pool, votes, RunConfig(sampling_rate=0.25)))
+    cfg = RunConfig(sampling_rate=0.25, writer_choice="better")
+    refined = ContrastiveVoteRefinement().refine(_context(gen, pool, votes, cfg))
     assert kept_shares(refined.codes, refined.writers, refined.selected) == {
         "a": {PRETRAINED: 1.0, FINETUNED: 0.0}, "b": {PRETRAINED: 0.0, FINETUNED: 1.0}}
+    # the default ("mix") draws from both writers' texts of each code by their votes alone
+    assert RunConfig().writer_choice == "mix"
+    mixed = ContrastiveVoteRefinement().refine(_context(gen, pool, votes, RunConfig(sampling_rate=0.25)))
+    assert any(0 < share[PRETRAINED] < 1 for share in kept_shares(mixed.codes, mixed.writers, mixed.selected).values())
 
 
 def test_pe_children_are_the_finetuned_writers_and_survivors_keep_theirs():

@@ -4,7 +4,6 @@ one real run on mbi."""
 from __future__ import annotations
 
 import math
-import time
 
 import numpy as np
 import pandas as pd
@@ -125,15 +124,13 @@ def _dependent_records(n: int = 400) -> pd.DataFrame:
 
 @pytest.fixture(scope="module")
 def aim_run():
+    # its time is a benchmark's (benchmarks/README.md, "python -m benchmarks.tables"), not this test's
     real = _dependent_records()
-    start = time.perf_counter()
-    first = A.aim_synthesise(real, E2E_SCHEMA, epsilon=8.0, delta=1e-5, rows=400, seed=7)
-    seconds = time.perf_counter() - start
-    return real, first, seconds
+    return real, A.aim_synthesise(real, E2E_SCHEMA, epsilon=8.0, delta=1e-5, rows=400, seed=7)
 
 
 def test_aim_keeps_the_dependence_and_stays_inside_the_schema(aim_run):
-    real, syn, seconds = aim_run
+    real, syn = aim_run
     assert list(syn.columns) == list(E2E_SCHEMA.names) and len(syn) == 400
     means = syn.groupby("y")["x"].mean()
     assert means["a"] > means["b"] + 30, means  # real: about 85 against 15
@@ -145,11 +142,10 @@ def test_aim_keeps_the_dependence_and_stays_inside_the_schema(aim_run):
     assert syn["y"].dtype == real["y"].dtype and syn["k"].dtype == real["k"].dtype
     assert np.allclose(syn["z"], np.round(syn["z"], 1))
     assert 3 < syn["z"].mean() < 7
-    assert seconds < 150
 
 
 def test_aim_is_reproducible_from_its_seed(aim_run):
-    real, first, _ = aim_run
+    real, first = aim_run
     again = A.aim_synthesise(real, E2E_SCHEMA, epsilon=8.0, delta=1e-5, rows=400, seed=7)
     pd.testing.assert_frame_equal(first, again)
     other = A.aim_synthesise(real, E2E_SCHEMA, epsilon=8.0, delta=1e-5, rows=400, seed=8)

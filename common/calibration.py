@@ -123,9 +123,3 @@ def _calibrate(planned: tuple[Planned, ...], rule: str) -> tuple[float, ...]:
         target += phase.share
         noises.append(solve_noise(planned[:i], noises, phase, target))
     return tuple(noises)
-
-
-def release_epsilon(phase: Planned, noise: float) -> float:
-    """Epsilon of one phase on its own at ``noise`` and the phase's delta: what basic composition
-    charges it (the upper bound the report keeps beside the PLD total)."""
-    return pld_epsilon(phase.events(noise), phase.delta) if noise > 0 else math.inf

@@ -695,6 +695,7 @@ def test_deployment_bad_data_on_the_server_and_on_a_node_fails_in_one_line_befor
             assert not book["releases"] and not book.get("holds"), (name, book)
 
 
+@pytest.mark.session(covered_by="tests/test_sovereign.py::test_a_model_or_embedder_outside_the_nodes_pins_is_refused_before_anything_is_spent and tests/test_curious.py::test_bad_weights_are_refused_before_anything_is_spent")
 def test_deployment_a_disallowed_model_and_nan_weights_are_refused_through_flower(tmp_path):
     """Issue 21 through Flower itself: the strong institution pins its generator and the weak one
     its embedder; a run asking for others is refused at stage 0 by both, with fixed texts. Then a

@@ -471,3 +471,22 @@ def test_max_records_is_required_and_a_larger_file_is_cut_once_to_a_uniform_subs
     other = bounded(again.__class__(list(rows["text"]), [f"topic={t}" for t in rows["topic"]]), 25, seed + 1)
     assert other.texts != node.data.texts  # another node's secret, another subsample
     assert ((tmp_path / "s" / "view-seed").stat().st_mode & 0o777) == 0o600
+
+
+@pytest.mark.parametrize("message_type,tier,over,rule", [
+    (R.MSG_TRAIN, "strong", {"model": "smollm2-135m"}, "model not allowed"),
+    (R.MSG_VOTE, "weak", {"embedder": "sentence-transformers/all-MiniLM-L6-v2"}, "embedder not allowed"),
+])
+def test_a_model_or_embedder_outside_the_nodes_pins_is_refused_before_anything_is_spent(data, tmp_path, message_type,
+                                                                                      tier, over, rule):
+    """Issue 21 in process: the institution pins what it runs (node-config model / embedder); a run
+    asking for another is refused with a fixed text before the ledger opens."""
+    state = tmp_path / "state"
+    pins = {"model": "tiny-gpt2", "embedder": "all-MiniLM-L6-v2"}
+    node = _node(data, state, _rc(data, **over), run_id=1, tier=tier, **pins)
+    set_task_identity()
+    content = RecordDict({R.CONFIG: ConfigRecord({"codes": VOCAB, "delta": 1e-5, "server-round": 1}),
+                          R.ARRAYS: ArrayRecord()})
+    reply = node(Message(content=content, message_type=message_type, dst_node_id=5))
+    assert (reply.error.code, reply.error.reason) == (ERR_POLICY, f"refused: policy: {rule}")
+    assert not (state / "ledger.json").exists() or _spent(state) == 0.0

@@ -9,9 +9,11 @@ sigma), each phase with its appendix-B share of the node's epsilon and its own d
   Opacus' RDP accountant; the node is charged the sum of the shares. Composed by a PLD
   accountant, such a node has spent well under its budget (60–80% in the default run).
 - ``pld``: the phases are solved in the plan's order, each for the noise that brings the PLD
-  composition of it and the phases before it to their cumulative share at their summed delta.
-  The last phase ends the node's run at its whole epsilon, never above; the profile, first, has
-  the same sigma as under ``basic`` (one Gaussian is exact either way).
+  composition of it and the run's Gaussians before it to their epsilon plus its share, at their
+  summed delta; a phase after DP-SGD is solved on its own (DP-SGD's privacy curve depends on q,
+  which a stated sigma must not). The profile, first, has the same sigma as under ``basic`` (one
+  Gaussian is exact either way). A node's ledger prices each release by the growth of the PLD
+  epsilon it causes (``pld_charge``), so a run's charges add up to its PLD composition.
 
 Everything here reads public inputs only (shares, deltas, sensitivities, T, q = B /
 max-records, steps): never a record count. The solver is a bisection on the noise because the
@@ -117,9 +119,71 @@ def _calibrate(planned: tuple[Planned, ...], rule: str) -> tuple[float, ...]:
         return (0.0,) * len(planned)
     if rule == BASIC:
         return tuple(p.basic_noise() for p in planned)
+    # what the nodes do (fedsyn_client.release): each phase on the run's Gaussians since its last
+    # DP-SGD phase, so the prediction and the ledger agree
     noises: list[float] = []
-    target = 0.0
-    for i, phase in enumerate(planned):
-        target += phase.share
-        noises.append(solve_noise(planned[:i], noises, phase, target))
+    base: Base = ()
+    for phase in planned:
+        noise = pld_noise(base, phase)
+        noises.append(noise)
+        base = () if phase.mechanism == DPSGD else base + ((noise, phase.sensitivity, phase.delta / phase.rounds),) \
+            * phase.rounds
     return tuple(noises)
+
+
+# ----------------------------------------------------------------- a node's ledger under ``pld``
+# What a node's ledger knows of a run's earlier releases, for pricing the next one: the
+# (sigma, sensitivity, delta) of its Gaussian releases since its last DP-SGD release. Only
+# public values: a Gaussian's sigma is in its statement, while DP-SGD's privacy curve depends on
+# its sampling rate (|D|), so a phase after DP-SGD is priced on its own (composed with the run's
+# earlier phases by basic composition, a valid bound), never on the sampling rate.
+Base = tuple[tuple[float, float, float], ...]
+
+
+def gaussian_base(entries: Sequence[dict[str, Any]]) -> Base:
+    """The public (sigma, sensitivity, delta) of the Gaussian ``entries`` (a run's counted ledger
+    entries, oldest first) after the last DP-SGD one; entries without a sigma (no DP) are skipped."""
+    last = max((i for i, e in enumerate(entries) if e.get("mechanism") == DPSGD), default=-1)
+    base = []
+    for e in entries[last + 1:]:
+        public = e.get("public", {})
+        sigma = float(public.get("sigma", e.get("sigma", 0.0)) or 0.0)
+        if e.get("mechanism") == GAUSSIAN and sigma > 0:
+            base.append((sigma, float(public.get("sensitivity", e.get("sensitivity", 1.0))), float(e["delta"])))
+    return tuple(base)
+
+
+def _base_planned(base: Base) -> tuple[list[Planned], list[float]]:
+    return [Planned("before", GAUSSIAN, 0.0, d, s) for _, s, d in base], [sigma for sigma, _, _ in base]
+
+
+@functools.lru_cache(maxsize=256)
+def base_epsilon(base: Base) -> float:
+    """PLD epsilon of ``base`` at the sum of its deltas (0 for none)."""
+    planned, noises = _base_planned(base)
+    return composed(planned, noises) if planned else 0.0
+
+
+@functools.lru_cache(maxsize=64)
+def pld_noise(base: Base, phase: Planned) -> float:
+    """The noise of ``phase`` (its sigma, or DP-SGD's noise multiplier) such that the PLD
+    composition of ``base`` and the whole phase is within ``base_epsilon(base) + phase.share``:
+    the phase spends its share on top of what the run's earlier Gaussians already cost."""
+    if math.isinf(phase.share):
+        return 0.0
+    planned, noises = _base_planned(base)
+    return solve_noise(planned, noises, phase, base_epsilon(base) + phase.share)
+
+
+@functools.lru_cache(maxsize=256)
+def pld_charge(base: Base, sigma: float, sensitivity: float, delta: float) -> float:
+    """What a Gaussian release of ``sigma`` costs after ``base``: the growth of the run's PLD
+    epsilon (never below 0). A run's charges then add up to its PLD composition (or more), so
+    a ledger that adds charges stays a valid bound while spending by the tighter rule."""
+    after = base + ((sigma, sensitivity, delta),)
+    return max(0.0, base_epsilon(after) - base_epsilon(base))
+
+
+def rounds_of(share: float) -> int:
+    """The number of equal rounds an ``epsilon-share`` splits a phase into (1/share, rounded)."""
+    return max(1, round(1.0 / share))

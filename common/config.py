@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 # code, and generation uses it; zero-shot: the pretrained model with that template (no phase 1)
 PROMPTS = ("code", "instruction", "zero-shot")
 VOTERS = ("weak", "all")
+# How a node composes its releases (issue 47, common.calibration): "basic" adds epsilons, the
+# paper's rule; "pld" spends the same budget by a privacy-loss distribution (less noise).
+ACCOUNTING = ("basic", "pld")
 ON_NODE_SHORTFALL = ("refuse", "continue-without")
 PRECISIONS = ("auto", "fp32")
 WRITER_CHOICES = ("better", "mix")  # strategies.writers.better_writer
@@ -92,6 +95,7 @@ class RunConfig:
     grpo_group_size: int = 8  # GRPO's G: texts per prompt, normalised against each other
     grpo_learning_rate: float = 1e-4
     voters: str = "weak"
+    accounting: str = "basic"  # simulated nodes' rule (a deployed node's is its node-config accounting)
     min_nodes: int = 0
     node_timeout: float = 3600.0
     on_node_shortfall: str = "refuse"  # a node that cannot finish the run: refuse to start, or go on without it
@@ -177,6 +181,7 @@ class RunConfig:
             ("grpo-group-size", self.grpo_group_size >= 2, "an integer >= 2"),
             ("grpo-learning-rate", 0 < self.grpo_learning_rate < 1, "a float in (0, 1)"),
             ("voters", self.voters in VOTERS, f"one of {list(VOTERS)}"),
+            ("accounting", self.accounting in ACCOUNTING, f"one of {list(ACCOUNTING)}"),
             ("min-nodes", self.min_nodes >= 0, "an integer >= 0 (0 = wait until the node count is stable)"),
             ("node-timeout", self.node_timeout > 0, "seconds > 0"),
             ("on-node-shortfall", self.on_node_shortfall in ON_NODE_SHORTFALL, f"one of {list(ON_NODE_SHORTFALL)}"),

@@ -42,7 +42,7 @@ import fcntl
 import os
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,11 +50,11 @@ from typing import Any
 
 from common.dp import GAUSSIAN, composed_epsilon, preflight
 from common.io import atomic_write_json, read_json
-from fedsyn_client import admission, holds
+from fedsyn_client import admission, holds, refusals
 from fedsyn_client.admission import CONFIRMED, FAILED, RESERVED
 from fedsyn_client.claims import claim, cut_off
 from fedsyn_client.holds import MAX_UNCONFIRMED_HOLDS
-from fedsyn_client.refusals import NodeSetupError
+from fedsyn_client.refusals import BudgetExceeded, NodeSetupError
 
 FORMAT = 2
 _KEYS = ("format", "budget", "releases", "accountants", "budget_changes", "resets", "data")
@@ -215,6 +215,11 @@ class PrivacyLedger:
         return [{**_statement(r), "status": r["status"]} for r in admission.counted(self._load()["releases"])
                 if r["run_id"] == run_id]
 
+    def run_entries(self, run_id: str, phase: str = "", rnd: int = -1) -> list[dict[str, Any]]:
+        """This run's counted entries, oldest first, less the one for ``phase`` round ``rnd`` (the
+        release being priced: a retried round is priced on what came before it)."""
+        return _run_entries(self._load(), run_id, phase, rnd)
+
     def accountant_state(self, key: str) -> dict[str, Any]:
         """The DP-SGD accountant state stored under ``key`` (one per run), or {}."""
         return dict(self._load()["accountants"].get(key, {}))
@@ -257,7 +262,7 @@ class PrivacyLedger:
 
     def reserve(self, release: Release, run_phase_budget: float, steps: tuple[int, int] | None = None,
                 cap: tuple[float, float] | None = None, binding: dict[str, Any] | None = None,
-                digest: str = "") -> str:
+                digest: str = "", charge: Callable[[list[dict[str, Any]]], float] | None = None) -> str:
         """Under the lock: try ``release`` on ``fedsyn_client.admission``'s rules (the total budget,
         this run's budget for its phase, the policy's cap for the phase, the run's terms, one release
         per round), then record it as reserved and let it confirm its run's hold. Returns the entry id.
@@ -271,9 +276,18 @@ class PrivacyLedger:
         ``digest``: the request's digest; a Gaussian reservation of this run, phase and round made
         for the same digest and terms by a process that died before confirming is taken over (its
         id returned, nothing charged again).
+        ``charge``: how the release is priced from this run's earlier entries (the ``pld`` rule,
+        ``common.calibration.pld_charge``); priced again under the lock, a price that changed
+        since ``release.epsilon`` was set (another release of the run came in between) is refused.
         Raises ``BudgetExceeded`` (nothing recorded) when it does not fit.
         """
         with self._locked() as data:
+            if charge is not None:
+                now = charge(_run_entries(data, release.run_id, release.phase, release.round))
+                if abs(now - float(release.epsilon)) > admission.TOLERANCE:
+                    raise BudgetExceeded(refusals.BUDGET_BOUND, (
+                        f"{release.phase}: refused, this run's ledger changed while round {release.round} was priced "
+                        f"(epsilon {float(release.epsilon):.6g}, now {now:.6g}); ask again"))
             orphan = next((r for r in data["releases"] if r["status"] == RESERVED and r["run_id"] == release.run_id
                            and r["phase"] == release.phase and int(r.get("round", 0)) == int(release.round)), None)
             if (orphan is not None and digest and release.mechanism == GAUSSIAN and cut_off(orphan, digest)
@@ -391,6 +405,11 @@ def set_budget(state_dir: str | Path, budget: float, reason: str, ledger_id: str
 
 
 # --------------------------------------------------------------------------- helpers
+def _run_entries(data: dict[str, Any], run_id: str, phase: str, rnd: int) -> list[dict[str, Any]]:
+    return [r for r in admission.counted(data["releases"]) if r["run_id"] == run_id
+            and not (r["phase"] == phase and int(r.get("round", 0)) == int(rnd))]
+
+
 def _entry(data: dict[str, Any], entry_id: str) -> dict[str, Any]:
     for r in data["releases"]:
         if r.get("id") == entry_id:

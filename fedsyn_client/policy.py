@@ -23,6 +23,7 @@ a node's records can lose, and what runs on them, comes from here, never from th
 | unconfirmed holds | ``max-unconfirmed-holds`` (default 1)   | 1                                |
 | reply retention   | ``keep-replies-days`` (default 30; 0 = forever) | 30 (the store is the run's)  |
 | token cap         | ``max-length`` (default 512): the longest ``max-length`` a request may ask | the run's ``max-length`` |
+| accounting        | ``accounting`` (``basic``: epsilons add up; ``pld``: a privacy-loss distribution prices each release, ``common.calibration``) | run config ``accounting`` |
 | public size bound | ``max-records`` (**required**): every release does the work of exactly this many records; a file with more is subsampled once (``fedsyn_client.view``) | none: the partition's size, no padding |
 
 ``policy-file`` names a TOML file with the same keys (node-config keys win), so an
@@ -45,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common.config import ACCOUNTING
 from common.dp import PHASES, TIERS, TRAIN, VOTE
 from common.records import ERR_POLICY
 from common.plugins import FINETUNE_MODES
@@ -63,7 +65,7 @@ DEFAULT_MAX_LENGTH = 512
 NODE_KEYS = ("tier", "data-path", "text-column", "control-columns", "table-schema", "control-codes", "epsilon", "delta",
              "max-epsilon-train", "max-epsilon-profile", "max-epsilon-vote", "cap-window-days", "model", "embedder",
              "finetune", "state-dir", "ledger-id", "max-unconfirmed-holds", "keep-replies-days", "audit-dir",
-             "policy-file", "max-length", "max-records")
+             "policy-file", "max-length", "max-records", "accounting")
 SIMULATION_KEYS = ("partition-id", "num-partitions")  # set by Flower's simulation engine
 
 class PolicyError(ValueError):
@@ -126,6 +128,7 @@ class NodePolicy:
     finetune_modes: tuple[str, ...] = DEFAULT_FINETUNE
     max_length: int = DEFAULT_MAX_LENGTH  # the longest max-length a request may ask
     max_records: int = 0  # the public size bound (0 in simulation: the partition's size, public there)
+    accounting: str = "basic"  # how this node composes its releases (common.config.ACCOUNTING)
     simulated: bool = False
     partition: tuple[int, ...] = ()  # simulation: (partition id, number of partitions)
     warnings: tuple[str, ...] = field(default=(), compare=False)
@@ -296,6 +299,10 @@ def policy_from_node_config(node_config: Mapping[str, Any]) -> NodePolicy:
     max_records = _float("max-records", values["max-records"])
     if not (1 <= max_records <= 10_000_000 and max_records == int(max_records)):
         raise PolicyError(f"node-config max-records = {max_records:g} must be an integer in [1, 10000000]")
+    accounting = str(values.get("accounting", "basic")).strip()
+    if accounting not in ACCOUNTING:
+        raise PolicyError(f"node-config accounting = {accounting!r} must be one of {', '.join(ACCOUNTING)} (basic: "
+                          "epsilons add up; pld: the same budget priced by a privacy-loss distribution, less noise)")
     codes = _names(values.get("control-codes", ""))
     notes = () if codes else (
         "node-config control-codes is not set: this node accepts the server's public vocabulary and drops "
@@ -306,14 +313,15 @@ def policy_from_node_config(node_config: Mapping[str, Any]) -> NodePolicy:
         ledger_id=str(values.get("ledger-id", "")), phase_caps=tuple(caps), cap_window_days=window,
         max_unconfirmed_holds=int(max_holds), keep_replies_days=keep_days, models=models["model"],
         embedders=models["embedder"], finetune_modes=models["finetune"], max_length=int(max_length),
-        max_records=int(max_records), warnings=notes,
+        max_records=int(max_records), accounting=accounting, warnings=notes,
     )
 
 
 def simulation_policy(tier: str, epsilon: float, delta: float, text_column: str,
                       control_columns: Sequence[str], vocabulary: Sequence[str], state_dir: str,
                       partition: tuple[int, int], model: str, embedder: str, finetune: str,
-                      table_schema: str = "", max_length: int = DEFAULT_MAX_LENGTH) -> NodePolicy:
+                      table_schema: str = "", max_length: int = DEFAULT_MAX_LENGTH,
+                      accounting: str = "basic") -> NodePolicy:
     """The policy of a simulated node: built from the run config, since no institution exists
     (its models and table schema are the run's own)."""
     return NodePolicy(tier=tier, epsilon=epsilon, delta=delta, text_column=text_column,
@@ -321,7 +329,7 @@ def simulation_policy(tier: str, epsilon: float, delta: float, text_column: str,
                       table_schema=table_schema,
                       state_dir=state_dir, simulated=True, partition=tuple(partition),
                       models=(model,), embedders=(embedder,), finetune_modes=(finetune,),
-                      max_length=max(DEFAULT_MAX_LENGTH, max_length))
+                      max_length=max(DEFAULT_MAX_LENGTH, max_length), accounting=accounting)
 
 
 def _canonical(key: str) -> str:

@@ -26,6 +26,7 @@ construction:
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from flwr.app import ConfigRecord, Context, Message
 
 from common import records as R
 from common.config import ConfigError, RunConfig
+from common.calibration import BASIC, Planned, gaussian_base, pld_charge, pld_noise, rounds_of
 from common.dp import GAUSSIAN, PHASES, analytic_gaussian_sigma, gaussian_release, phase_epsilon
 from common.logs import get_logger
 from common.rows import canonical
@@ -64,6 +66,7 @@ class Request:
     digest: str = ""  # of the whole request, to answer a repeat with the stored reply
     needs: dict[str, float] = field(default_factory=dict)  # TIER: this run's epsilon per planned phase
     cap: tuple[float, float] | None = None  # the policy's cap for the phase and its window (days)
+    accounting: str = BASIC  # the node's rule (policy accounting): how the release is priced and noised
 
 
 def run_key(msg: Message, context: Context) -> str:
@@ -113,7 +116,7 @@ def authorise(msg: Message, context: Context, policy: NodePolicy, cfg: RunConfig
                    phase_budget=budget, vocabulary=vocabulary, round=int(conf.get("server-round", 0)),
                    params={k: v for k, v in conf.items() if k not in ("codes", "delta", "resume-key")},
                    digest=request_digest(msg.content, computation_terms(cfg)),
-                   cap=(cap, policy.cap_window_days) if cap is not None else None)
+                   cap=(cap, policy.cap_window_days) if cap is not None else None, accounting=policy.accounting)
 
 
 # The run-config terms a node's computation reads (besides the message): a request under other
@@ -121,7 +124,7 @@ def authorise(msg: Message, context: Context, policy: NodePolicy, cfg: RunConfig
 COMPUTATION_TERMS = ("model", "finetune", "lora_rank", "lora_layers", "embedder", "vote_window", "max_length", "text_column",
                      "control_columns", "table_schema", "prompt", "zero_shot_template", "batch_size", "local_steps",
                      "num_server_rounds", "learning_rate", "max_grad_norm", "contrastive_weight", "precision", "seed", "epsilon",
-                     "epsilon_profile", "voters", "dataset", "partitioning", "strong_fraction", "test_fraction")
+                     "epsilon_profile", "voters", "accounting", "dataset", "partitioning", "strong_fraction", "test_fraction")
 
 
 def computation_terms(cfg: RunConfig) -> dict[str, Any]:
@@ -164,6 +167,15 @@ class Mechanism(ABC):
         """Data-independent checks of the request's inputs, before the reservation (e.g. the
         incoming weights); raise a ``Refusal``. Nothing here may read a record."""
 
+    def calibrate(self, request: Request, before: list[dict[str, Any]]) -> None:
+        """Fix the noise under the ``pld`` rule from ``before``, this run's earlier ledger entries
+        (public values only); called before ``public`` and ``cost``. By default nothing."""
+
+    def charge(self, request: Request, before: list[dict[str, Any]]) -> float | None:
+        """The epsilon this release costs after ``before`` under the ``pld`` rule, or None when
+        ``cost`` prices it (the ledger prices it again under its lock)."""
+        return None
+
     @abstractmethod
     def release(self, request: Request) -> Output:
         """Compute on the records and noise the result (called after the reservation)."""
@@ -178,6 +190,8 @@ class GaussianHistogram(Mechanism):
                  prepare: Callable[[], object] | None = None) -> None:
         self.histogram, self.compute, self.sensitivity = histogram, compute, float(sensitivity)
         self.prepare = prepare  # loads what the computation needs (an embedder): a public fact
+        self.sigma: float | None = None  # fixed by ``calibrate`` under pld; else per request (basic)
+        self.before: list[dict[str, Any]] = []
 
     def check(self, request: Request) -> None:
         """What the computation needs is loaded before the reservation: a model that is not
@@ -191,12 +205,40 @@ class GaussianHistogram(Mechanism):
 
     def binding(self, request: Request) -> dict[str, Any]:
         """A run's rounds of a phase share one split: the first round fixes each round's (epsilon,
-        delta), hence their number; a round asking another share under the same run key is refused."""
-        return {"epsilon": float(request.epsilon), "delta": float(request.delta)}
+        delta), hence their number, and under pld the sigma all of them use; a round asking
+        another share, or priced on another history, under the same run key is refused."""
+        bound = {"epsilon": float(request.epsilon), "delta": float(request.delta)}
+        return bound if request.accounting == BASIC else {**bound, "accounting": request.accounting,
+                                                           "sigma": self.public(request)["sigma"]}
+
+    def calibrate(self, request: Request, before: list[dict[str, Any]]) -> None:
+        """Under pld, the phase's T = 1 / epsilon-share rounds share one sigma, solved so that
+        they and the run's earlier Gaussian releases compose to the earlier ones' epsilon plus the
+        phase's (epsilon, delta): exact Gaussian composition instead of epsilon / T per round."""
+        if request.accounting == BASIC or not math.isfinite(request.epsilon):
+            return  # no DP: no noise, priced inf as under basic
+        self.before = before
+        rounds = rounds_of(request.epsilon / request.phase_budget) if request.phase_budget > 0 else 1
+        earlier = gaussian_base([e for e in before if e["phase"] != request.phase])
+        phase = Planned(request.phase, GAUSSIAN, request.epsilon * rounds, request.delta * rounds, self.sensitivity,
+                        rounds=rounds)
+        self.sigma = pld_noise(earlier, phase)
+
+    def charge(self, request: Request, before: list[dict[str, Any]]) -> float | None:  # noqa: D102
+        if request.accounting == BASIC or self.sigma is None:
+            return None
+        if self.sigma == 0:
+            return float("inf")
+        return pld_charge(gaussian_base(before), self.sigma, self.sensitivity, request.delta)
+
+    def cost(self, request: Request) -> tuple[float, float]:  # noqa: D102
+        priced = self.charge(request, self.before)
+        return (request.epsilon, request.delta) if priced is None else (priced, request.delta)
 
     def public(self, request: Request) -> dict[str, Any]:  # noqa: D102
-        return {"histogram": self.histogram, "sensitivity": self.sensitivity,
-                "sigma": analytic_gaussian_sigma(request.epsilon, request.delta, self.sensitivity)}
+        sigma = self.sigma if self.sigma is not None else analytic_gaussian_sigma(request.epsilon, request.delta,
+                                                                                   self.sensitivity)
+        return {"histogram": self.histogram, "sensitivity": self.sensitivity, "sigma": sigma}
 
     def release(self, request: Request) -> Output:  # noqa: D102
         sigma = self.public(request)["sigma"]
@@ -214,11 +256,16 @@ def release(node: Node, request: Request, mechanism: Mechanism) -> tuple[Any, Co
                  request.phase, request.round, request.run_id)
         return stored[0], ConfigRecord(stored[1])
     mechanism.check(request)
+    pld = request.accounting != BASIC
+    if pld:  # the run's earlier releases price this one (public values), and again under the lock
+        mechanism.calibrate(request, node.ledger.run_entries(request.run_id, request.phase, request.round))
     epsilon, delta = mechanism.cost(request)
     rel = Release(phase=request.phase, mechanism=mechanism.name, epsilon=epsilon, delta=delta,
                   run_id=request.run_id, round=request.round, public=mechanism.public(request))
+    priced = (lambda before: mechanism.charge(request, before)) if pld and mechanism.charge(request, []) is not None \
+        else None
     entry = node.ledger.reserve(rel, request.phase_budget, steps=mechanism.steps(request), cap=request.cap,
-                                binding=mechanism.binding(request), digest=request.digest)
+                                binding=mechanism.binding(request), digest=request.digest, charge=priced)
     try:
         out = mechanism.release(request)
         if not _finite(out.payload):  # never computed from a non-finite value, never released as one

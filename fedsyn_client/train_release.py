@@ -44,7 +44,9 @@ from common import records as R
 from common.config import ConfigError, RunConfig
 from common.data import TextData
 from common.devices import hidden_gpu_warning, model_device
-from common.dp import DPSGD, dpsgd_epsilon, dpsgd_noise_multiplier, poisson_sample_rate
+from common.calibration import BASIC, Base, Planned, base_epsilon, gaussian_base, pld_noise
+from common.dp import (DPSGD, TRAIN, dpsgd_epsilon, dpsgd_event, dpsgd_noise_multiplier, gaussian_event, pld_epsilon,
+                       poisson_sample_rate)
 from common.logs import get_logger
 from fedsyn_client.refusals import BadWeights
 from fedsyn_client.release import Mechanism, Output, Request
@@ -76,6 +78,7 @@ class DpSgdRound(Mechanism):
         # the ledger never lets the run take more.
         self.phase_reserved = phase_reserved
         self.model = self.tokenizer = None
+        self.base: Base = ()  # under pld: the run's earlier Gaussians the phase's noise is solved on
 
     def binding(self, request: Request) -> dict[str, Any]:  # noqa: D102
         cfg = self.cfg
@@ -86,7 +89,15 @@ class DpSgdRound(Mechanism):
                 # what selects the data the first round sampled from, and how each record is read
                 "vocabulary": sorted(request.vocabulary), "text_column": cfg.text_column,
                 "control_columns": list(cfg.control_columns), "table_schema": cfg.table_schema,
-                "max_length": cfg.max_length}
+                "max_length": cfg.max_length, **({"accounting": request.accounting} if request.accounting != BASIC
+                                                 else {})}
+
+    def calibrate(self, request: Request, before: list[dict[str, Any]]) -> None:
+        """Under pld, the phase's noise multiplier is solved (at the first round, on the node: it
+        depends on q) so that the run's earlier Gaussians and all R x tau steps compose to the
+        earlier ones' epsilon plus epsilon_train; later rounds keep the first round's base."""
+        stored = self.state.get("pld_base")
+        self.base = tuple(tuple(b) for b in stored) if stored is not None else gaussian_base(before)
 
     def check(self, request: Request) -> None:
         """Public checks, before the reservation: epsilon_train reachable in R x tau steps at any
@@ -141,11 +152,12 @@ class DpSgdRound(Mechanism):
         records = self.records()
         bound = self.bound or len(records)
         q, nm, delta = self._fixed_terms(request, bound)
+        pld = request.accounting != BASIC
         if cfg.private:
             # A function of stored values and the round index only (q and nm are the first round's,
             # the steps are bounded by the ledger): within the reservation by construction. A
             # failure here is a bug, never a fact about the view.
-            after = dpsgd_epsilon(history + [[nm, q, cfg.local_steps]], delta)
+            after = _phase_epsilon(history + [[nm, q, cfg.local_steps]], delta, self.base if pld else None)
             if after > request.phase_budget + _TOL:
                 raise RuntimeError(f"train: this round would take phase 1 to epsilon = {after:.4g}, above the "
                                    f"reserved {request.phase_budget:g}")
@@ -170,9 +182,10 @@ class DpSgdRound(Mechanism):
         log.info("round %d: %d DP-SGD steps, local loss %.4f, phase-1 epsilon so far %.4g of %.4g",
                  request.round, result.steps, result.mean_loss, result.epsilon, request.phase_budget)
         private = {"noise_multiplier": nm, "sample_rate": q, "steps": result.steps,
-                   "epsilon_accountant": result.epsilon if cfg.private else math.inf}
+                   "epsilon_accountant": result.epsilon if cfg.private else math.inf,
+                   **({"epsilon_pld": after} if pld and cfg.private else {})}
         state = {"history": result.accountant_history, "mechanism": "rdp", "noise_multiplier": nm, "delta": delta,
-                 "sample_rate": q}
+                 "sample_rate": q, **({"pld_base": [list(b) for b in self.base]} if pld else {})}
         return Output(result.state, private=private, accountant=(accountant_key(request.run_id), state))
 
     def _fixed_terms(self, request: Request, num_records: int) -> tuple[float, float, float]:
@@ -188,14 +201,30 @@ class DpSgdRound(Mechanism):
         delta = float(stored.get("delta", request.delta))
         if not self.cfg.private:
             return q, 0.0, delta
-        nm = float(stored.get("noise_multiplier") or _calibrate(request.phase_budget, delta, q, self.total_steps))
-        return q, nm, delta
+        nm = stored.get("noise_multiplier")
+        if not nm and request.accounting != BASIC:
+            nm = pld_noise(self.base, Planned(TRAIN, DPSGD, request.phase_budget, delta, sample_rate=q,
+                                              steps=self.total_steps))
+        return q, float(nm or _calibrate(request.phase_budget, delta, q, self.total_steps)), delta
 
 
 @lru_cache(maxsize=64)
 def _calibrate(epsilon: float, delta: float, q: float, steps: int) -> float:
     # Opacus' search takes a second or so; the public check and round 1 ask for it with the same terms
     return dpsgd_noise_multiplier(epsilon, delta, q, steps)
+
+
+def _phase_epsilon(history: list[list[float]], delta: float, base: Base | None) -> float:
+    """Phase 1's epsilon after ``history`` [(noise multiplier, q, steps), ...]: Opacus' RDP accountant
+    (basic), or under pld the growth of the PLD composition of ``base`` and the steps so far, at
+    the base's deltas plus the phase's ``delta`` (what the noise was solved for)."""
+    if base is None:
+        return dpsgd_epsilon(history, delta)
+    if any(float(h[0]) == 0 for h in history):
+        return math.inf
+    events = [gaussian_event(sigma, s) for sigma, s, _ in base] + [dpsgd_event(float(nm), float(q), int(n))
+                                                                    for nm, q, n in history]
+    return pld_epsilon(events, sum(d for _, _, d in base) + delta) - base_epsilon(base)
 
 
 def accountant_key(run_id: str) -> str:

@@ -27,7 +27,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from common.config import ConfigError, RunConfig
-from common.dp import PROFILE, STRONG, TRAIN, VOTE, analytic_gaussian_sigma, dpsgd_noise_multiplier, phase_epsilon
+from common.calibration import Planned, pld_noise
+from common.dp import (DPSGD, GAUSSIAN, PROFILE, STRONG, TRAIN, VOTE, analytic_gaussian_sigma, dpsgd_noise_multiplier,
+                       phase_epsilon)
 
 if TYPE_CHECKING:
     from strategies.result import FedSynResult
@@ -111,6 +113,8 @@ def plan_run(flwr_args: list[str], cwd: Path) -> Plan:
         out.lines += ["  " + line for line in _phase_lines(cfg, tier, len(data), cfg.resolve_delta(len(bench.train)),
                                                             speed)]
     out.lines += _server_lines(cfg, parts, speed)
+    out.lines.append(f"accounting: the simulated nodes price their releases by {cfg.accounting!r} (sigma above "
+                     "under both rules; a deployed node follows its own node-config accounting)")
     out.lines.append(writers_line(cfg, [t for t, _ in parts]))
     return out
 
@@ -202,7 +206,10 @@ def _phase_lines(cfg: RunConfig, tier: str, records: int | None, delta: float, s
         nm = dpsgd_noise_multiplier(eps_train, delta, q, steps)
         tokens = steps * cfg.batch_size * cfg.max_length * (2 if cfg.contrastive_weight > 0 else 1)  # pairs: two rows
         rate = speed.get(f"train_{cfg.finetune}_dp_tokens_per_s")
+        pld = pld_noise(_profile_base(eps_profile, delta),
+                        Planned(TRAIN, DPSGD, eps_train, delta, sample_rate=q, steps=steps))
         lines.append(f"train: epsilon {eps_train:g}, delta {delta:g}, DP-SGD noise multiplier {nm:.3g} "
+                     f"(basic; {pld:.3g} under accounting = pld) "
                      f"(q = {q:.3g}, {steps} steps, C = {cfg.max_grad_norm:g}); {tokens:,} tokens"
                      + (f", about {tokens / rate:.0f} s" if rate else ""))
     eps_vote = phase_epsilon(cfg.epsilon, cfg.epsilon_profile, tier, cfg.voters, VOTE)
@@ -210,13 +217,21 @@ def _phase_lines(cfg: RunConfig, tier: str, records: int | None, delta: float, s
     if eps_vote and terms is not None:
         rounds, sens, formula = terms
         rate = speed.get("embedding_vote_window_texts_per_s") or speed.get("embedding_texts_per_s")
+        # under pld a strong node's vote comes after DP-SGD and is priced on its own (common.calibration)
+        base = () if eps_train and cfg.trains else _profile_base(eps_profile, delta)
+        pld = pld_noise(base, Planned(VOTE, GAUSSIAN, eps_vote, delta, sens, rounds=rounds))
         lines.append(f"vote: epsilon {eps_vote:g} in {rounds} round(s), delta {delta:g}, Gaussian sigma "
                      f"{analytic_gaussian_sigma(eps_vote / rounds, delta / rounds, sens):.3g} per round (sensitivity "
-                     f"{formula} = {sens:.3g})"
+                     f"{formula} = {sens:.3g}; basic; {pld:.3g} under accounting = pld)"
                      + (f"; embedding {records} rows, about {records / rate:.0f} s" if rate and records else ""))
     elif eps_vote:
         lines.append(f"vote: epsilon {eps_vote:g} in the rounds refinement {cfg.refinement!r} asks for (never more)")
     return lines
+
+
+def _profile_base(eps_profile: float, delta: float) -> tuple[tuple[float, float, float], ...]:
+    """The profile as the Gaussian a phase after it is priced on under pld (none without one)."""
+    return ((analytic_gaussian_sigma(eps_profile, delta, 1.0), 1.0, delta),) if eps_profile else ()
 
 
 def _server_lines(cfg: RunConfig, parts: list[tuple[str, Any]], speed: dict[str, Any]) -> list[str]:

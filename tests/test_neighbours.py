@@ -79,7 +79,7 @@ train_runs = st.builds(
 # phase, list the models it allows): a refusal must be the same on neighbours too
 policies = st.sampled_from([(), (), (("control-codes", ",".join(CODES)),), (("control-codes", "topic=x,topic=y"),),
                             (("max-epsilon-vote", 1.0),), (("max-epsilon-train", 1.0),), (("model", "smollm2-135m"),),
-                            (("max-length", 16),)])
+                            (("max-length", 16),), (("accounting", "pld"),)])
 train_steps = st.builds(lambda s, p: Step(**{**s.__dict__, "policy": p}), train_steps, policies)
 vote_steps = st.builds(lambda s, p: Step(**{**s.__dict__, "policy": p}), vote_steps, policies)
 # training and votes are where the view matters most: drawn twice as often

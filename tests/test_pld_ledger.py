@@ -1,0 +1,120 @@
+"""Issue 47 on a node: under ``accounting = "pld"`` the ledger prices each release by a
+privacy-loss distribution, and the noise is solved so that the run spends its budget by it.
+
+Every composition here is recomputed with ``dp_accounting`` directly from the ledger's entries,
+not through the project's code (``common.calibration``)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from dp_accounting import dp_event
+from dp_accounting.pld import pld_privacy_accountant
+from flwr.app import ConfigRecord, Message, RecordDict
+
+from common import records as R
+from common.config import RunConfig
+from common.dp import analytic_gaussian_sigma, dpsgd_noise_multiplier
+from common.records import ERR_BUDGET
+from fedsyn_client.ledger import PrivacyLedger
+from fedsyn_client.policy import PolicyError, policy_from_node_config as load_policy
+from tests.fakes import set_task_identity
+from tests.test_sovereign import BUDGET, VOCAB, _csv, _node, _rc
+
+DELTA = 1e-5
+EPS_PROFILE = 2.0  # _rc's epsilon-profile; a weak node's vote gets BUDGET - EPS_PROFILE
+
+
+def _pld(events: list, delta: float) -> float:
+    acc = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
+    for e in events:
+        acc.compose(e)
+    return float(acc.get_epsilon(delta))
+
+
+def _entries(state) -> list[dict]:
+    return [r for r in PrivacyLedger.open(state, budget=BUDGET).releases if r["status"] != "cancelled"]
+
+
+def _profile(node) -> Message:
+    set_task_identity()
+    return node(Message(content=RecordDict({R.CONFIG: ConfigRecord({"codes": VOCAB, "delta": DELTA})}),
+                        message_type=R.MSG_PROFILE, dst_node_id=5))
+
+
+def _vote(node, rnd: int, share: float) -> Message:
+    set_task_identity()
+    conf = {"codes": VOCAB, "delta": DELTA, "histogram": "knn-vote", "epsilon-share": share, "server-round": rnd,
+            "num-votes": 1}
+    content = RecordDict({R.CANDIDATES: ConfigRecord({"texts": ["the x", "the y"], "codes": VOCAB}),
+                          R.CONFIG: ConfigRecord(conf)})
+    return node(Message(content=content, message_type=R.MSG_VOTE, dst_node_id=5))
+
+
+@pytest.fixture
+def data(tmp_path) -> str:
+    return _csv(tmp_path / "records.csv")
+
+
+def test_a_weak_nodes_vote_rounds_spend_its_budget_by_pld_and_a_round_more_is_refused(data, tmp_path):
+    state = tmp_path / "state"
+    node = _node(data, state, _rc(data, **{"num-votes": 1}), run_id=1, accounting="pld")
+    assert not _profile(node).has_error()
+    for rnd in (1, 2, 3):
+        reply = _vote(node, rnd, 1 / 3)
+        assert not reply.has_error(), reply.error
+    entries = _entries(state)
+    profile, votes = entries[0], entries[1:]
+    # the profile comes first: one Gaussian is exact either way, so its sigma is basic's
+    assert profile["public"]["sigma"] == pytest.approx(analytic_gaussian_sigma(EPS_PROFILE, DELTA, 1.0), rel=1e-3)
+    sigma = votes[0]["public"]["sigma"]
+    assert {v["public"]["sigma"] for v in votes} == {sigma}  # one sigma for the phase's rounds
+    basic = analytic_gaussian_sigma((BUDGET - EPS_PROFILE) / 3, DELTA / 3, 1.0)
+    assert sigma < 0.9 * basic  # less noise for the same budget
+    composed = _pld([dp_event.GaussianDpEvent(profile["public"]["sigma"])]
+                    + [dp_event.GaussianDpEvent(sigma)] * 3, sum(r["delta"] for r in entries))
+    charged = sum(r["epsilon"] for r in entries)
+    assert 0.97 * BUDGET <= composed <= BUDGET + 1e-3 and charged == pytest.approx(composed, abs=1e-2)
+    assert charged <= BUDGET + 1e-6
+    # round 1 pays more than round 3: the rounds compose exactly, not epsilon / T each
+    assert votes[0]["epsilon"] > votes[2]["epsilon"] > 0
+    refused = _vote(node, 4, 1 / 3)
+    assert refused.error.code == ERR_BUDGET and len(_entries(state)) == 4
+
+
+def test_a_strong_nodes_dpsgd_noise_is_solved_with_its_profile_by_pld(data, tmp_path):
+    """The noise multiplier (private: it depends on q) is solved on the node so that its profile
+    and all of phase 1's steps compose by PLD to the budget; the charge stays epsilon_train."""
+    from fedsyn_server.synthesis import ServerModel
+
+    state, rc = tmp_path / "state", _rc(data)
+    node = _node(data, state, rc, run_id=1, tier="strong", accounting="pld")
+    assert not _profile(node).has_error()
+    set_task_identity()
+    content = RecordDict({R.CONFIG: ConfigRecord({"codes": VOCAB, "delta": DELTA, "server-round": 1}),
+                          R.ARRAYS: ServerModel(RunConfig.from_flower(rc)).initial_arrays()})
+    reply = node(Message(content=content, message_type=R.MSG_TRAIN, dst_node_id=5))
+    assert not reply.has_error(), reply.error
+    profile, train = _entries(state)
+    assert train["epsilon"] == pytest.approx(BUDGET - EPS_PROFILE) and "noise_multiplier" not in train["public"]
+    nm, q, steps = (train["private"][k] for k in ("noise_multiplier", "sample_rate", "steps"))
+    assert nm < dpsgd_noise_multiplier(BUDGET - EPS_PROFILE, DELTA, q, steps)  # Opacus' RDP, the basic rule
+    step = dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(nm))
+    composed = _pld([dp_event.GaussianDpEvent(profile["public"]["sigma"]), dp_event.SelfComposedDpEvent(step, steps)],
+                    2 * DELTA)
+    assert 0.97 * BUDGET <= composed <= BUDGET + 1e-3
+
+
+def test_basic_is_the_default_and_a_misspelt_rule_stops_the_node(data, tmp_path):
+    base = {"tier": "weak", "data-path": data, "max-records": 100, "epsilon": BUDGET}
+    assert load_policy(base).accounting == "basic"
+    assert load_policy({**base, "accounting": "pld"}).accounting == "pld"
+    with pytest.raises(PolicyError, match="accounting = 'rdp' must be one of basic, pld"):
+        load_policy({**base, "accounting": "rdp"})
+    node = _node(data, tmp_path / "s", _rc(data, **{"num-votes": 1}), run_id=1)
+    assert not _profile(node).has_error() and not _vote(node, 1, 0.5).has_error()
+    entries = _entries(tmp_path / "s")
+    assert [r["epsilon"] for r in entries] == pytest.approx([EPS_PROFILE, (BUDGET - EPS_PROFILE) / 2])
+    assert math.isclose(entries[1]["public"]["sigma"],
+                        analytic_gaussian_sigma((BUDGET - EPS_PROFILE) / 2, DELTA / 2, 1.0))

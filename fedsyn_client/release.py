@@ -236,9 +236,12 @@ class GaussianHistogram(Mechanism):
         return (request.epsilon, request.delta) if priced is None else (priced, request.delta)
 
     def public(self, request: Request) -> dict[str, Any]:  # noqa: D102
-        sigma = self.sigma if self.sigma is not None else analytic_gaussian_sigma(request.epsilon, request.delta,
-                                                                                   self.sensitivity)
-        return {"histogram": self.histogram, "sensitivity": self.sensitivity, "sigma": sigma}
+        basic = analytic_gaussian_sigma(request.epsilon, request.delta, self.sensitivity)
+        if self.sigma is None:
+            return {"histogram": self.histogram, "sensitivity": self.sensitivity, "sigma": basic}
+        # the report shows each release's sigma under both rules (issue 47): both are public
+        return {"histogram": self.histogram, "sensitivity": self.sensitivity, "sigma": self.sigma,
+                "accounting": request.accounting, "sigma_basic": basic}
 
     def release(self, request: Request) -> Output:  # noqa: D102
         sigma = self.public(request)["sigma"]

@@ -139,7 +139,8 @@ class DpSgdRound(Mechanism):
 
     def public(self, request: Request) -> dict[str, Any]:  # noqa: D102
         return {"steps": self.cfg.local_steps, "max_grad_norm": self.cfg.max_grad_norm,
-                "covers": f"phase 1: {self.cfg.num_server_rounds} rounds x {self.cfg.local_steps} steps"}
+                "covers": f"phase 1: {self.cfg.num_server_rounds} rounds x {self.cfg.local_steps} steps",
+                **({"accounting": request.accounting} if request.accounting != BASIC else {})}
 
     def steps(self, request: Request) -> tuple[int, int]:  # noqa: D102
         return self.cfg.local_steps, self.total_steps

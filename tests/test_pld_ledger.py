@@ -72,6 +72,8 @@ def test_a_weak_nodes_vote_rounds_spend_its_budget_by_pld_and_a_round_more_is_re
     assert {v["public"]["sigma"] for v in votes} == {sigma}  # one sigma for the phase's rounds
     basic = analytic_gaussian_sigma((BUDGET - EPS_PROFILE) / 3, DELTA / 3, 1.0)
     assert sigma < 0.9 * basic  # less noise for the same budget
+    # each statement says its rule and its sigma under the other one (both public)
+    assert {(v["public"]["accounting"], v["public"]["sigma_basic"]) for v in votes} == {("pld", basic)}
     composed = _pld([dp_event.GaussianDpEvent(profile["public"]["sigma"])]
                     + [dp_event.GaussianDpEvent(sigma)] * 3, sum(r["delta"] for r in entries))
     charged = sum(r["epsilon"] for r in entries)

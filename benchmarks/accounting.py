@@ -1,0 +1,143 @@
+"""Issue 47, measured: the default run under ``accounting = "basic"`` against ``"pld"``.
+
+Usage: python -m benchmarks.accounting [--state DIR] [--out docs/accounting]
+
+Reads the finished cells of ``benchmarks/accounting_{bbc,rt}.toml`` (the default under pld) and
+their basic counterparts (the default's IID cells of ``benchmarks/writer_grid_{bbc,rt}.toml``), and
+for each run recomputes every node's spend from its own ledger (``DIR``: the simulated nodes'
+state root, ``$FEDSYN_STATE_DIR`` or ``<tmp>/fedsyn-sim``) with ``dp_accounting`` alone, not
+through ``common.calibration``: the PLD composition of the run's releases up to its DP-SGD phase
+plus that of the releases after it (what the pld rule promises), as a share of the node's
+budget. Writes ``<out>_results.csv`` (one row per run and node) and prints the markdown table
+of accuracy, label fidelity and MAUVE per rule with the vote's sigma, the DP-SGD noise
+multiplier and the budget share used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.writer_grid import LABEL, NAMES, _float, _results
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = [("bbc", "basic", "benchmarks/writer_grid_bbc.toml"), ("bbc", "pld", "benchmarks/accounting_bbc.toml"),
+           ("rt", "basic", "benchmarks/writer_grid_rt.toml"), ("rt", "pld", "benchmarks/accounting_rt.toml")]
+METHODS = {"basic": "mixed-contrastive-vote", "pld": "mixed-contrastive-vote-pld"}
+COLUMNS = ["dataset", "rule", "seed", "accuracy", "label_fidelity", "mauve", "node", "tier", "budget", "charged",
+           "pld_spent", "share_used", "vote_sigma", "noise_multiplier"]
+
+
+def spent_by_pld(entries: list[dict]) -> float:
+    """dp_accounting's PLD epsilon of a run's ledger entries: those up to its last DP-SGD entry
+    composed at their deltas, plus those after it composed at theirs (NaN without the details)."""
+    from dp_accounting import dp_event
+    from dp_accounting.pld import pld_privacy_accountant
+
+    last = max((i for i, e in enumerate(entries) if e["mechanism"] == "dp-sgd"), default=-1)
+    total = 0.0
+    for group in (entries[:last + 1], entries[last + 1:]):
+        if not group:
+            continue
+        acc, delta = pld_privacy_accountant.PLDAccountant(), 0.0
+        for e in group:
+            public, private = e.get("public", {}), e.get("private", {})
+            if e["mechanism"] == "gaussian":
+                acc.compose(dp_event.GaussianDpEvent(public["sigma"] / public["sensitivity"]))
+            elif "noise_multiplier" in private:
+                step = dp_event.PoissonSampledDpEvent(private["sample_rate"],
+                                                      dp_event.GaussianDpEvent(private["noise_multiplier"]))
+                acc.compose(dp_event.SelfComposedDpEvent(step, int(private["steps"])))
+            else:
+                return float("nan")
+            # DP-SGD's later rounds are charged 0 and carry no delta of their own
+            delta += float(e["delta"]) if float(e["epsilon"]) > 0 or e["mechanism"] == "gaussian" else 0.0
+        total += acc.get_epsilon(delta)
+    return float(total)
+
+
+def read_rows(state: Path, root: Path = ROOT) -> list[dict]:
+    """One row per finished run and node of ``SOURCES`` (the IID default cells)."""
+    rows = []
+    for dataset, rule, name in SOURCES:
+        path = root / name
+        if not path.is_file():
+            continue
+        from fedsyn_server.experiment import load_grid
+
+        grid = load_grid(path)
+        for r in _results(path):
+            if r["method"] != METHODS[rule] or r.get("partitioning", "iid") != "iid":
+                continue
+            label = LABEL[dataset]
+            run_dir = Path(grid.out_dir) / "runs" / f"{r['method']}__partitioning=iid__seed={int(float(r['seed']))}"
+            report = json.loads((run_dir / "privacy_report.json").read_text())
+            for node in report["nodes"]:
+                run_key = node["releases"][0]["run_id"] if node["releases"] else ""
+                ledgers = list((state / f"run-{run_key}").glob("node-*/ledger.json"))
+                mine = [e for p in ledgers for e in json.loads(p.read_text())["releases"]
+                        if e["run_id"] == run_key and e.get("status") != "cancelled"
+                        and (json.loads(p.read_text()).get("ref") == node["ledger_ref"])]
+                vote = [e["sigma"] for e in node["releases"] if e["phase"] == "vote"]
+                nm = [e.get("private", {}).get("noise_multiplier") for e in mine if e["mechanism"] == "dp-sgd"]
+                pld = spent_by_pld(mine) if mine else float("nan")
+                rows.append({"dataset": dataset, "rule": rule, "seed": int(float(r["seed"])),
+                             "accuracy": float(r[f"utility/{label}/accuracy"]),
+                             "label_fidelity": _float(r.get(f"utility/{label}/label_fidelity")),
+                             "mauve": _float(r.get("alignment/mauve/mean")), "node": node["node_id"],
+                             "tier": node["tier"], "budget": node["epsilon_budget"], "charged": node["epsilon_spent"],
+                             "pld_spent": pld, "share_used": pld / node["epsilon_budget"],
+                             "vote_sigma": vote[0] if vote else float("nan"),
+                             "noise_multiplier": nm[0] if nm and nm[0] else float("nan")})
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    """Per dataset and rule: the run metrics (mean ± std over seeds) and the nodes' noise and spend."""
+    lines = ["| dataset | rule | runs | accuracy | label fidelity | MAUVE | weak vote σ | DP-SGD noise multiplier | "
+             "budget used by PLD (min–max over nodes) |", "|---|---|---|---|---|---|---|---|---|"]
+    for dataset in NAMES:
+        for rule in ("basic", "pld"):
+            mine = [r for r in rows if (r["dataset"], r["rule"]) == (dataset, rule)]
+            if not mine:
+                continue
+            runs = {r["seed"]: r for r in mine}
+
+            def stat(key: str, of: list[dict]) -> str:
+                values = np.array([r[key] for r in of], dtype=np.float64)
+                return f"{np.nanmean(values):.3f} ± {np.nanstd(values):.3f}"
+
+            weak = [r for r in mine if r["tier"] == "weak"]
+            strong = [r for r in mine if r["tier"] == "strong"]
+            used = np.array([r["share_used"] for r in mine], dtype=np.float64)
+            lines.append(f"| {NAMES[dataset]} | {rule} | {len(runs)} | {stat('accuracy', list(runs.values()))} | "
+                         f"{stat('label_fidelity', list(runs.values()))} | {stat('mauve', list(runs.values()))} | "
+                         f"{np.nanmean([r['vote_sigma'] for r in weak]):.3f} | "
+                         f"{np.nanmean([r['noise_multiplier'] for r in strong]):.3f} | "
+                         f"{np.nanmin(used):.1%}–{np.nanmax(used):.1%} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    default_state = Path(os.environ.get("FEDSYN_STATE_DIR") or Path(tempfile.gettempdir()) / "fedsyn-sim")
+    parser.add_argument("--state", type=Path, default=default_state)
+    parser.add_argument("--out", default="docs/accounting")
+    args = parser.parse_args(argv)
+    rows = read_rows(args.state)
+    with open(ROOT / f"{args.out}_results.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    print(markdown(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -120,3 +120,20 @@ def test_basic_is_the_default_and_a_misspelt_rule_stops_the_node(data, tmp_path)
     assert [r["epsilon"] for r in entries] == pytest.approx([EPS_PROFILE, (BUDGET - EPS_PROFILE) / 2])
     assert math.isclose(entries[1]["public"]["sigma"],
                         analytic_gaussian_sigma((BUDGET - EPS_PROFILE) / 2, DELTA / 2, 1.0))
+
+
+def test_a_basic_runs_charges_stay_and_a_pld_release_over_the_budget_is_refused_before_the_records(data, tmp_path,
+                                                                                                  monkeypatch):
+    """A ledger written under basic (another run, or today's code) keeps its charges when the node
+    switches to pld; a release the budget cannot take is refused before any record is read."""
+    from fedsyn_client import node as node_module
+
+    state = tmp_path / "state"
+    assert not _profile(_node(data, state, _rc(data), run_id=1)).has_error()  # basic: charged 2 of 3
+    assert PrivacyLedger.open(state, budget=BUDGET).spent() == pytest.approx(EPS_PROFILE)
+    read = []
+    monkeypatch.setattr(node_module.Node, "code_counts", lambda self, *a, **k: read.append(1) or (_ for _ in ()).throw(
+        AssertionError("a record was read")))
+    refused = _profile(_node(data, state, _rc(data), run_id=2, accounting="pld"))
+    assert refused.error.code == ERR_BUDGET and not read
+    assert PrivacyLedger.open(state, budget=BUDGET).spent() == pytest.approx(EPS_PROFILE)

@@ -7,7 +7,7 @@ preset's settings, 3 seeds). Then, for every seed of the grid, this script reads
 cell's ``evaluation.json`` table section and adds, on that seed's split (the same held-out rows,
 the same partition into sites):
 
-- **MST / AIM, pooled** (``fedsyn_server.evaluation.mst``, ``.aim``): the baseline on the union
+- **MST / AIM, pooled** (``benchmarks/baselines/mst.py``, ``aim.py``): the baseline on the union
   of the sites' training rows at the node budget (epsilon, delta): the centralised reference a
   federation cannot normally get, since no site may hand its records to a curator.
 - **MST / AIM, per site**: each site alone on its own rows at its own (epsilon, delta); the
@@ -81,11 +81,11 @@ def baseline_rows(cfg: Any, num_nodes: int, rows: int, synthesisers: dict[str, A
 
 def synthesisers() -> dict[str, Any]:
     """The marginal baselines to run: MST, and AIM where its module is there."""
-    from fedsyn_server.evaluation.mst import mst_synthesise
+    from benchmarks.baselines.mst import mst_synthesise
 
     out = {"MST": mst_synthesise}
     try:
-        from fedsyn_server.evaluation.aim import aim_synthesise
+        from benchmarks.baselines.aim import aim_synthesise
     except ImportError:
         return out
     out["AIM"] = aim_synthesise

@@ -236,3 +236,44 @@ def rdp_accountant(history: Sequence[Sequence[float]]):
         acc.load_state_dict({"history": [(float(nm), float(q), int(s)) for nm, q, s in history],
                              "mechanism": acc.mechanism()})
     return acc
+
+
+# --- zCDP (the marginal methods account in rho) ----------------------------------------------------
+
+def cdp_delta(rho: float, epsilon: float) -> float:
+    """The delta such that rho-zCDP implies (epsilon, delta)-DP: in rho >= 0 and epsilon >= 0, out
+    delta in [0, 1] (Canonne, Kamath, Steinke 2020, Proposition 7; the alpha of its bound found by
+    bisection on the derivative)."""
+    if rho < 0 or epsilon < 0:
+        raise ValueError("rho and epsilon must be >= 0")
+    if rho == 0:
+        return 0.0
+    # Any alpha > 1 gives a valid bound, so a search that stops early only costs tightness;
+    # alpha >= 1.01 keeps the log1p terms away from their singularity.
+    lo, hi = 1.01, (epsilon + 1) / (2 * rho) + 2
+    for _ in range(1000):
+        alpha = (lo + hi) / 2
+        if (2 * alpha - 1) * rho - epsilon + math.log1p(-1.0 / alpha) < 0:
+            lo = alpha
+        else:
+            hi = alpha
+    delta = math.exp((alpha - 1) * (alpha * rho - epsilon) + alpha * math.log1p(-1 / alpha)) / (alpha - 1.0)
+    return min(delta, 1.0)
+
+
+def cdp_rho(epsilon: float, delta: float) -> float:
+    """The largest zCDP rho that still implies (epsilon, delta)-DP: in epsilon >= 0 and delta in
+    (0, 1], out rho >= 0. The same bisection as private-pgm's ``cdp2adp.cdp_rho``."""
+    if epsilon < 0 or not delta > 0:
+        raise ValueError("epsilon must be >= 0 and delta > 0")
+    if delta >= 1:
+        return 0.0
+    # Invariant: cdp_delta(lo) <= delta < cdp_delta(hi); the answer is the lower end (valid).
+    lo, hi = 0.0, epsilon + 1
+    for _ in range(1000):
+        rho = (lo + hi) / 2
+        if cdp_delta(rho, epsilon) <= delta:
+            lo = rho
+        else:
+            hi = rho
+    return lo

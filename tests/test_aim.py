@@ -1,4 +1,4 @@
-"""The AIM baseline (``fedsyn_server.evaluation.aim``): its budget schedule and workload, pure, and
+"""The AIM baseline (``benchmarks/baselines/aim.py``): its budget schedule and workload, pure, and
 one real run on mbi."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pandas as pd
 import pytest
 
 from common.rows import schema_from_dict
-from fedsyn_server.evaluation import aim as A
-from fedsyn_server.evaluation import mst as M
+from benchmarks.baselines import aim as A
+from benchmarks.baselines import mst as M
 
 # --- the budget ----------------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""The MST baseline (``fedsyn_server.evaluation.mst``): its pure steps, and one real run on mbi."""
+"""The MST baseline (``benchmarks/baselines/mst.py``): its pure steps, and one real run on mbi."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import pandas as pd
 import pytest
 
 from common.rows import schema_from_dict
-from fedsyn_server.evaluation import mst as M
+from common import dp
+from common import marginals as Mg
+from benchmarks.baselines import mst as M
 
 SCHEMA = schema_from_dict({"columns": [
     {"name": "y", "type": "categorical", "categories": ["a", "b", "c"]},
@@ -38,53 +40,53 @@ def _records(n: int, seed: int, lo: float = 0.0, hi: float = 1.0) -> pd.DataFram
 
 def test_cdp_rho_matches_the_reference_implementation():
     # private-pgm mechanisms/cdp2adp.py: cdp_rho(1.0, 1e-9), cdp_rho(8.0, 1e-5), cdp_rho(50.0, 1e-5)
-    assert M.cdp_rho(1.0, 1e-9) == pytest.approx(0.014973057673588523, rel=1e-12)
-    assert M.cdp_rho(8.0, 1e-5) == pytest.approx(1.229714525761431, rel=1e-12)
-    assert M.cdp_rho(50.0, 1e-5) == pytest.approx(20.718340470824234, rel=1e-12)
-    rho = M.cdp_rho(1.0, 1e-6)
-    assert M.cdp_delta(rho, 1.0) <= 1e-6 < M.cdp_delta(rho * 1.001, 1.0)
-    assert M.cdp_rho(1.0, 1.0) == 0.0
+    assert dp.cdp_rho(1.0, 1e-9) == pytest.approx(0.014973057673588523, rel=1e-12)
+    assert dp.cdp_rho(8.0, 1e-5) == pytest.approx(1.229714525761431, rel=1e-12)
+    assert dp.cdp_rho(50.0, 1e-5) == pytest.approx(20.718340470824234, rel=1e-12)
+    rho = dp.cdp_rho(1.0, 1e-6)
+    assert dp.cdp_delta(rho, 1.0) <= 1e-6 < dp.cdp_delta(rho * 1.001, 1.0)
+    assert dp.cdp_rho(1.0, 1.0) == 0.0
 
 
 # --- discretisation ------------------------------------------------------------------------------
 
 def test_bin_edges_come_from_the_declared_range():
-    assert np.allclose(M.bin_edges(SCHEMA.column("z"), 16), np.linspace(0, 10, 17))
+    assert np.allclose(Mg.bin_edges(SCHEMA.column("z"), 16), np.linspace(0, 10, 17))
     # integers: 101 whole values, each owning [v, v + 1), in 16 equal-width bins
-    assert np.allclose(M.bin_edges(SCHEMA.column("x"), 16), np.arange(17) * 101 / 16)
+    assert np.allclose(Mg.bin_edges(SCHEMA.column("x"), 16), np.arange(17) * 101 / 16)
     # a range of fewer whole values than bins: one bin per value
-    assert M.domain_size(SCHEMA.column("few"), 16) == 5
-    assert np.allclose(M.bin_edges(SCHEMA.column("few"), 16), np.arange(1, 7))
+    assert Mg.domain_size(SCHEMA.column("few"), 16) == 5
+    assert np.allclose(Mg.bin_edges(SCHEMA.column("few"), 16), np.arange(1, 7))
     first = dt.date(2024, 1, 1).toordinal()
-    assert np.allclose(M.bin_edges(SCHEMA.column("day"), 16), first + np.arange(17) * 366 / 16)
-    assert M.domain_size(SCHEMA.column("y"), 16) == 3
+    assert np.allclose(Mg.bin_edges(SCHEMA.column("day"), 16), first + np.arange(17) * 366 / 16)
+    assert Mg.domain_size(SCHEMA.column("y"), 16) == 3
 
 
 def test_bins_do_not_move_when_the_data_range_changes():
     narrow, wide = _records(200, 0, 0.4, 0.6), _records(200, 1, 0.0, 1.0)
     both = pd.concat([narrow, wide], ignore_index=True)
     # the narrow records' codes are the same alone and next to records spanning the whole range
-    assert M.discretise(narrow, SCHEMA, 16).equals(M.discretise(both, SCHEMA, 16).iloc[:200])
-    codes = M.discretise(narrow, SCHEMA, 16)
+    assert Mg.discretise(narrow, SCHEMA, 16).equals(Mg.discretise(both, SCHEMA, 16).iloc[:200])
+    codes = Mg.discretise(narrow, SCHEMA, 16)
     # values in the middle fifth of the declared range fill only the middle bins, not all 16
     assert codes["x"].min() >= 6 and codes["x"].max() <= 9
     assert codes["z"].min() >= 6 and codes["z"].max() <= 9
     # fixed points: the declared ends fall in the edge bins, 50 in the eighth (50 * 16 // 101)
     edge = pd.DataFrame({"y": ["a"] * 3, "x": [0, 50, 100], "few": [1, 3, 5], "z": [0.0, 5.0, 10.0],
                          "day": [dt.date(2024, 1, 1), dt.date(2024, 7, 1), dt.date(2024, 12, 31)]})
-    coded = M.discretise(edge, SCHEMA, 16)
+    coded = Mg.discretise(edge, SCHEMA, 16)
     assert coded["x"].tolist() == [0, 7, 15] and coded["z"].tolist() == [0, 8, 15]
     assert coded["few"].tolist() == [0, 2, 4] and coded["day"].tolist() == [0, 7, 15]
 
 
 def test_discretise_then_undiscretise_round_trips_every_column_type():
     records = _records(300, 2)
-    codes = M.discretise(records, SCHEMA, 16)
+    codes = Mg.discretise(records, SCHEMA, 16)
     assert list(codes.columns) == list(SCHEMA.names) and len(codes) == 300
-    back = M.undiscretise(codes, SCHEMA, 16, np.random.default_rng(0))
+    back = Mg.undiscretise(codes, SCHEMA, 16, np.random.default_rng(0))
     assert list(back.columns) == list(SCHEMA.names)
     # each value is drawn inside its bin: coding it again gives the same bin
-    assert M.discretise(back, SCHEMA, 16).equals(codes)
+    assert Mg.discretise(back, SCHEMA, 16).equals(codes)
     assert back["y"].tolist() == records["y"].tolist()  # categories come back exactly
     assert back["few"].tolist() == records["few"].tolist()  # one bin per value: exact too
     assert back["x"].dtype == np.int64 and back["z"].dtype == np.float64
@@ -94,7 +96,7 @@ def test_discretise_then_undiscretise_round_trips_every_column_type():
         for value in back[column.name]:
             column.write(value)
     # the draw is uniform inside a bin: x's values in bin 0 (whole values 0..6) are not all one
-    many = M.undiscretise(pd.DataFrame({n: np.zeros(500, dtype=np.int64) for n in SCHEMA.names}), SCHEMA, 16,
+    many = Mg.undiscretise(pd.DataFrame({n: np.zeros(500, dtype=np.int64) for n in SCHEMA.names}), SCHEMA, 16,
                           np.random.default_rng(1))
     assert set(many["x"]) == set(range(7))
     assert 0.0 <= many["z"].min() and many["z"].max() <= 0.63 and many["z"].nunique() > 30
@@ -103,7 +105,7 @@ def test_discretise_then_undiscretise_round_trips_every_column_type():
 def test_discretise_drops_undeclared_categories_and_clips_numbers_into_the_edge_bins():
     records = pd.DataFrame({"y": ["a", "zzz", "b", "c"], "x": [-50, 3, 1000, np.nan], "few": [1, 1, 1, 1],
                             "z": [99.0, 1.0, -3.0, 1.0], "day": ["1999-01-01", "2024-02-02", "2030-01-01", "2024-03-03"]})
-    codes = M.discretise(records, SCHEMA, 16)
+    codes = Mg.discretise(records, SCHEMA, 16)
     # "zzz" is not declared, NaN is not a number: both rows are dropped before anything is counted
     assert len(codes) == 2
     assert codes["x"].tolist() == [0, 15] and codes["z"].tolist() == [15, 0] and codes["day"].tolist() == [0, 15]
@@ -113,7 +115,7 @@ def test_dates_as_python_dates_or_pandas_datetimes_code_the_same():
     records = _records(50, 3)
     as_pandas = records.assign(day=pd.to_datetime(records["day"]))
     assert as_pandas["day"].dtype.kind == "M"
-    assert M.discretise(records, SCHEMA, 16).equals(M.discretise(as_pandas, SCHEMA, 16))
+    assert Mg.discretise(records, SCHEMA, 16).equals(Mg.discretise(as_pandas, SCHEMA, 16))
 
 
 def test_a_number_without_a_declared_range_is_refused():
@@ -121,7 +123,7 @@ def test_a_number_without_a_declared_range_is_refused():
                                            {"name": "w", "type": "float", "min": 0}]})
     frame = pd.DataFrame({"y": ["a"], "w": [1.0]})
     with pytest.raises(ValueError, match="need declared ranges"):
-        M.discretise(frame, schema, 16)
+        Mg.discretise(frame, schema, 16)
     with pytest.raises(ValueError, match="need declared ranges"):
         M.mst_synthesise(frame, schema, 1.0, 1e-5, 10, seed=0)
 

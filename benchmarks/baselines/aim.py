@@ -44,8 +44,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from benchmarks.baselines.mst import exponential_mechanism, prepare
+from common.marginals import typed_like, undiscretise
 from common.rows import Schema
-from fedsyn_server.evaluation.mst import exponential_mechanism, prepare, typed_like, undiscretise
 
 # The reference's constants: T = 16 d nominal rounds, 90 % of a round's rho for its measurement
 # and 10 % for its selection.

@@ -214,110 +214,10 @@ class FedSynStrategy(Strategy):
         self.end_holds(grid)
         return self.result
 
-    def _profile(self, grid: Grid, nodes: dict[int, str]) -> None:
-        """Stage 2: every node's noisy per-code counts; their sum allocates the pool (stage 3)."""
-        res, t = self.result, time.time()
-        profile_replies = self.courier.ask(grid, sorted(nodes), R.MSG_PROFILE, PROFILE, RecordDict(
-            {R.CONFIG: self._request()}))
-        res.node_profiles = self.courier.vectors(profile_replies, R.PROFILE, len(self.vocabulary), PROFILE)
-        self.courier.coverage("profile", res.node_profiles, nodes)
-        if not res.node_profiles:
-            raise RuntimeError("no node returned a profile; nothing to allocate (see failures above)")
-        res.profile = aggregate_profiles(list(res.node_profiles.values()))
-        res.allocation = dict(zip(self.vocabulary, (int(a) for a in allocate(res.profile, self.refinement.pool_size(self.cfg)))))
-        log.info("noisy profile %s -> allocation %s", np.round(res.profile, 1).tolist(), res.allocation)
-        if self.cfg.coverage_floor > 0 and self.cfg.prompt != "zero-shot" and res.arrays is not None:
-            strong = [p for n, p in res.node_profiles.items() if res.tiers.get(n) == "strong"]
-            rho = finetune_coverage(strong, list(res.node_profiles.values()))
-            res.pretrained_codes = pretrained_codes(self.vocabulary, rho, self.cfg.coverage_floor)
-            log.info("phase-1 coverage %s: %s written by the pretrained weights (coverage-floor %g)",
-                     np.round(rho, 2).tolist(), res.pretrained_codes or "no code", self.cfg.coverage_floor)
-        res.timings["profile"] = time.time() - t
-
-    # ------------------------------------------------------------ checkpoints
-    def _checkpoint(self, stage: str | None = None) -> None:
-        """Mark ``stage`` done and save where the run stands (if a checkpoint folder is set)."""
-        if stage:
-            self.progress.completed.append(stage)
-        if self.checkpoint_dir is not None:
-            save_checkpoint(self.checkpoint_dir, self.progress, self.result, self.result.arrays)
-
-    def _restore(self, ck: Checkpoint) -> None:
-        """Continue from ``ck``: its results, progress and run key; tiers are asked again."""
-        self.result, self.progress, self.resume_key = ck.result, ck.progress, ck.progress.resume_key
-        self.courier = Courier(self.cfg, self.delta, self.result)
-        self.members = self._membership()
-        self.result.arrays, self.result.tiers, self.result.budgets = ck.arrays, {}, {}
-        log.info("resuming run %s: done %s, phase-1 round %d, %d vote rounds", self.resume_key,
-                 ck.progress.completed or "nothing", ck.progress.train_round, len(ck.progress.vote_totals))
-
-    def _vote(self, texts: list[str], codes: list[str], histogram: str = "knn-vote", epsilon_share: float = 1.0,
-              **params: Any) -> np.ndarray:
-        """One vote round (the refinements' ``ctx.vote``): every voter releases the named histogram
-        of its records over the candidates at ``epsilon_share`` of its vote budget; returns the sum.
-
-        Each node authorises the round against its own budget for the phase, so the rounds of
-        one run can never add up to more than its epsilon_vote. Voters that fail are left out.
-        """
-        if not texts:
-            return np.zeros(0)
-        if len(texts) != len(codes):
-            raise ValueError(f"{len(texts)} candidate texts but {len(codes)} codes")
-        res = self.result
-        self._vote_round += 1
-        rnd = self._vote_round
-        if rnd <= len(self.progress.vote_totals):  # finished before the run was resumed: not asked again
-            log.info("vote round %d: taken from the checkpoint", rnd)
-            return np.asarray(self.progress.vote_totals[rnd - 1], dtype=np.float64)
-        self.members.admit(self._grid, f"before vote round {rnd}")
-        voters = self.members.voters
-        if not voters:
-            self.courier.degrade(f"vote round {rnd}: no voters (voters={self.cfg.voters} and no weak node); votes are all zero",
-                          skipped=True)
-        failed_before = len(res.failures)
-        replies = self.courier.ask(self._grid, voters, R.MSG_VOTE, VOTE, RecordDict({
-            R.CANDIDATES: ConfigRecord({"texts": list(texts), "codes": list(codes)}),
-            R.CONFIG: self._request(**params, **{"histogram": histogram, "epsilon-share": float(epsilon_share),
-                                                 "server-round": rnd}),
-        }))
-        res.node_votes = self.courier.vectors(replies, R.VOTES, len(texts), VOTE)
-        self.courier.coverage(f"vote round {rnd}", res.node_votes, voters)
-        refused = {f["node_id"] for f in res.failures[failed_before:] if f.get("code") in R.ERR_REFUSED}
-        if voters and not res.node_votes and not set(voters) <= refused:
-            # Not a round done with zero votes: later rounds would build on it and a resume could not
-            # ask it again. The checkpoint stands before this round; a resume asks it anew (a voter
-            # that released and lost its reply answers with the stored one, at no cost). A round every
-            # voter refused (budget, policy) is answered: a resume would be refused the same way.
-            raise RoundUnanswered(f"vote round {rnd}: no voter answered (see failures above); the run stops "
-                                  "before this round with its checkpoint: resume it when the voters are back "
-                                  "(flwr run . --run-config <run-dir>/resume.toml)")
-        total = (np.sum([np.asarray(v) for v in res.node_votes.values()], axis=0)
-                 if res.node_votes else np.zeros(len(texts)))
-        res.vote_rounds.append({"round": rnd, "histogram": histogram, "epsilon_share": float(epsilon_share),
-                                "candidates": len(texts), "voters": sorted(res.node_votes)})
-        self.progress.vote_totals.append([float(v) for v in total])
-        self._checkpoint()
-        return total
-
-    def _plan(self) -> list[str]:
-        """The phases this run will ask of nodes (each node takes those of its tier)."""
-        return [p for p in PHASES if (p != TRAIN or self.cfg.trains) and (p != VOTE or self.refinement.asks_votes)]
-
-    def _request(self, **extra: Any) -> ConfigRecord:
-        """The part every request carries: the public vocabulary, the delta per release, the run key."""
-        key = {"resume-key": self.resume_key} if self.resume_key else {}
-        return ConfigRecord({"codes": self.vocabulary, "delta": self.delta, **key, **extra})
-
-    def end_holds(self, grid: Grid, node_ids: Iterable[int] | None = None) -> None:
-        """Ask ``node_ids`` (default: the nodes taking part) for their ledger (free), which ends
-        the epsilon they hold for this run: for a run that is refused or broke off."""
-        try:
-            self._ledgers(grid, sorted(self.members.active() if node_ids is None else node_ids))
-        except Exception as err:  # noqa: BLE001 - best effort: holds lapse on their own
-            log.warning("could not end the nodes' holds for this run (%s); they lapse on their own", err)
-
     # ------------------------------------------------------------ stage 1
     def _finetune(self, grid: Grid, arrays: ArrayRecord | None) -> ArrayRecord | None:
+        """Stage 1 (A.3): the strong nodes' DP-SGD rounds from ``arrays``, averaged by the aggregator;
+        returns the finetuned weights (``arrays`` unchanged when phase 1 is skipped)."""
         rounds = self.cfg.num_server_rounds
         skip = ("prompt = zero-shot (pretrained baseline)" if self.cfg.prompt == "zero-shot"
                 else "no strong node" if not self.members.strong else "num-server-rounds = 0" if rounds == 0 else "")
@@ -368,6 +268,76 @@ class FedSynStrategy(Strategy):
             self.result.eval_metrics[rnd] = metrics
             log.info("[phase 1] round %d held-out %s", rnd, {k: round(v, 4) for k, v in metrics.items()})
 
+    # ------------------------------------------------------------ stage 2
+    def _profile(self, grid: Grid, nodes: dict[int, str]) -> None:
+        """Stage 2: every node's noisy per-code counts; their sum allocates the pool (stage 3)."""
+        res, t = self.result, time.time()
+        profile_replies = self.courier.ask(grid, sorted(nodes), R.MSG_PROFILE, PROFILE, RecordDict(
+            {R.CONFIG: self._request()}))
+        res.node_profiles = self.courier.vectors(profile_replies, R.PROFILE, len(self.vocabulary), PROFILE)
+        self.courier.coverage("profile", res.node_profiles, nodes)
+        if not res.node_profiles:
+            raise RuntimeError("no node returned a profile; nothing to allocate (see failures above)")
+        res.profile = aggregate_profiles(list(res.node_profiles.values()))
+        res.allocation = dict(zip(self.vocabulary, (int(a) for a in allocate(res.profile, self.refinement.pool_size(self.cfg)))))
+        log.info("noisy profile %s -> allocation %s", np.round(res.profile, 1).tolist(), res.allocation)
+        if self.cfg.coverage_floor > 0 and self.cfg.prompt != "zero-shot" and res.arrays is not None:
+            strong = [p for n, p in res.node_profiles.items() if res.tiers.get(n) == "strong"]
+            rho = finetune_coverage(strong, list(res.node_profiles.values()))
+            res.pretrained_codes = pretrained_codes(self.vocabulary, rho, self.cfg.coverage_floor)
+            log.info("phase-1 coverage %s: %s written by the pretrained weights (coverage-floor %g)",
+                     np.round(rho, 2).tolist(), res.pretrained_codes or "no code", self.cfg.coverage_floor)
+        res.timings["profile"] = time.time() - t
+
+    # ------------------------------------------------------------ stage 4 (the refinements' ctx.vote)
+    def _vote(self, texts: list[str], codes: list[str], histogram: str = "knn-vote", epsilon_share: float = 1.0,
+              **params: Any) -> np.ndarray:
+        """One vote round (the refinements' ``ctx.vote``): every voter releases the named histogram
+        of its records over the candidates at ``epsilon_share`` of its vote budget; returns the sum.
+
+        Each node authorises the round against its own budget for the phase, so the rounds of
+        one run can never add up to more than its epsilon_vote. Voters that fail are left out.
+        """
+        if not texts:
+            return np.zeros(0)
+        if len(texts) != len(codes):
+            raise ValueError(f"{len(texts)} candidate texts but {len(codes)} codes")
+        res = self.result
+        self._vote_round += 1
+        rnd = self._vote_round
+        if rnd <= len(self.progress.vote_totals):  # finished before the run was resumed: not asked again
+            log.info("vote round %d: taken from the checkpoint", rnd)
+            return np.asarray(self.progress.vote_totals[rnd - 1], dtype=np.float64)
+        self.members.admit(self._grid, f"before vote round {rnd}")
+        voters = self.members.voters
+        if not voters:
+            self.courier.degrade(f"vote round {rnd}: no voters (voters={self.cfg.voters} and no weak node); votes are all zero",
+                          skipped=True)
+        failed_before = len(res.failures)
+        replies = self.courier.ask(self._grid, voters, R.MSG_VOTE, VOTE, RecordDict({
+            R.CANDIDATES: ConfigRecord({"texts": list(texts), "codes": list(codes)}),
+            R.CONFIG: self._request(**params, **{"histogram": histogram, "epsilon-share": float(epsilon_share),
+                                                 "server-round": rnd}),
+        }))
+        res.node_votes = self.courier.vectors(replies, R.VOTES, len(texts), VOTE)
+        self.courier.coverage(f"vote round {rnd}", res.node_votes, voters)
+        refused = {f["node_id"] for f in res.failures[failed_before:] if f.get("code") in R.ERR_REFUSED}
+        if voters and not res.node_votes and not set(voters) <= refused:
+            # Not a round done with zero votes: later rounds would build on it and a resume could not
+            # ask it again. The checkpoint stands before this round; a resume asks it anew (a voter
+            # that released and lost its reply answers with the stored one, at no cost). A round every
+            # voter refused (budget, policy) is answered: a resume would be refused the same way.
+            raise RoundUnanswered(f"vote round {rnd}: no voter answered (see failures above); the run stops "
+                                  "before this round with its checkpoint: resume it when the voters are back "
+                                  "(flwr run . --run-config <run-dir>/resume.toml)")
+        total = (np.sum([np.asarray(v) for v in res.node_votes.values()], axis=0)
+                 if res.node_votes else np.zeros(len(texts)))
+        res.vote_rounds.append({"round": rnd, "histogram": histogram, "epsilon_share": float(epsilon_share),
+                                "candidates": len(texts), "voters": sorted(res.node_votes)})
+        self.progress.vote_totals.append([float(v) for v in total])
+        self._checkpoint()
+        return total
+
     # ------------------------------------------------------------ stage 5
     def _ledgers(self, grid: Grid, node_ids: list[int]) -> None:
         """Ask every node for this run's releases from its own ledger (costs no privacy).
@@ -387,3 +357,38 @@ class FedSynStrategy(Strategy):
                                             "epsilon-budget": float(rec["epsilon-budget"])}
             except (KeyError, TypeError, ValueError) as err:
                 self.courier.fail(nid, "ledger", f"malformed reply ({type(err).__name__})")
+
+    def end_holds(self, grid: Grid, node_ids: Iterable[int] | None = None) -> None:
+        """Ask ``node_ids`` (default: the nodes taking part) for their ledger (free), which ends
+        the epsilon they hold for this run: for a run that is refused or broke off."""
+        try:
+            self._ledgers(grid, sorted(self.members.active() if node_ids is None else node_ids))
+        except Exception as err:  # noqa: BLE001 - best effort: holds lapse on their own
+            log.warning("could not end the nodes' holds for this run (%s); they lapse on their own", err)
+
+    # ------------------------------------------------------------ what every request carries
+    def _plan(self) -> list[str]:
+        """The phases this run will ask of nodes (each node takes those of its tier)."""
+        return [p for p in PHASES if (p != TRAIN or self.cfg.trains) and (p != VOTE or self.refinement.asks_votes)]
+
+    def _request(self, **extra: Any) -> ConfigRecord:
+        """The part every request carries: the public vocabulary, the delta per release, the run key."""
+        key = {"resume-key": self.resume_key} if self.resume_key else {}
+        return ConfigRecord({"codes": self.vocabulary, "delta": self.delta, **key, **extra})
+
+    # ------------------------------------------------------------ checkpoints
+    def _checkpoint(self, stage: str | None = None) -> None:
+        """Mark ``stage`` done and save where the run stands (if a checkpoint folder is set)."""
+        if stage:
+            self.progress.completed.append(stage)
+        if self.checkpoint_dir is not None:
+            save_checkpoint(self.checkpoint_dir, self.progress, self.result, self.result.arrays)
+
+    def _restore(self, ck: Checkpoint) -> None:
+        """Continue from ``ck``: its results, progress and run key; tiers are asked again."""
+        self.result, self.progress, self.resume_key = ck.result, ck.progress, ck.progress.resume_key
+        self.courier = Courier(self.cfg, self.delta, self.result)
+        self.members = self._membership()
+        self.result.arrays, self.result.tiers, self.result.budgets = ck.arrays, {}, {}
+        log.info("resuming run %s: done %s, phase-1 round %d, %d vote rounds", self.resume_key,
+                 ck.progress.completed or "nothing", ck.progress.train_round, len(ck.progress.vote_totals))

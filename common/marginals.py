@@ -184,3 +184,21 @@ def typed_like(out: pd.DataFrame, frame: pd.DataFrame, schema: Schema) -> pd.Dat
         elif column.type == "categorical" and dtype != object:
             out[column.name] = out[column.name].astype(dtype)  # pandas 3's str dtype
     return out
+
+
+# --- marginals: what a site counts over the bins --------------------------------------------------
+
+def marginal_counts(codes: pd.DataFrame, clique: tuple[str, ...], sizes: dict[str, int]) -> np.ndarray:
+    """The counts of ``clique``'s cells: in the rows as bin indices (``discretise``), the clique's
+    column names and every column's domain size, out a float64 vector of prod(sizes) cells in
+    C order over the clique (the order of Private-PGM's ``Dataset.project(clique).datavector()``).
+
+    One record adds 1 to exactly one cell, so a marginal's L2 sensitivity is 1, and k marginals
+    released together have sqrt(k). Its length depends on the schema only, never on the rows.
+    """
+    shape = tuple(int(sizes[a]) for a in clique)
+    if not clique:
+        return np.array([float(len(codes))])
+    cells = np.ravel_multi_index(tuple(codes[a].to_numpy(dtype=np.int64) for a in clique), shape) if len(codes) \
+        else np.zeros(0, dtype=np.int64)
+    return np.bincount(cells, minlength=int(np.prod(shape))).astype(np.float64)

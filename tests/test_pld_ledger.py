@@ -21,6 +21,7 @@ from fedsyn_client.ledger import PrivacyLedger
 from fedsyn_client.policy import PolicyError, policy_from_node_config as load_policy
 from tests.fakes import set_task_identity
 from tests.test_sovereign import BUDGET, VOCAB, _csv, _node, _rc
+from tests.test_strategy import dataset  # noqa: F401 - a fixture
 
 DELTA = 1e-5
 EPS_PROFILE = 2.0  # _rc's epsilon-profile; a weak node's vote gets BUDGET - EPS_PROFILE
@@ -137,3 +138,31 @@ def test_a_basic_runs_charges_stay_and_a_pld_release_over_the_budget_is_refused_
     refused = _profile(_node(data, state, _rc(data), run_id=2, accounting="pld"))
     assert refused.error.code == ERR_BUDGET and not read
     assert PrivacyLedger.open(state, budget=BUDGET).spent() == pytest.approx(EPS_PROFILE)
+
+
+def test_a_whole_run_under_pld_spends_each_nodes_budget_by_pld_and_never_more(dataset, tmp_path):
+    """Issue 47's first test, on the tiny model: the run under accounting = pld, then every node's
+    ledger composed by dp_accounting here (its releases up to DP-SGD, plus those after it)."""
+    from tests.test_strategy import nodes_for, run, run_config
+
+    rc = run_config(dataset, accounting="pld", **{"refinement": "pe-contrastive", "refinement-rounds": 2})
+    res, _, _ = run(rc, nodes_for(rc, 3, tmp_path))
+    assert not res.failures and len(res.vote_rounds) == 2
+    for pid, tier in enumerate(("strong", "weak", "weak")):
+        entries = [r for r in PrivacyLedger.open(tmp_path / f"node{pid}", budget=8.0).releases]
+        assert {r["public"].get("accounting") for r in entries} == {"pld"}
+        last = max((i for i, r in enumerate(entries) if r["mechanism"] == "dp-sgd"), default=-1)
+        spent = 0.0
+        for group in (entries[:last + 1], entries[last + 1:]):
+            events, delta = [], 0.0
+            for r in group:
+                if r["mechanism"] == "dp-sgd":
+                    p = r["private"]
+                    step = dp_event.PoissonSampledDpEvent(p["sample_rate"], dp_event.GaussianDpEvent(p["noise_multiplier"]))
+                    events.append(dp_event.SelfComposedDpEvent(step, p["steps"]))
+                else:
+                    events.append(dp_event.GaussianDpEvent(r["public"]["sigma"] / r["public"]["sensitivity"]))
+                delta += r["delta"]
+            spent += _pld(events, delta) if events else 0.0
+        charged = sum(r["epsilon"] for r in entries)
+        assert 0.97 * 8.0 <= spent <= 8.0 + 1e-3 and charged <= 8.0 + 1e-6, (tier, spent, charged)

@@ -206,8 +206,8 @@ def _phase_lines(cfg: RunConfig, tier: str, records: int | None, delta: float, s
         nm = dpsgd_noise_multiplier(eps_train, delta, q, steps)
         tokens = steps * cfg.batch_size * cfg.max_length * (2 if cfg.contrastive_weight > 0 else 1)  # pairs: two rows
         rate = speed.get(f"train_{cfg.finetune}_dp_tokens_per_s")
-        pld = pld_noise(_profile_base(eps_profile, delta),
-                        Planned(TRAIN, DPSGD, eps_train, delta, sample_rate=q, steps=steps))
+        # phase 1 runs before the profile (stage 1, then 2): under pld its multiplier is solved alone
+        pld = pld_noise((), Planned(TRAIN, DPSGD, eps_train, delta, sample_rate=q, steps=steps))
         lines.append(f"train: epsilon {eps_train:g}, delta {delta:g}, DP-SGD noise multiplier {nm:.3g} "
                      f"(basic; {pld:.3g} under accounting = pld) "
                      f"(q = {q:.3g}, {steps} steps, C = {cfg.max_grad_norm:g}); {tokens:,} tokens"
@@ -217,9 +217,9 @@ def _phase_lines(cfg: RunConfig, tier: str, records: int | None, delta: float, s
     if eps_vote and terms is not None:
         rounds, sens, formula = terms
         rate = speed.get("embedding_vote_window_texts_per_s") or speed.get("embedding_texts_per_s")
-        # under pld a strong node's vote comes after DP-SGD and is priced on its own (common.calibration)
-        base = () if eps_train and cfg.trains else _profile_base(eps_profile, delta)
-        pld = pld_noise(base, Planned(VOTE, GAUSSIAN, eps_vote, delta, sens, rounds=rounds))
+        # under pld the vote composes with the profile, the Gaussian before it (stage 2, then 4;
+        # a strong voter's DP-SGD came before both and is composed with neither)
+        pld = pld_noise(_profile_base(eps_profile, delta), Planned(VOTE, GAUSSIAN, eps_vote, delta, sens, rounds=rounds))
         lines.append(f"vote: epsilon {eps_vote:g} in {rounds} round(s), delta {delta:g}, Gaussian sigma "
                      f"{analytic_gaussian_sigma(eps_vote / rounds, delta / rounds, sens):.3g} per round (sensitivity "
                      f"{formula} = {sens:.3g}; basic; {pld:.3g} under accounting = pld)"

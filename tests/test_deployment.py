@@ -533,6 +533,7 @@ def test_local_deployment_scripts_with_tls_and_node_auth(tmp_path):
         stop_processes_of(root)
 
 
+@pytest.mark.session(covered_by="tests/test_resume.py::test_a_run_killed_mid_round_and_between_phases_resumes_without_releasing_twice and tests/test_sovereign.py::test_a_repeated_training_round_is_replayed_and_only_the_latest_round_is_kept")
 def test_deployment_stopped_with_flwr_stop_then_resumed_releases_nothing_twice(deployment):
     dep = deployment
     out, public = dep.root / "out", dep.root / "public.csv"

@@ -169,11 +169,11 @@ class Mechanism(ABC):
 
     def calibrate(self, request: Request, before: list[dict[str, Any]]) -> None:
         """Fix the noise under the ``pld`` rule from ``before``, this run's earlier ledger entries
-        (public values only); called before ``public`` and ``cost``. By default nothing."""
+        (public values only); called before ``charge`` and ``public``. By default nothing."""
 
     def charge(self, request: Request, before: list[dict[str, Any]]) -> float | None:
-        """The epsilon this release costs after ``before`` under the ``pld`` rule, or None when
-        ``cost`` prices it (the ledger prices it again under its lock)."""
+        """The epsilon this release costs after ``before`` under the ``pld`` rule (the ledger prices
+        it again under its lock), or None when ``cost`` prices it."""
         return None
 
     @abstractmethod
@@ -191,7 +191,6 @@ class GaussianHistogram(Mechanism):
         self.histogram, self.compute, self.sensitivity = histogram, compute, float(sensitivity)
         self.prepare = prepare  # loads what the computation needs (an embedder): a public fact
         self.sigma: float | None = None  # fixed by ``calibrate`` under pld; else per request (basic)
-        self.before: list[dict[str, Any]] = []
 
     def check(self, request: Request) -> None:
         """What the computation needs is loaded before the reservation: a model that is not
@@ -217,7 +216,6 @@ class GaussianHistogram(Mechanism):
         phase's (epsilon, delta): exact Gaussian composition instead of epsilon / T per round."""
         if request.accounting == BASIC or not math.isfinite(request.epsilon):
             return  # no DP: no noise, priced inf as under basic
-        self.before = before
         rounds = rounds_of(request.epsilon / request.phase_budget) if request.phase_budget > 0 else 1
         earlier = gaussian_base([e for e in before if e["phase"] != request.phase])
         phase = Planned(request.phase, GAUSSIAN, request.epsilon * rounds, request.delta * rounds, self.sensitivity,
@@ -230,10 +228,6 @@ class GaussianHistogram(Mechanism):
         if self.sigma == 0:
             return float("inf")
         return pld_charge(gaussian_base(before), self.sigma, self.sensitivity, request.delta)
-
-    def cost(self, request: Request) -> tuple[float, float]:  # noqa: D102
-        priced = self.charge(request, self.before)
-        return (request.epsilon, request.delta) if priced is None else (priced, request.delta)
 
     def public(self, request: Request) -> dict[str, Any]:  # noqa: D102
         basic = analytic_gaussian_sigma(request.epsilon, request.delta, self.sensitivity)
@@ -259,16 +253,17 @@ def release(node: Node, request: Request, mechanism: Mechanism) -> tuple[Any, Co
                  request.phase, request.round, request.run_id)
         return stored[0], ConfigRecord(stored[1])
     mechanism.check(request)
-    pld = request.accounting != BASIC
-    if pld:  # the run's earlier releases price this one (public values), and again under the lock
-        mechanism.calibrate(request, node.ledger.run_entries(request.run_id, request.phase, request.round))
     epsilon, delta = mechanism.cost(request)
-    rel = Release(phase=request.phase, mechanism=mechanism.name, epsilon=epsilon, delta=delta,
-                  run_id=request.run_id, round=request.round, public=mechanism.public(request))
-    priced = (lambda before: mechanism.charge(request, before)) if pld and mechanism.charge(request, []) is not None \
-        else None
+    priced = None
+    if request.accounting != BASIC:  # the run's earlier releases price this one (public values), again under the lock
+        before = node.ledger.run_entries(request.run_id, request.phase, request.round)
+        mechanism.calibrate(request, before)
+        priced = mechanism.charge(request, before)
+    rel = Release(phase=request.phase, mechanism=mechanism.name, epsilon=epsilon if priced is None else priced,
+                  delta=delta, run_id=request.run_id, round=request.round, public=mechanism.public(request))
     entry = node.ledger.reserve(rel, request.phase_budget, steps=mechanism.steps(request), cap=request.cap,
-                                binding=mechanism.binding(request), digest=request.digest, charge=priced)
+                                binding=mechanism.binding(request), digest=request.digest,
+                                charge=None if priced is None else (lambda entries: mechanism.charge(request, entries)))
     try:
         out = mechanism.release(request)
         if not _finite(out.payload):  # never computed from a non-finite value, never released as one

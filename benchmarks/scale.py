@@ -1,6 +1,6 @@
 """How a run's cost grows: time and peak memory against nodes, synthetic texts and records.
 
-Usage: python -m benchmarks.scale [--runs nodes,texts] [--default-model NODES] [--kernel] [--out docs]
+Usage: python -m benchmarks.scale [--runs nodes,texts] [--default-model NODES] [--marginals NODES] [--kernel] [--out docs]
 
 - ``--runs``: real ``flwr run`` simulations of the tiny model (one phase-1 round of 2 steps, so
   the per-message machinery, not training, is what grows): nodes 10, 30, 100 at 120 texts, and
@@ -11,6 +11,8 @@ Usage: python -m benchmarks.scale [--runs nodes,texts] [--default-model NODES] [
   per worker, whatever the node count).
 - ``--default-model 100``: one run of 100 nodes with the default model (SmolLM2-135M, LoRA) and
   1 round of 1 DP-SGD step (memory does not depend on the steps).
+- ``--marginals 100``: one run of 100 sites making a table by federated marginals (issue 48:
+  Breast Cancer, ``presets/table-marginals.toml``, 120 rows; about 5 rows per site).
 - ``--kernel``: a weak node's kNN vote (``fedsyn_client.voting.knn_votes``) on random unit
   embeddings, records 10^3..10^5 x texts 120..10^4, one control code (the worst case: all pairs
   in one matrix), in blocks (the node's code) and as one matrix (before issue 24, where it fits
@@ -36,7 +38,7 @@ import numpy as np
 from common.io import read_jsonl
 
 FIELDS = ["sweep", "nodes", "texts", "records", "variant", "seconds", "peak_mib", "workers", "tiers", "finetune",
-          "profile", "generate", "refine"]
+          "profile", "generate", "refine", "marginals"]
 TINY = {"model": "tiny-gpt2", "num-server-rounds": 1, "local-steps": 2, "batch-size": 4, "max-new-tokens": 8,
         "test-fraction": 0.02, "strong-fraction": 0.5}
 NODES, TEXTS = (10, 30, 100), (120, 1000, 10000)
@@ -83,10 +85,18 @@ class PeakMemory:
         self._thread.join()
 
 
-def measure_run(nodes: int, texts: int, out: Path, default_model: bool = False) -> dict:
+def marginals_settings() -> dict:
+    """``presets/table-marginals.toml``: Breast Cancer by federated marginals (issue 48)."""
+    import tomllib
+
+    return tomllib.loads((Path(__file__).parents[1] / "presets" / "table-marginals.toml").read_text())
+
+
+def measure_run(nodes: int, texts: int, out: Path, default_model: bool = False, marginals: bool = False) -> dict:
     """One simulation of ``nodes`` nodes and ``texts`` synthetic texts: a CSV row. The tiny model,
     or (``default_model``) the default one with 1 round of 1 step: memory does not depend on the
-    steps, and the defaults' 2 x 12 at 100 nodes would take hours on 2 cores."""
+    steps, and the defaults' 2 x 12 at 100 nodes would take hours on 2 cores; or (``marginals``)
+    a Breast Cancer table by federated marginals, ``texts`` rows (no model at all)."""
     from common.federation import simulation_tiers
     from common.config import RunConfig
     from fedsyn_client.node import STATE_ENV
@@ -95,8 +105,9 @@ def measure_run(nodes: int, texts: int, out: Path, default_model: bool = False) 
 
     home = Path(tempfile.mkdtemp(prefix="fedsyn-flwr-home-"))
     state = Path(tempfile.mkdtemp(prefix="fedsyn-scale-state-"))
-    name = f"n{nodes}-t{texts}" + ("-default" if default_model else "")
-    settings = {"num-server-rounds": 1, "local-steps": 1, "strong-fraction": 0.5} if default_model else TINY
+    name = f"n{nodes}-t{texts}" + ("-default" if default_model else "-marginals" if marginals else "")
+    settings = ({"num-server-rounds": 1, "local-steps": 1, "strong-fraction": 0.5} if default_model else
+                {**marginals_settings(), "sampling-rate": 1.0, "strong-fraction": 0.5} if marginals else TINY)
     with PeakMemory(home) as mem:
         res = run_app({**settings, "num-synthetic": texts, "out-dir": str(out), "run-name": name, "min-nodes": nodes},
                       f"num-supernodes={nodes}", timeout=3600, env={STATE_ENV: str(state)}, flwr_home=home,
@@ -108,8 +119,8 @@ def measure_run(nodes: int, texts: int, out: Path, default_model: bool = False) 
     weak = simulation_tiers(nodes, TINY["strong-fraction"]).count("weak")
     from common.federation import benchmark
 
-    records = len(benchmark(RunConfig.from_flower({**TINY})).train) // nodes  # per node, about
-    row = {"sweep": "run-default" if default_model else "run", "nodes": nodes, "texts": texts, "records": records, "variant": f"{weak} weak",
+    records = len(benchmark(RunConfig.from_flower({**(settings if marginals else TINY)})).train) // nodes  # per node
+    row = {"sweep": "run-default" if default_model else "run-marginals" if marginals else "run", "nodes": nodes, "texts": texts, "records": records, "variant": f"{weak} weak",
            "seconds": round(res.seconds, 1), "peak_mib": round(mem.peak), "workers": len(workers)}
     row.update({k: round(float(timings.get(k, 0.0)), 1) for k in FIELDS[8:]})
     return row
@@ -204,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kernel", action="store_true", help="the kNN vote sweep")
     ap.add_argument("--default-model", type=int, default=0, metavar="NODES",
                     help="one run of NODES nodes with the default model (1 round of 1 step)")
+    ap.add_argument("--marginals", type=int, default=0, metavar="NODES",
+                    help="one run of NODES sites making a table by federated marginals (Breast Cancer, 120 rows)")
     ap.add_argument("--out", default="docs", type=Path)
     ap.add_argument("--whole-limit-gib", type=float, default=6.0,
                     help="skip the one-matrix kNN where it would need more than this")
@@ -238,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
                 keep(measure_run(10, texts, runs))
         if args.default_model:
             keep(measure_run(args.default_model, 120, runs, default_model=True))
+        if args.marginals:
+            keep(measure_run(args.marginals, 120, runs, marginals=True))
     plot(rows, args.out / "scale.png")
     for key, fixed, value in (("nodes", "texts", 120), ("texts", "nodes", 10)):
         pts = sorted((r for r in rows if r["sweep"] == "run" and r[fixed] == value), key=lambda r: r[key])

@@ -1,6 +1,6 @@
 """Issue 25's comparison: fedsyn's table runs beside MST and AIM on the same splits and budget.
 
-Usage: python -m benchmarks.tables [--grid benchmarks/tables.toml] [--out docs]
+Usage: python -m benchmarks.tables [--grid benchmarks/tables.toml] [--out docs] [--name tables_results.csv]
 
 Run ``fedsyn experiment benchmarks/tables.toml`` first (the fedsyn cells: Breast Cancer, the
 preset's settings, 3 seeds). Then, for every seed of the grid, this script reads each finished
@@ -198,11 +198,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--grid", default=str(Path(__file__).with_name("tables.toml")))
     parser.add_argument("--out", default=str(Path(__file__).parents[1] / "docs"))
+    parser.add_argument("--name", default="tables_results.csv", help="the CSV's file name under --out")
     args = parser.parse_args()
     rows = collect(Path(args.grid))
     if not rows:
         raise SystemExit(f"no finished cell in {args.grid}: run `fedsyn experiment {args.grid}` first")
-    path = atomic_write_csv(Path(args.out) / "tables_results.csv", rows, ["method", "epsilon", "seed", *METRICS])
+    path = atomic_write_csv(Path(args.out) / args.name, rows, ["method", "epsilon", "seed", *METRICS])
     print(summary(rows))
     print(f"\n-> {path}")
     diagnostics = grpo_rows(Path(args.grid))

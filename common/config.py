@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from common.dp import BudgetSplit, paper_delta, split_budget
+from common.dp import BudgetSplit, paper_delta, phase_epsilon, split_budget
 from common.plugins import AGGREGATORS, FINETUNE_MODES, REFINEMENTS, is_class_path
 
 if TYPE_CHECKING:
@@ -29,6 +29,10 @@ ACCOUNTING = ("basic", "pld")
 ON_NODE_SHORTFALL = ("refuse", "continue-without")
 PRECISIONS = ("auto", "fp32")
 WRITER_CHOICES = ("better", "mix")  # strategies.writers.better_writer
+# How a table run makes its rows (issue 48): "rows", the language model writes each row as text
+# (issue 25); "marginals", every site releases noisy marginals and the server samples rows from a
+# graphical model fitted to their sum (strategies.marginals)
+TABLE_METHODS = ("rows", "marginals")
 
 
 class ConfigError(ValueError):
@@ -57,6 +61,10 @@ class RunConfig:
     precision: str = "auto"  # auto: bf16 autocast where the device computes bf16 natively; fp32: never
     dataset: str = "bbc-news"
     table_schema: str = ""  # a table run: the public schema as inline JSON ("" = a text column; see _schema)
+    table_method: str = "rows"  # a table run: "rows" (the LLM writes rows) or "marginals" (TABLE_METHODS)
+    marginal_bins: int = 16  # marginals: a number or date column is cut into this many equal bins of its declared range
+    # marginals: measurement rounds; 1 measured better on Breast Cancer than 2 (docs/results.md#tables)
+    marginal_rounds: int = 1
     text_column: str = "text"
     control_columns: tuple[str, ...] = ("topic",)
     control_codes: tuple[str, ...] = ()
@@ -151,6 +159,10 @@ class RunConfig:
             ("max-grad-norm", self.max_grad_norm > 0, "a float > 0"),
             ("contrastive-weight", 0 <= self.contrastive_weight <= 100, "a float in [0, 100] (0 = the paper's loss)"),
             ("control-columns", len(self.control_columns) >= 1, "one or more comma-separated column names"),
+            ("table-method", self.table_method in TABLE_METHODS, f"one of {list(TABLE_METHODS)}"),
+            ("marginal-bins", 2 <= self.marginal_bins <= 1024, "an integer in [2, 1024]"),
+            ("marginal-rounds", self.marginal_rounds in (1, 2), "1 (the 1-way marginals and the control column's "
+             "pairs) or 2 (every pair first, then a tree of the strongest; strategies.graphical_model)"),
             ("strong-fraction", 0.0 <= self.strong_fraction <= 1.0, "a float in [0, 1]"),
             ("test-fraction", 0.0 <= self.test_fraction < 0.9, "a float in [0, 0.9)"),
             ("epsilon", self.epsilon > 0, "a float > 0, or inf for no DP"),
@@ -206,6 +218,11 @@ class RunConfig:
             if len(self.control_columns) == len(schema.columns):
                 raise ConfigError(_message("control-columns", ",".join(self.control_columns),
                                            "fewer columns than table-schema has: the others are what is generated"))
+            if self.marginals:
+                _check_measurable(schema, self.marginal_bins)
+        elif self.marginals:
+            raise ConfigError(_message("table-method", self.table_method, "'rows' for a text run: 'marginals' needs a "
+                                       "table-schema (the public columns whose marginals the sites count)"))
         try:
             self.resolve_delta(num_records=2)
         except ValueError:
@@ -232,9 +249,18 @@ class RunConfig:
         return split_budget(self.epsilon, self.epsilon_profile)
 
     @property
+    def marginals(self) -> bool:
+        """Whether this is a table run by federated marginals (``table-method = "marginals"``)."""
+        return self.table_method == "marginals"
+
+    def phase_epsilon(self, tier: str, phase: str) -> float:
+        """A node of ``tier``'s epsilon for ``phase`` in this run (``common.dp.phase_epsilon``)."""
+        return phase_epsilon(self.epsilon, self.epsilon_profile, tier, self.voters, phase, marginals=self.marginals)
+
+    @property
     def trains(self) -> bool:
         """Whether the run has phase 1 (DP finetuning on the strong nodes)."""
-        return self.prompt != "zero-shot" and self.num_server_rounds > 0
+        return self.prompt != "zero-shot" and self.num_server_rounds > 0 and not self.marginals
 
     @property
     def vote_window(self) -> int:
@@ -274,6 +300,18 @@ def _schema(value: str) -> Schema:
         return load_schema(value)
     except SchemaError as err:
         raise ConfigError(f"invalid run config: table-schema: {err}") from None
+
+
+def _check_measurable(schema: Schema, bins: int) -> None:
+    """Every column of a marginals run has a finite domain from the schema alone (a number or date
+    column its declared range), before anything is sent: ``ConfigError`` naming the column."""
+    from common.marginals import domain_size
+
+    for column in schema.columns:
+        try:
+            domain_size(column, bins)
+        except ValueError as err:
+            raise ConfigError(f"invalid run config: table-method = 'marginals': {err}") from None
 
 
 def _message(key: str, value: Any, allowed: str) -> str:

@@ -22,7 +22,10 @@ WEAK = "weak"
 TIERS = (STRONG, WEAK)
 # The phases that release something; each is one constant, used by nodes, server and ledger.
 TRAIN, PROFILE, VOTE = "train", "profile", "vote"
-PHASES = (TRAIN, PROFILE, VOTE)
+# A table run by federated marginals (issue 48): every site's whole epsilon goes to its noisy
+# marginals, and none to the text phases (a run is one method or the other).
+MARGINALS = "marginals"
+PHASES = (TRAIN, PROFILE, VOTE, MARGINALS)
 GAUSSIAN, DPSGD = "gaussian", "dp-sgd"
 
 
@@ -112,16 +115,21 @@ def split_budget(epsilon: float, epsilon_profile: float) -> BudgetSplit:
     return BudgetSplit(epsilon, epsilon_profile, epsilon - epsilon_profile)
 
 
-def phase_epsilon(epsilon: float, epsilon_profile: float, tier: str, voters: str, phase: str) -> float:
+def phase_epsilon(epsilon: float, epsilon_profile: float, tier: str, voters: str, phase: str,
+                  marginals: bool = False) -> float:
     """A node's epsilon for ``phase`` in one run (appendix B).
 
     Strong = train + profile, weak = vote + profile. When strong nodes also vote
     (``voters = "all"``) their non-profile share is split evenly between training and
     voting, so every node's total stays ``epsilon``. A phase the tier does not take part
-    in gets 0. ``epsilon = inf`` gives inf for every phase it takes part in.
+    in gets 0. ``epsilon = inf`` gives inf for every phase it takes part in. A run of federated
+    marginals (``marginals``, issue 48) gives every tier its whole ``epsilon`` for the marginals
+    phase and nothing for the others.
     """
     if phase not in PHASES:
         raise ValueError(f"unknown phase {phase!r}; one of {PHASES}")
+    if marginals or phase == MARGINALS:
+        return epsilon if marginals and phase == MARGINALS else 0.0
     split = split_budget(epsilon, epsilon_profile)
     if phase == PROFILE:
         return split.profile

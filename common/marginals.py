@@ -23,7 +23,7 @@ from common.rows import Column, Schema
 def _range(column: Column) -> tuple[float, float]:
     """The declared [min, max] of a number or date column (dates as day ordinals)."""
     if column.min is None or column.max is None:
-        raise ValueError(f"column {column.name!r}: the marginal baselines (MST, AIM) need declared ranges: give the {column.type} column "
+        raise ValueError(f"column {column.name!r}: marginals (table-method = 'marginals', MST, AIM) need declared ranges: give the {column.type} column "
                          "a 'min' and a 'max' in the schema (bins are cut from them, never from the data)")
     if column.type == "date":
         return (float(dt.date.fromisoformat(str(column.min)).toordinal()),
@@ -202,3 +202,33 @@ def marginal_counts(codes: pd.DataFrame, clique: tuple[str, ...], sizes: dict[st
     cells = np.ravel_multi_index(tuple(codes[a].to_numpy(dtype=np.int64) for a in clique), shape) if len(codes) \
         else np.zeros(0, dtype=np.int64)
     return np.bincount(cells, minlength=int(np.prod(shape))).astype(np.float64)
+
+
+def column_sizes(schema: Schema, bins: int) -> dict[str, int]:
+    """Each column's domain size (``domain_size``), in the schema's order: the public shape of
+    every marginal a site counts, known to server and node alike."""
+    return {c.name: domain_size(c, bins) for c in schema.columns}
+
+
+def cells(clique: tuple[str, ...], sizes: dict[str, int]) -> int:
+    """How many cells ``clique``'s marginal has (the product of its columns' domain sizes)."""
+    return int(np.prod([int(sizes[a]) for a in clique], dtype=np.int64)) if clique else 1
+
+
+def joined_marginals(codes: pd.DataFrame, cliques: list[tuple[str, ...]], sizes: dict[str, int]) -> np.ndarray:
+    """Several marginals as one vector, in ``cliques``' order (``marginal_counts`` each): what a
+    site releases in one Gaussian release. One record adds 1 to one cell of each, so k marginals
+    together have L2 sensitivity sqrt(k); the length is the schema's, never the rows'."""
+    if not cliques:
+        return np.zeros(0)
+    return np.concatenate([marginal_counts(codes, clique, sizes) for clique in cliques])
+
+
+def split_marginals(vector: np.ndarray, cliques: list[tuple[str, ...]], sizes: dict[str, int]) -> dict[tuple[str, ...], np.ndarray]:
+    """The inverse of ``joined_marginals``: one vector back into each clique's counts. ``ValueError``
+    when its length is not the cliques' cells together (a malformed reply)."""
+    lengths = [cells(c, sizes) for c in cliques]
+    if len(vector) != sum(lengths):
+        raise ValueError(f"{len(vector)} values for marginals of {sum(lengths)} cells")
+    bounds = np.cumsum([0] + lengths)
+    return {c: np.asarray(vector[bounds[i]:bounds[i + 1]], dtype=np.float64) for i, c in enumerate(cliques)}

@@ -23,6 +23,7 @@ carries a sampling rate, noise multiplier or count, from which |D| would follow.
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from typing import Any
 
@@ -34,6 +35,7 @@ MSG_TRAIN = "train"
 MSG_PROFILE = "query.profile"
 MSG_VOTE = "query.vote"
 MSG_LEDGER = "query.ledger"
+MSG_MARGINALS = "query.marginals"
 
 ARRAYS = "arrays"  # Flower strategies' default ArrayRecord key
 CONFIG = "config"  # Flower strategies' default ConfigRecord key
@@ -42,6 +44,8 @@ TIER = "tier"
 PROFILE = "profile"
 VOTES = "votes"
 CANDIDATES = "candidates"
+MARGINALS = "marginals"  # a marginals reply's vector; a request's cliques under CLIQUES in its config
+CLIQUES = "cliques"
 RELEASE = "release"
 LEDGER = "ledger"
 # Error codes in replies (Flower reserves small ints; these are app-level).
@@ -96,6 +100,24 @@ def tier_reply(tier: str, budget: float, needed: float, remaining: float, shortf
 def vector_reply(key: str, values: np.ndarray, release: ConfigRecord) -> RecordDict:
     """Content of a profile or vote reply: one noisy float vector under ``key``."""
     return RecordDict({key: MetricRecord({key: [float(v) for v in values]}), RELEASE: release})
+
+
+def cliques_value(cliques: list[tuple[str, ...]]) -> str:
+    """A marginals request's cliques as one config value (JSON: a list of lists of column names)."""
+    return json.dumps([list(c) for c in cliques])
+
+
+def read_cliques(params: dict[str, Any]) -> list[tuple[str, ...]]:
+    """The cliques of a marginals request's config; ``ValueError`` when absent or malformed (a
+    list of non-empty lists of distinct column names)."""
+    try:
+        raw = json.loads(str(params[CLIQUES]))
+    except (KeyError, ValueError):
+        raise ValueError("the marginals request carries no cliques (a JSON list of lists of column names)") from None
+    if not isinstance(raw, list) or not raw or not all(
+            isinstance(c, list) and c and all(isinstance(a, str) for a in c) and len(set(c)) == len(c) for c in raw):
+        raise ValueError("the marginals request's cliques are not a non-empty list of lists of distinct column names")
+    return [tuple(c) for c in raw]
 
 
 def read_vector(content: RecordDict, key: str) -> np.ndarray:

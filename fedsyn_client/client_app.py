@@ -24,12 +24,12 @@ from flwr.clientapp import ClientApp
 
 from common import records as R
 from common.config import ConfigError, RunConfig
-from common.dp import PROFILE, STRONG, TRAIN, VOTE
+from common.dp import MARGINALS, PROFILE, STRONG, TRAIN, VOTE
 from common.logs import get_logger, plain_console
 from fedsyn_client import refusals
 from fedsyn_client.audit import audit_dir, audit_mod, check_audit_dir
 from common.models import load_embedder
-from fedsyn_client.histograms import vote_histogram
+from fedsyn_client.histograms import marginals_histogram, vote_histogram
 from fedsyn_client.node import Node, node_policy, open_node
 from fedsyn_client.placement import record_placement
 from fedsyn_client.refusals import NodeSetupError, Refusal, public_reason
@@ -154,6 +154,21 @@ def vote(msg: Message, node: Node, cfg: RunConfig, req: Request) -> RecordDict:
     noisy, statement = release(node, req, GaussianHistogram(name, compute, sensitivity,
                                                             prepare=lambda: load_embedder(cfg.embedder)))
     return R.vector_reply(R.VOTES, noisy, statement)
+
+
+# --------------------------------------------------------------------------- a table by marginals
+@app.query("marginals")
+@_handler(MARGINALS)
+def marginals(msg: Message, node: Node, cfg: RunConfig, req: Request) -> RecordDict:
+    """A marginals round (issue 48): the counts of the requested cliques' marginals over the public
+    schema's bins + Gaussian noise at L2 sensitivity sqrt(number of cliques). ``authorise`` has
+    checked the cliques against the schema and the policy's measurable columns."""
+    schema = cfg.schema()
+    cliques = R.read_cliques(req.params)
+    compute, sensitivity = marginals_histogram(node.records(req.vocabulary), cliques, schema, cfg.control_columns,
+                                               cfg.marginal_bins, bound=node.bound)
+    noisy, statement = release(node, req, GaussianHistogram(MARGINALS, compute, sensitivity))
+    return R.vector_reply(R.MARGINALS, noisy, statement)
 
 
 # --------------------------------------------------------------------------- after the run

@@ -161,3 +161,61 @@ def candidate_embeddings(texts: list[str], embedder_name: str, max_tokens: int |
 _EMBEDDING_CACHE: dict[tuple[str, int | None, int], dict[str, np.ndarray]] = {}
 _EMBED_BATCH = 64  # common.models.embed's batch: the ballast is tokenized in batches as large
 _CANDIDATES: dict[str, Any] = {}
+
+
+# --- federated marginals (issue 48) ---------------------------------------------------------------
+
+def marginals_histogram(records: TextData, cliques: list[tuple[str, ...]], schema: Any, control_columns: tuple[str, ...],
+                        bins: int, bound: int | None = None) -> tuple[Compute, float]:
+    """The node's counts of each clique's marginal over the schema's bins, joined in the request's
+    order (``common.marginals.joined_marginals``); L2 sensitivity sqrt(number of cliques), since
+    one record adds 1 to one cell of each. The records' rows are read back from their texts and
+    codes (``common.rows.record_row``); under ``bound`` as many filler rows are read beside them
+    and dropped before counting, so the time is the bound's, not |D|'s."""
+    from common.marginals import column_sizes, joined_marginals
+
+    sizes = column_sizes(schema, bins)
+
+    def compute() -> np.ndarray:
+        return joined_marginals(node_codes(records, schema, control_columns, bins, bound), cliques, sizes)
+
+    return compute, float(np.sqrt(len(cliques)))
+
+
+def node_codes(records: TextData, schema: Any, control_columns: tuple[str, ...], bins: int,
+               bound: int | None = None) -> Any:
+    """The records as bin indices (``common.marginals.discretise``): each record's row read from its
+    text and code. A record that is not a row of the schema (its file changed under the node) is
+    counted nowhere, like a row with a value outside the schema."""
+    import pandas as pd
+
+    from common.codes import make_code, parse_code
+    from common.marginals import discretise
+    from common.rows import RowError, canonical, generated_part, record_row, serialise
+
+    key = (dataset_fingerprint(records), canonical(schema), tuple(control_columns), bins, bound)
+    if key in _CODES:
+        return _CODES[key]
+    texts, codes = list(records.texts), list(records.codes)
+    if bound is not None and bound > len(texts):
+        # one public filler row (each column's first value), read like a record and dropped below
+        first = {c.name: (c.categories[0] if c.type == "categorical" else c.min) for c in schema.columns}
+        filler_text = serialise(first, generated_part(schema, control_columns), np.random.default_rng(0))
+        filler_code = make_code({c: schema.column(c).write(first[c]) for c in control_columns}, control_columns)
+        texts += [filler_text] * (bound - len(texts))
+        codes += [filler_code] * (bound - len(codes))
+    rows, real = [], len(records)
+    for i, (text, code) in enumerate(zip(texts, codes)):
+        try:
+            row = record_row(text, parse_code(code), schema)
+        except (RowError, KeyError, ValueError):
+            continue
+        if i < real:
+            rows.append(row)
+    out = discretise(pd.DataFrame(rows, columns=list(schema.names)), schema, bins)
+    _CODES.clear()  # one node's view at a time: a worker serves its nodes' requests one by one
+    _CODES[key] = out
+    return out
+
+
+_CODES: dict[tuple[Any, ...], Any] = {}

@@ -14,7 +14,8 @@ a node's records can lose, and what runs on them, comes from here, never from th
 | vocabulary        | ``control-codes`` (optional, pins it)   | the benchmark's vocabulary       |
 | total epsilon     | ``epsilon`` (**required**)              | run config ``epsilon``           |
 | largest delta     | ``delta`` (default 1e-5)                | the run's resolved ``delta``     |
-| per-phase caps    | ``max-epsilon-train``/``-profile``/``-vote`` (optional; across all runs in the window) | none |
+| per-phase caps    | ``max-epsilon-train``/``-profile``/``-vote``/``-marginals`` (optional; across all runs in the window) | none |
+| measurable columns | ``measurable-columns`` (a table; default: every column of its schema): the columns a marginals request may count | every column |
 | cap window        | ``cap-window-days`` (default 0: the ledger's whole life) | none               |
 | generators        | ``model`` (default ``smollm2-135m,tiny-gpt2``) | run config ``model``      |
 | embedders         | ``embedder`` (default ``all-MiniLM-L6-v2``) | run config ``embedder``       |
@@ -65,7 +66,7 @@ DEFAULT_MAX_LENGTH = 512
 NODE_KEYS = ("tier", "data-path", "text-column", "control-columns", "table-schema", "control-codes", "epsilon", "delta",
              "max-epsilon-train", "max-epsilon-profile", "max-epsilon-vote", "cap-window-days", "model", "embedder",
              "finetune", "state-dir", "ledger-id", "max-unconfirmed-holds", "keep-replies-days", "audit-dir",
-             "policy-file", "max-length", "max-records", "accounting")
+             "policy-file", "max-length", "max-records", "accounting", "max-epsilon-marginals", "measurable-columns")
 SIMULATION_KEYS = ("partition-id", "num-partitions")  # set by Flower's simulation engine
 
 class PolicyError(ValueError):
@@ -103,6 +104,7 @@ class Ask:
     finetune: str = ""
     table_schema: str = ""  # common.rows.canonical of the run's table schema; "" = a text column
     max_length: int = 0  # the tokens a record is cut to (training; the vote window is twice it)
+    measured: tuple[str, ...] = ()  # a marginals request: the columns its marginals count
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,7 @@ class NodePolicy:
     max_length: int = DEFAULT_MAX_LENGTH  # the longest max-length a request may ask
     max_records: int = 0  # the public size bound (0 in simulation: the partition's size, public there)
     accounting: str = "basic"  # how this node composes its releases (common.config.ACCOUNTING)
+    measurable_columns: tuple[str, ...] = ()  # the columns a marginals request may count; () = all of the schema's
     simulated: bool = False
     partition: tuple[int, ...] = ()  # simulation: (partition id, number of partitions)
     warnings: tuple[str, ...] = field(default=(), compare=False)
@@ -164,6 +167,11 @@ class NodePolicy:
                                                  f"cap max-length = {self.max_length} (node-config max-length)")
         if ask.delta is not None:
             self._check_delta(ask.delta)
+        unmeasurable = [c for c in ask.measured if self.measurable_columns and c not in self.measurable_columns]
+        if unmeasurable:
+            raise PolicyRefused(RULE_COLUMNS, f"the request counts marginals of columns {unmeasurable}, which this "
+                                              "node's policy does not let be measured (node-config measurable-columns = "
+                                              f"{','.join(self.measurable_columns)!r})")
         for phase, eps in ask.phases:
             self._check_phase(phase, eps)
             if phase == TRAIN:
@@ -273,7 +281,7 @@ def policy_from_node_config(node_config: Mapping[str, Any]) -> NodePolicy:
     if bad:
         raise PolicyError(f"node-config finetune = {','.join(models['finetune'])!r}: {bad} is not a finetune mode; "
                           f"allowed: {','.join(DEFAULT_FINETUNE)}")
-    table_schema = ""
+    table_schema, measurable = "", ()
     if str(values.get("table-schema", "")).strip():
         from common.rows import SchemaError, canonical, load_schema
 
@@ -286,6 +294,14 @@ def policy_from_node_config(node_config: Mapping[str, Any]) -> NodePolicy:
             raise PolicyError(f"node-config control-columns {bad_columns} are not categorical columns of its "
                               "table-schema")
         table_schema = canonical(schema)
+        measurable = _names(values.get("measurable-columns", ""))
+        outside = [c for c in measurable if c not in schema.names]
+        if outside:
+            raise PolicyError(f"node-config measurable-columns {outside} are not columns of its table-schema "
+                              f"({', '.join(schema.names)})")
+    elif _names(values.get("measurable-columns", "")):
+        raise PolicyError("node-config measurable-columns needs a table-schema: it names the table columns whose "
+                          "marginals this node lets be counted")
     max_length = _float("max-length", values.get("max-length", DEFAULT_MAX_LENGTH))
     if not (8 <= max_length <= 8192 and max_length == int(max_length)):
         raise PolicyError(f"node-config max-length = {max_length:g} must be an integer in [8, 8192] (default "
@@ -313,7 +329,7 @@ def policy_from_node_config(node_config: Mapping[str, Any]) -> NodePolicy:
         ledger_id=str(values.get("ledger-id", "")), phase_caps=tuple(caps), cap_window_days=window,
         max_unconfirmed_holds=int(max_holds), keep_replies_days=keep_days, models=models["model"],
         embedders=models["embedder"], finetune_modes=models["finetune"], max_length=int(max_length),
-        max_records=int(max_records), accounting=accounting, warnings=notes,
+        max_records=int(max_records), accounting=accounting, measurable_columns=measurable, warnings=notes,
     )
 
 
@@ -349,7 +365,7 @@ def _read_policy_file(path: Path) -> dict[str, Any]:
         raise PolicyError(f"node-config policy-file {path} is not valid TOML: {err}") from None
     unknown = sorted(k for k in values if k not in NODE_KEYS or k == "policy-file")
     if unknown:
-        raise PolicyError(f"unknown policy key(s) {unknown} in {path}; allowed: {', '.join(NODE_KEYS[:-1])}")
+        raise PolicyError(f"unknown policy key(s) {unknown} in {path}; allowed: {', '.join(k for k in NODE_KEYS if k != 'policy-file')}")
     return values
 
 

@@ -38,7 +38,7 @@ from flwr.app import ConfigRecord, Context, Message
 from common import records as R
 from common.config import ConfigError, RunConfig
 from common.calibration import BASIC, Planned, gaussian_base, pld_charge, pld_noise, rounds_of
-from common.dp import GAUSSIAN, PHASES, analytic_gaussian_sigma, gaussian_release, phase_epsilon
+from common.dp import GAUSSIAN, MARGINALS, PHASES, analytic_gaussian_sigma, gaussian_release
 from common.logs import get_logger
 from common.rows import canonical
 from fedsyn_client.ledger import Release
@@ -92,7 +92,7 @@ def authorise(msg: Message, context: Context, policy: NodePolicy, cfg: RunConfig
         return Request(run_id=key, phase=LEDGER, epsilon=0.0, delta=0.0, phase_budget=0.0, vocabulary=())
     conf = dict(msg.content.config_records[R.CONFIG]) if R.CONFIG in msg.content.config_records else {}
     vocabulary = tuple(str(c) for c in conf.get("codes", []))
-    needs = {p: phase_epsilon(cfg.epsilon, cfg.epsilon_profile, policy.tier, cfg.voters, p) for p in PHASES}
+    needs = {p: cfg.phase_epsilon(policy.tier, p) for p in PHASES}
     if kind == TIER:
         planned = {p: needs[p] for p in (str(x) for x in conf.get("phases", PHASES)) if p in needs and needs[p] > 0}
     else:
@@ -102,7 +102,8 @@ def authorise(msg: Message, context: Context, policy: NodePolicy, cfg: RunConfig
     policy.authorise(Ask(text_column=cfg.text_column, control_columns=cfg.control_columns, epsilon=cfg.epsilon,
                          vocabulary=vocabulary, phases=tuple(planned.items()), delta=conf.get("delta"),
                          model=cfg.model, embedder=cfg.embedder, finetune=cfg.finetune,
-                         table_schema=canonical(cfg.schema()), max_length=cfg.max_length))
+                         table_schema=canonical(cfg.schema()), max_length=cfg.max_length,
+                         measured=measured_columns(cfg, conf) if kind == MARGINALS else ()))
     if kind == TIER:
         return Request(run_id=key, phase=TIER, epsilon=float(sum(planned.values())), delta=0.0, phase_budget=0.0,
                        vocabulary=vocabulary, params=conf, needs=planned)
@@ -119,10 +120,37 @@ def authorise(msg: Message, context: Context, policy: NodePolicy, cfg: RunConfig
                    cap=(cap, policy.cap_window_days) if cap is not None else None, accounting=policy.accounting)
 
 
+# The most cells one marginals request may ask for: the work and the reply grow with them, so a
+# server may not ask for an arbitrarily large vector (4 million floats: 32 MB)
+MAX_MARGINAL_CELLS = 4_000_000
+
+
+def measured_columns(cfg: RunConfig, conf: dict[str, Any]) -> tuple[str, ...]:
+    """The columns a marginals request's cliques name, checked against the run's schema and the
+    size limit; ``ConfigError`` (nothing read, nothing spent) for a malformed request."""
+    from common.marginals import cells, column_sizes
+
+    schema = cfg.schema()
+    if schema is None or not cfg.marginals:
+        raise ConfigError("a marginals request in a run that is not table-method = 'marginals'")
+    try:
+        cliques = R.read_cliques(conf)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    sizes = column_sizes(schema, cfg.marginal_bins)
+    unknown = sorted({a for c in cliques for a in c} - set(sizes))
+    if unknown:
+        raise ConfigError(f"the marginals request names columns {unknown} outside the run's table-schema")
+    total = sum(cells(c, sizes) for c in cliques)
+    if total > MAX_MARGINAL_CELLS:
+        raise ConfigError(f"the marginals request asks for {total} cells, above {MAX_MARGINAL_CELLS}")
+    return tuple(a for a in schema.names if any(a in c for c in cliques))
+
+
 # The run-config terms a node's computation reads (besides the message): a request under other
 # terms is another request, so it never gets a stored reply or takes over a dead reservation.
 COMPUTATION_TERMS = ("model", "finetune", "lora_rank", "lora_layers", "embedder", "vote_window", "max_length", "text_column",
-                     "control_columns", "table_schema", "prompt", "zero_shot_template", "batch_size", "local_steps",
+                     "control_columns", "table_schema", "table_method", "marginal_bins", "prompt", "zero_shot_template", "batch_size", "local_steps",
                      "num_server_rounds", "learning_rate", "max_grad_norm", "contrastive_weight", "precision", "seed", "epsilon",
                      "epsilon_profile", "voters", "accounting", "dataset", "partitioning", "strong_fraction", "test_fraction")
 

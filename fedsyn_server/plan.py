@@ -28,8 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from common.config import ConfigError, RunConfig
 from common.calibration import Planned, pld_noise
-from common.dp import (DPSGD, GAUSSIAN, PROFILE, STRONG, TRAIN, VOTE, analytic_gaussian_sigma, dpsgd_noise_multiplier,
-                       phase_epsilon)
+from common.dp import DPSGD, GAUSSIAN, MARGINALS, PROFILE, STRONG, TRAIN, VOTE, analytic_gaussian_sigma, dpsgd_noise_multiplier
 
 if TYPE_CHECKING:
     from strategies.result import FedSynResult
@@ -115,7 +114,8 @@ def plan_run(flwr_args: list[str], cwd: Path) -> Plan:
     out.lines += _server_lines(cfg, parts, speed)
     out.lines.append(f"accounting: the simulated nodes price their releases by {cfg.accounting!r} (sigma above "
                      "under both rules; a deployed node follows its own node-config accounting)")
-    out.lines.append(writers_line(cfg, [t for t, _ in parts]))
+    if not cfg.marginals:
+        out.lines.append(writers_line(cfg, [t for t, _ in parts]))
     return out
 
 
@@ -166,7 +166,8 @@ def deployment_lines(cfg: RunConfig, answered: dict[int, str], result: FedSynRes
         lines += ["  " + line for line in _phase_lines(cfg, tier, bound, delta, _speeds() if bound else {})]
     lines += [f"node {f['node_id']} cannot take part: {f['reason']}" for f in result.failures
               if f["phase"] == "tiers" and f["node_id"] not in answered]
-    lines.append(writers_line(cfg, tiers))
+    if not cfg.marginals:
+        lines.append(writers_line(cfg, tiers))
     return lines
 
 
@@ -191,11 +192,13 @@ def writers_line(cfg: RunConfig, tiers: list[str]) -> str:
 def _phase_lines(cfg: RunConfig, tier: str, records: int | None, delta: float, speed: dict[str, Any]) -> list[str]:
     from strategies.refinement import planned_votes
 
+    if cfg.marginals:
+        return _marginal_lines(cfg, delta)
     lines = []
-    eps_profile = phase_epsilon(cfg.epsilon, cfg.epsilon_profile, tier, cfg.voters, PROFILE)
+    eps_profile = cfg.phase_epsilon(tier, PROFILE)
     lines.append(f"profile: epsilon {eps_profile:g}, delta {delta:g}, Gaussian sigma "
                  f"{analytic_gaussian_sigma(eps_profile, delta, 1.0):.3g} (sensitivity 1)")
-    eps_train = phase_epsilon(cfg.epsilon, cfg.epsilon_profile, tier, cfg.voters, TRAIN)
+    eps_train = cfg.phase_epsilon(tier, TRAIN)
     steps = cfg.num_server_rounds * cfg.local_steps
     if eps_train and cfg.trains and records is None:
         lines.append(f"train: epsilon {eps_train:g}, delta {delta:g} (or the node's cap), {steps} DP-SGD steps of "
@@ -212,7 +215,7 @@ def _phase_lines(cfg: RunConfig, tier: str, records: int | None, delta: float, s
                      f"(basic; {pld:.3g} under accounting = pld) "
                      f"(q = {q:.3g}, {steps} steps, C = {cfg.max_grad_norm:g}); {tokens:,} tokens"
                      + (f", about {tokens / rate:.0f} s" if rate else ""))
-    eps_vote = phase_epsilon(cfg.epsilon, cfg.epsilon_profile, tier, cfg.voters, VOTE)
+    eps_vote = cfg.phase_epsilon(tier, VOTE)
     terms = planned_votes(cfg)
     if eps_vote and terms is not None:
         rounds, sens, formula = terms
@@ -229,12 +232,33 @@ def _phase_lines(cfg: RunConfig, tier: str, records: int | None, delta: float, s
     return lines
 
 
+def _marginal_lines(cfg: RunConfig, delta: float) -> list[str]:
+    """A marginals run's one phase: per round, how many marginals, their sensitivity and sigma."""
+    from strategies.marginals import planned_marginals
+
+    rounds = cfg.marginal_rounds
+    eps = cfg.epsilon / rounds
+    # under pld every round has one noise multiplier (sigma / sensitivity), solved for the rounds together
+    z = pld_noise((), Planned(MARGINALS, GAUSSIAN, cfg.epsilon, delta, 1.0, rounds=rounds))
+    lines = [f"marginals: epsilon {cfg.epsilon:g} in {rounds} round(s), delta {delta:g}"]
+    for rnd, k in enumerate(planned_marginals(cfg), start=1):
+        what = "1- and 2-way marginals" if rnd == 1 else "marginals of the tree the round-1 sums choose"
+        lines.append(f"  round {rnd}: {k} {what}, Gaussian sigma {analytic_gaussian_sigma(eps, delta / rounds, k ** 0.5):.3g} "
+                     f"per cell (sensitivity sqrt({k}); basic; {z * k ** 0.5:.3g} under accounting = pld)")
+    return lines
+
+
 def _profile_base(eps_profile: float, delta: float) -> tuple[tuple[float, float, float], ...]:
     """The profile as the Gaussian a phase after it is priced on under pld (none without one)."""
     return ((analytic_gaussian_sigma(eps_profile, delta, 1.0), 1.0, delta),) if eps_profile else ()
 
 
 def _server_lines(cfg: RunConfig, parts: list[tuple[str, Any]], speed: dict[str, Any]) -> list[str]:
+    if cfg.marginals:
+        from strategies.marginals import final_rows
+
+        return [f"server: sums the sites' marginals, fits a graphical model (Private-PGM) and samples "
+                f"{final_rows(cfg)} rows; no language model"]
     rate = speed.get("generation_tokens_per_s")
     passes = 1 if cfg.guidance == 1 else 2  # guidance runs the model once more per token
     tokens = passes * cfg.num_synthetic * (cfg.max_new_tokens or cfg.max_length)

@@ -13,7 +13,7 @@ from typing import Any
 
 from common import histograms
 from common.config import RunConfig
-from common.dp import composed_epsilon, phase_epsilon
+from common.dp import composed_epsilon
 from strategies.refinement import planned_votes
 from strategies.result import FedSynResult
 from strategies.writers import writers_summary
@@ -60,20 +60,30 @@ def privacy_report(cfg: RunConfig, res: FedSynResult) -> dict[str, Any]:
         "private": cfg.private,
         "warning": None if cfg.private else "NO DIFFERENTIAL PRIVACY: epsilon = inf, no noise was added anywhere",
         "unit": "one record of one node (sample-level DP, add/remove)",
-        "mechanisms": {"train": "DP-SGD (Opacus, Poisson sampling, RDP accountant over all rounds; the whole "
-                                "phase's epsilon is reserved at round 1)",
-                       "profile": "analytic Gaussian, L2 sensitivity 1",
-                       "vote": "analytic Gaussian at the named histogram's L2 sensitivity ("
-                               + ", ".join(f"{name} {histograms.formula(name)}" for name in histograms.SENSITIVITIES)
-                               + "); a refinement's vote rounds split epsilon_vote" + _this_run(cfg)},
-        "epsilon_split": {"epsilon": cfg.epsilon, "epsilon_profile": cfg.epsilon_profile,
-                          "voters": cfg.voters},
+        "mechanisms": _mechanisms(cfg),
+        "epsilon_split": ({"epsilon": cfg.epsilon, "marginals": cfg.epsilon} if cfg.marginals else
+                          {"epsilon": cfg.epsilon, "epsilon_profile": cfg.epsilon_profile, "voters": cfg.voters}),
         "nodes": nodes,
         # which weights wrote the kept texts, per code: chosen by the released votes, so free in epsilon
         "writers": {**writers_summary(res), "epsilon": 0.0,
                     "note": "post-processing of the released votes (strategies.writers): no epsilon beyond them"},
     }
 
+
+
+def _mechanisms(cfg: RunConfig) -> dict[str, str]:
+    """Each phase's mechanism in words: a marginals run has one phase, a text run three."""
+    if cfg.marginals:
+        return {"marginals": "analytic Gaussian on each round's marginal counts, joined (L2 sensitivity sqrt(number "
+                             f"of marginals)); {cfg.marginal_rounds} round(s), each at 1/{cfg.marginal_rounds} of "
+                             "epsilon and delta; the server's choice of round 2 and the graphical model are "
+                             "post-processing of the sums"}
+    return {"train": "DP-SGD (Opacus, Poisson sampling, RDP accountant over all rounds; the whole "
+                     "phase's epsilon is reserved at round 1)",
+            "profile": "analytic Gaussian, L2 sensitivity 1",
+            "vote": "analytic Gaussian at the named histogram's L2 sensitivity ("
+                    + ", ".join(f"{name} {histograms.formula(name)}" for name in histograms.SENSITIVITIES)
+                    + "); a refinement's vote rounds split epsilon_vote" + _this_run(cfg)}
 
 
 def _this_run(cfg: RunConfig) -> str:
@@ -113,7 +123,7 @@ def unknown_releases(cfg: RunConfig, tier: str, stated: list[dict[str, Any]],
         if f.get("spent") != "unknown":
             continue
         phase = f["phase"]
-        cap = phase_epsilon(cfg.epsilon, cfg.epsilon_profile, tier, cfg.voters, phase) if tier else math.inf
+        cap = cfg.phase_epsilon(tier, phase) if tier else math.inf
         counted = sum(float(r["epsilon"]) for r in stated + out if r["phase"] == phase)
         epsilon = min(float(f["epsilon_requested"]), max(cap - counted, 0.0))
         if epsilon > 0 or not cfg.private:

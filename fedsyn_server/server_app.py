@@ -80,20 +80,25 @@ def write_resume_config(cfg: RunConfig, run_dir: Path) -> Path:
 
 def build_strategy(cfg: RunConfig, load_model: bool = True) -> tuple[FedSynStrategy, Benchmark, ServerModel | None]:
     """Everything the server needs for a run: the strategy, the public data, the model
-    (``load_model=False``: none, for stage 0 alone).
+    (``load_model=False``: none, for stage 0 alone; a marginals table run has none either).
 
     Raises (before any message is sent) on a bad aggregator or refinement name.
     """
+    bench = benchmark(cfg)
+    # 'paper' delta: N = the run dataset's training records (public); nodes cap delta themselves
+    delta = cfg.resolve_delta(len(bench.train))
+    if cfg.marginals:  # a table by federated marginals: no language model anywhere (strategies.marginals)
+        from strategies.marginals import MarginalsStrategy
+
+        return MarginalsStrategy(cfg, bench.vocabulary, delta=delta), bench, None
     build_aggregator(cfg.aggregator, cfg.server_learning_rate, 1)  # fail early on a bad class path
     refinement = build_refinement(cfg.refinement)
-    bench = benchmark(cfg)
     server_model = ServerModel(cfg) if load_model else None
     strategy = FedSynStrategy(
         cfg, bench.vocabulary,
         make_aggregator=lambda n: build_aggregator(cfg.aggregator, cfg.server_learning_rate, n),
         refinement=refinement, generator=server_model,  # type: ignore[arg-type]  # None only for plan-only
-        # 'paper' delta: N = the run dataset's training records (public); nodes cap delta themselves
-        delta=cfg.resolve_delta(len(bench.train)),
+        delta=delta,
         evaluate_fn=(lambda rnd, arrays: server_model.heldout_loss(arrays, bench.test)) if server_model else None,
     )
     return strategy, bench, server_model
@@ -204,12 +209,12 @@ def _main(grid: Grid, context: Context) -> None:
         write_resume_config(cfg, run_dir)
     atomic_symlink(run_dir.parent / LATEST, run_dir.name)
     try:
-        result = strategy.run(grid, server_model.initial_arrays(), resume=checkpoint)
+        result = strategy.run(grid, server_model.initial_arrays() if server_model else None, resume=checkpoint)
     except Exception:
         strategy.end_holds(grid)  # a run that broke off frees what its nodes hold for it (a resume holds again)
         raise
     paths = write_outputs(run_dir, cfg, bench.vocabulary, result)
-    if result.arrays is not None and (result.train_metrics or result.generator_refined):
+    if server_model is not None and result.arrays is not None and (result.train_metrics or result.generator_refined):
         save_model(server_model.load(result.arrays), run_dir)
     if len(bench.test):  # public benchmark records no node trained on, for `fedsyn evaluate`
         atomic_write_jsonl(run_dir / "heldout.jsonl", [text_row(t, c) for t, c in zip(bench.test.texts, bench.test.codes)])

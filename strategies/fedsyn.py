@@ -138,14 +138,9 @@ class FedSynStrategy(Strategy):
     def run(self, grid: Grid, initial_arrays: ArrayRecord | None, resume: Checkpoint | None = None) -> FedSynResult:
         """Run stages 0-5 of Algorithm 1 and return everything produced; with ``resume`` (a
         loaded checkpoint of this run) continue where it stopped."""
-        self.summary()
-        if resume is not None:
-            self._restore(resume)
-        self.progress.resume_key = self.resume_key
-        res, done, t0, self._grid = self.result, self.progress.completed, time.time(), grid
-        res.tiers = self.members.discover(grid, self.stable_seconds)   # stage 0
+        t0 = self._begin(grid, resume)                                  # stage 0
+        res, done = self.result, self.progress.completed
         self.aggregator = self.make_aggregator(len(self.members.strong))
-        res.timings["tiers"] = time.time() - t0
 
         t = time.time()                                                 # stage 1
         if "finetune" not in done:
@@ -198,12 +193,19 @@ class FedSynStrategy(Strategy):
         log.info("final synthetic set: %d of %d texts (%s, %d vote rounds)", len(res.selected), len(res.pool_texts),
                  self.refinement.name, len(res.vote_rounds))
 
-        # stage 5: every ledger this run touched, under the ids its nodes have now (a resumed simulation's
-        # nodes are new processes with new ids; the old ids' ledgers answer under them, by ledger ref)
-        live = set(grid.get_node_ids())
-        self._ledgers(grid, sorted(((set(res.tiers) | set(res.releases)) - self.members.replaced) & live))
-        res.timings["total"] = time.time() - t0
-        return res
+        return self._finish(grid, t0)                                   # stage 5
+
+    def _begin(self, grid: Grid, resume: Checkpoint | None) -> float:
+        """Stage 0, after restoring ``resume`` (a loaded checkpoint of this run) if given: every
+        node's tier and pre-flight. Returns the run's start time."""
+        self.summary()
+        if resume is not None:
+            self._restore(resume)
+        self.progress.resume_key = self.resume_key
+        t0, self._grid = time.time(), grid
+        self.result.tiers = self.members.discover(grid, self.stable_seconds)
+        self.result.timings["tiers"] = time.time() - t0
+        return t0
 
     def preflight(self, grid: Grid) -> FedSynResult:
         """Stage 0 alone (run config ``plan-only``, for ``fedsyn plan``): every node's tier and
@@ -339,6 +341,15 @@ class FedSynStrategy(Strategy):
         return total
 
     # ------------------------------------------------------------ stage 5
+    def _finish(self, grid: Grid, t0: float) -> FedSynResult:
+        """Stage 5: every ledger this run touched, under the ids its nodes have now (a resumed
+        simulation's nodes are new processes with new ids; the old ids' ledgers answer under them,
+        by ledger ref); returns the result."""
+        res, live = self.result, set(grid.get_node_ids())
+        self._ledgers(grid, sorted(((set(res.tiers) | set(res.releases)) - self.members.replaced) & live))
+        res.timings["total"] = time.time() - t0
+        return res
+
     def _ledgers(self, grid: Grid, node_ids: list[int]) -> None:
         """Ask every node for this run's releases from its own ledger (costs no privacy).
 

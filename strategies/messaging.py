@@ -21,7 +21,7 @@ from flwr.serverapp import Grid
 
 from common import records as R
 from common.config import RunConfig
-from common.dp import PHASES, STRONG, TRAIN, WEAK, phase_epsilon
+from common.dp import PHASES, STRONG, TRAIN, WEAK
 from common.logs import get_logger
 from strategies.result import FedSynResult
 
@@ -142,8 +142,8 @@ class Courier:
         entry: dict[str, Any] = {"node_id": node_id, "phase": phase, "round": rnd, "reason": reason, "code": code}
         if phase in PHASES and code not in R.ERR_NOTHING_SPENT and not stated:
             tier = self.result.tiers.get(node_id, STRONG if phase == TRAIN else WEAK)
-            entry.update(spent="unknown", epsilon_requested=share * phase_epsilon(
-                self.cfg.epsilon, self.cfg.epsilon_profile, tier, self.cfg.voters, phase), delta_requested=share * self.delta)
+            entry.update(spent="unknown", epsilon_requested=share * self.cfg.phase_epsilon(tier, phase),
+                         delta_requested=share * self.delta)
         self.result.failures.append(entry)
 
     def degrade(self, what: str, skipped: bool = False) -> None:

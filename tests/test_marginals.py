@@ -9,8 +9,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from common.marginals import marginal_counts
-from strategies.graphical_model import fit_and_sample, sum_marginals
+from common.marginals import joined_marginals, marginal_counts, split_marginals
+from strategies.graphical_model import (Measured, first_round, fit_and_sample, model_measurements, second_round,
+                                        sum_marginals)
 
 SIZES = {"a": 3, "b": 4, "c": 2}
 
@@ -63,3 +64,43 @@ def test_the_pooled_model_of_three_sites_recovers_their_union():
     truth = marginal_counts(union, ("a", "b"), SIZES) / len(union)
     drawn = marginal_counts(rows, ("a", "b"), SIZES) / len(rows)
     assert 0.5 * np.abs(truth - drawn).sum() < 0.05  # the dependence of b on a survives
+
+
+def test_a_sites_joined_marginals_move_by_sqrt_k_for_one_record_and_split_back():
+    codes = _table(300, 1)
+    cliques = [("a",), ("b",), ("c",), ("a", "b"), ("b", "c")]
+    joined = joined_marginals(codes, cliques, SIZES)
+    assert joined.shape == (3 + 4 + 2 + 12 + 8,)
+    plus_one = joined_marginals(pd.concat([codes, codes.iloc[[7]]]), cliques, SIZES)
+    assert np.linalg.norm(plus_one - joined) == pytest.approx(math.sqrt(len(cliques)))  # the stated sensitivity
+    back = split_marginals(joined, cliques, SIZES)
+    assert all(np.array_equal(back[c], marginal_counts(codes, c, SIZES)) for c in cliques)
+    with pytest.raises(ValueError, match="cells"):
+        split_marginals(joined[:-1], cliques, SIZES)
+
+
+def test_round_one_asks_every_pair_when_a_second_round_chooses_else_the_control_columns_pairs():
+    columns = ["y", "a", "b", "c"]
+    two = first_round(columns, "y", rounds=2)
+    assert two[:4] == [("y",), ("a",), ("b",), ("c",)] and len(two) == 4 + 6
+    one = first_round(columns, "y", rounds=1)
+    assert one[4:] == [("y", "a"), ("y", "b"), ("y", "c")]
+
+
+def test_round_two_keeps_the_dependence_the_noisy_sums_show_and_joins_it_with_the_control_column():
+    """a and b depend on each other, c on nothing: round 2 measures (y, a, b), and the model is fitted
+    to the 1-way marginals and the pairs inside its cliques only (a pair outside would join the tree)."""
+    rng = np.random.default_rng(3)
+    codes = _table(4000, 2).assign(y=rng.integers(0, 2, 4000))
+    sizes = {**SIZES, "y": 2}
+    columns = ["y", "a", "b", "c"]
+    cliques = first_round(columns, "y", rounds=2)
+    noisy = {c: marginal_counts(codes, c, sizes) + rng.normal(0, 5.0, marginal_counts(codes, c, sizes).shape)
+             for c in cliques}
+    measured = sum_marginals([noisy], [5.0])
+    chosen = second_round(measured, columns, "y", sizes)
+    assert ("y", "a", "b") in chosen and len(chosen) == 2  # a tree over a, b, c has two edges
+    fitted = model_measurements(measured, chosen)
+    assert {m.clique for m in fitted if len(m.clique) == 1} == {(c,) for c in columns}
+    assert all(any(set(m.clique) <= set(c) for c in chosen) for m in fitted if len(m.clique) > 1)
+    assert len(fitted) < len(measured)  # the pair that is in no clique of the model is left out

@@ -1,7 +1,8 @@
 """Issue 31 as a property: on neighbouring datasets the real ClientApp's outcomes are identical.
 
 Hypothesis draws request sequences over every message type (tier, ledger, train rounds with
-changed terms, profile, vote with every registered histogram, table runs; valid and malformed),
+changed terms, profile, vote with every registered histogram, a table's marginals, table runs;
+valid and malformed),
 ``tests/neighbours.py`` plays each against two nodes whose data differ in one record and
 compares what the server sees, noise left out. The corpus (``@example``) holds the cases that
 were free bits before: a later training round on another code's smaller view, and a view with
@@ -75,16 +76,28 @@ train_runs = st.builds(
     lambda key, views, rc: [Step(R.MSG_TRAIN, rc=rc, conf=_conf(v, key, i + 1, 1e-5)) for i, v in enumerate(views)],
     run_keys, st.lists(codes, min_size=2, max_size=3),
     st.sampled_from([(), (), (("batch-size", 2),), (("contrastive-weight", 1.0),)]))
+# issue 48: a table's marginals (the run config asks table-method = marginals; in a text run the
+# node refuses it the same on both), valid cliques mostly, sometimes an unknown column or none
+MARGINALS_RC = (("table-method", "marginals"),)
+CLIQUE_SETS = ['[["topic"]]', '[["size"]]', '[["topic", "size"]]', '[["topic"], ["size"], ["topic", "size"]]',
+               '[["nope"]]', '[]']
+marginals_steps = st.builds(
+    lambda c, k, r, d, q, s, t, rc: Step(R.MSG_MARGINALS, rc=rc, conf=_conf(c, k, r, d, **{"cliques": q,
+                                                                                        "epsilon-share": s}), tier=t),
+    codes, run_keys, rounds, deltas, st.sampled_from(CLIQUE_SETS), st.sampled_from([0.5, 1.0, 0.5, 0.0]),
+    st.sampled_from(["weak", "strong"]), st.sampled_from([MARGINALS_RC, MARGINALS_RC, (), MARGINALS_RC + (
+        ("marginal-bins", 4),)]))
 # the institution's policy, drawn per step like a request (a node may pin its vocabulary, cap a
 # phase, list the models it allows): a refusal must be the same on neighbours too
 policies = st.sampled_from([(), (), (("control-codes", ",".join(CODES)),), (("control-codes", "topic=x,topic=y"),),
                             (("max-epsilon-vote", 1.0),), (("max-epsilon-train", 1.0),), (("model", "smollm2-135m"),),
-                            (("max-length", 16),), (("accounting", "pld"),)])
+                            (("max-length", 16),), (("accounting", "pld"),), (("max-epsilon-marginals", 1.0),)])
 train_steps = st.builds(lambda s, p: Step(**{**s.__dict__, "policy": p}), train_steps, policies)
 vote_steps = st.builds(lambda s, p: Step(**{**s.__dict__, "policy": p}), vote_steps, policies)
+marginals_steps = st.builds(lambda s, p: Step(**{**s.__dict__, "policy": p}), marginals_steps, policies)
 # training and votes are where the view matters most: drawn twice as often
 steps_ = st.lists(st.one_of(train_steps, train_steps, profile_steps, vote_steps, vote_steps, tier_steps,
-                            ledger_steps), min_size=1, max_size=5)
+                            ledger_steps, marginals_steps), min_size=1, max_size=5)
 sequences = st.one_of(steps_, st.tuples(train_runs, st.lists(st.one_of(profile_steps, vote_steps, tier_steps,
                                                                          ledger_steps), max_size=2))
                       .map(lambda pair: pair[0] + pair[1]))
@@ -135,6 +148,18 @@ ADDED_STRONG = [Step(R.MSG_TRAIN, conf=_conf((X, Y, Z), "b", 1, 1e-5)), Step(R.M
 @pytest.mark.parametrize("added", sorted(ADDED))
 def test_an_added_record_changes_nothing_but_noise(steps, added):
     check_neighbours(steps, added)
+
+
+# Issue 48: a table's marginals over a view D' lacks a record of (z: its whole view), or holds one
+# more record of (odd values, a far longer text): two rounds, one of them all three marginals.
+MARGINALS_ROUNDS = [Step(R.MSG_MARGINALS, rc=MARGINALS_RC, conf=_conf(v, "m", i + 1, 1e-5, **{
+    "cliques": q, "epsilon-share": 0.5}), tier=t) for i, (v, q, t) in enumerate((
+        ((Z,), '[["topic"], ["size"], ["topic", "size"]]', "weak"), ((X, Y, Z), '[["topic", "size"]]', "weak")))]
+
+
+@pytest.mark.parametrize("neighbour", ["remove-z", "remove-y", "add-odd", "add-long", "add-number"])
+def test_a_marginals_release_changes_nothing_but_noise(neighbour):
+    check_neighbours(MARGINALS_ROUNDS, neighbour, table=True)
 
 
 @pytest.mark.parametrize("added", ["4.5", "04", "", "4 stars", "٤"])

@@ -1,0 +1,185 @@
+"""A table by federated marginals (issue 48): every site counts, the server fits and samples.
+
+``MarginalsStrategy.run`` is this method's whole server logic, top to bottom:
+
+0. tiers      -- as in every run (``strategies.fedsyn``): each node's tier and whether its ledger
+                 and policy cover the run's one phase, ``marginals`` (its whole epsilon)
+M. marginals  -- ``marginal-rounds`` rounds; in each, every site (strong and weak alike) releases
+                 the counts of the round's marginals over the public schema's bins with Gaussian
+                 noise (one release, L2 sensitivity sqrt(marginals), ``fedsyn_client.histograms``),
+                 at 1 / rounds of its epsilon and delta. The server sums the sites' vectors: a
+                 measurement of the pooled rows with the sites' variances added. What round 2
+                 measures is chosen from round 1's sums (``strategies.graphical_model``: free)
+   fit        -- Private-PGM's graphical model fitted to the sums, rows sampled from it, written
+                 as the table's records (the outputs, the report and the metrics as for rows)
+5. ledgers    -- every node states this run's releases from its own ledger (free)
+
+Nodes, holds, failures, degradations and checkpoints are ``FedSynStrategy``'s (this class only
+replaces its phases): a site that fails a round is left out of that round's sum, which is then a
+marginal of fewer sites' rows and is said as a degradation.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import time
+from typing import Any
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, RecordDict
+from flwr.serverapp import Grid
+
+from common import records as R
+from common.codes import make_code
+from common.config import ConfigError, RunConfig
+from common.dp import MARGINALS
+from common.logs import get_logger
+from common.marginals import cells, column_sizes, split_marginals, undiscretise
+from common.rows import generated_part, serialise
+from strategies.checkpoint import Checkpoint
+from strategies.fedsyn import FedSynStrategy, RoundUnanswered
+from strategies.graphical_model import (Clique, Measured, first_round, fit_and_sample, model_measurements,
+                                        second_round, sum_marginals)
+from strategies.result import FedSynResult
+
+log = get_logger("fedsyn")
+WRITER = "marginals"  # each row's writer in pool.jsonl and the writers' summary: the graphical model
+
+
+def final_rows(cfg: RunConfig) -> int:
+    """How many rows a marginals run samples: the final set's size of a text run
+    (num-synthetic x sampling-rate), so methods compare at the same size."""
+    return max(1, round(cfg.num_synthetic * cfg.sampling_rate))
+
+
+def planned_marginals(cfg: RunConfig) -> list[int]:
+    """How many marginals each round asks of every site (public: from the schema alone; round 2
+    measures a tree over the non-control columns, with the control column, whatever the data)."""
+    schema = cfg.schema()
+    columns = list(schema.names) if schema is not None else []
+    first = len(first_round(columns, cfg.control_columns[0], cfg.marginal_rounds))
+    return [first] if cfg.marginal_rounds == 1 else [first, max(1, len(columns) - 2)]
+
+
+class MarginalsStrategy(FedSynStrategy):
+    """Federated noisy marginals + a graphical model on the server (``table-method = "marginals"``)."""
+
+    def __init__(self, cfg: RunConfig, vocabulary: list[str], delta: float, stable_seconds: float = 3.0) -> None:
+        from strategies.aggregators import build_aggregator
+        from strategies.refinement import build_refinement
+
+        super().__init__(cfg, vocabulary, make_aggregator=lambda n: build_aggregator("fedavg", 1.0, n),
+                         refinement=build_refinement("none"), generator=None, delta=delta,  # type: ignore[arg-type]
+                         stable_seconds=stable_seconds)
+        schema = cfg.schema()
+        if schema is None or not cfg.marginals:
+            raise ValueError("MarginalsStrategy needs a table run with table-method = 'marginals'")
+        if importlib.util.find_spec("mbi") is None:  # before any site is asked: nothing spent on a run that cannot end
+            raise ConfigError("table-method = 'marginals' needs Private-PGM on the server to fit its model: "
+                              "pip install 'fedsyn[tables]' (the sites only count; they do not need it)")
+        self.schema, self.sizes = schema, column_sizes(schema, cfg.marginal_bins)
+        self.anchor = cfg.control_columns[0]
+
+    def summary(self) -> None:
+        """Log the run's shape."""
+        c = self.cfg
+        log.info("fedsyn: table by federated marginals: %d columns, %d bins, %d round(s), eps=%s per site, %d rows",
+                 len(self.sizes), c.marginal_bins, c.marginal_rounds, c.epsilon, final_rows(c))
+        if not c.private:
+            log.warning("epsilon = inf: NO DIFFERENTIAL PRIVACY. Sites release exact marginals; use this only "
+                        "as a baseline on public data.")
+
+    def _plan(self) -> list[str]:
+        return [MARGINALS]
+
+    # ------------------------------------------------------------- the phases
+    def run(self, grid: Grid, initial_arrays: ArrayRecord | None = None, resume: Checkpoint | None = None) -> FedSynResult:
+        """Stages 0, M and 5; with ``resume`` continue where the checkpoint stopped."""
+        t0 = self._begin(grid, resume)                                  # stage 0
+        res, t = self.result, time.time()                               # stage M
+        if MARGINALS not in self.progress.completed:
+            columns = list(self.sizes)
+            cliques = first_round(columns, self.anchor, self.cfg.marginal_rounds)
+            measured = self._measure(cliques)
+            if self.cfg.marginal_rounds >= 2:
+                model = second_round(measured, columns, self.anchor, self.sizes)
+                log.info("round 2 measures %s", ["|".join(c) for c in model])
+                measured += self._measure(model)
+            else:
+                model = [c for c in cliques if len(c) > 1]
+            self._sample(model_measurements(measured, model), model)
+            self._checkpoint(MARGINALS)
+            res.timings[MARGINALS] = time.time() - t
+        log.info("final synthetic table: %d rows (%d marginals measured in %d round(s))", len(res.selected),
+                 sum(len(r["cliques"]) for r in res.vote_rounds), len(res.vote_rounds))
+
+        return self._finish(grid, t0)                                   # stage 5
+
+    def _measure(self, cliques: list[Clique]) -> list[Measured]:
+        """One round: every site's noisy marginals of ``cliques``, summed (``sum_marginals``), with
+        the sum's noise from each site's stated sigma. A finished round comes from the checkpoint."""
+        self._vote_round += 1
+        rnd, share = self._vote_round, 1.0 / self.cfg.marginal_rounds
+        if rnd <= len(self.progress.vote_totals):
+            log.info("marginals round %d: taken from the checkpoint", rnd)
+            stddev, *total = self.progress.vote_totals[rnd - 1]
+            return self._measured(np.asarray(total), float(stddev), cliques)
+        self.members.admit(self._grid, f"before marginals round {rnd}")
+        sites = sorted(self.members.active())
+        replies = self.courier.ask(self._grid, sites, R.MSG_MARGINALS, MARGINALS, RecordDict({
+            R.CONFIG: self._request(**{R.CLIQUES: R.cliques_value(cliques), "epsilon-share": share,
+                                       "server-round": rnd})}))
+        length = sum(cells(c, self.sizes) for c in cliques)
+        vectors = self.courier.vectors(replies, R.MARGINALS, length, MARGINALS)
+        sigmas = {n: self._sigma(n, replies[n]) for n in vectors}
+        answered = {n: v for n, v in vectors.items() if sigmas[n] is not None}
+        self.courier.coverage(f"marginals round {rnd}", answered, sites)
+        if not answered:
+            raise RoundUnanswered(f"marginals round {rnd}: no site answered (see failures above); the run stops "
+                                  "before this round with its checkpoint: resume it when the sites are back "
+                                  "(flwr run . --run-config <run-dir>/resume.toml)")
+        total = np.sum([np.asarray(v) for v in answered.values()], axis=0)
+        stddev = math.sqrt(sum(float(sigmas[n]) ** 2 for n in answered))
+        self.result.vote_rounds.append({"round": rnd, "histogram": MARGINALS, "epsilon_share": share,
+                                        "cliques": ["|".join(c) for c in cliques], "voters": sorted(answered),
+                                        "stddev": stddev})
+        self.progress.vote_totals.append([stddev, *(float(v) for v in total)])
+        self._checkpoint()
+        return self._measured(total, stddev, cliques)
+
+    def _measured(self, total: np.ndarray, stddev: float, cliques: list[Clique]) -> list[Measured]:
+        return sum_marginals([split_marginals(total, cliques, self.sizes)], [stddev])
+
+    def _sigma(self, node_id: int, reply: Any) -> float | None:
+        """The noise a site states it added (its release statement's sigma: public); a reply
+        without one is a failure of that site (its vector cannot be weighed)."""
+        try:
+            sigma = float(dict(reply.content.config_records[R.RELEASE])["sigma"])
+        except (KeyError, TypeError, ValueError):
+            sigma = math.nan
+        if not (math.isfinite(sigma) and sigma >= 0):
+            self.courier.fail(node_id, MARGINALS, "malformed reply: no noise stated", stated=True)
+            return None
+        return sigma
+
+    def _sample(self, measured: list[Measured], model: list[Clique]) -> None:
+        """Fit the graphical model to ``measured``, sample the final rows, and keep them as the
+        run's records: each row's text its generated columns (``common.rows.serialise``), its
+        code its control columns, as a node's records are."""
+        rows = final_rows(self.cfg)
+        codes = fit_and_sample(self.sizes, measured, rows, seed=self.cfg.seed)
+        rng = np.random.default_rng(self.cfg.seed)
+        frame = undiscretise(codes, self.schema, self.cfg.marginal_bins, rng)
+        generated = generated_part(self.schema, self.cfg.control_columns)
+        res = self.result
+        res.pool_texts, res.pool_codes = [], []
+        for row in frame.to_dict("records"):
+            res.pool_texts.append(serialise(row, generated, rng))
+            res.pool_codes.append(make_code({c: self.schema.column(c).write(row[c]) for c in self.cfg.control_columns},
+                                            self.cfg.control_columns))
+        res.pool_writers = [WRITER] * len(res.pool_texts)
+        res.selected = np.arange(len(res.pool_texts), dtype=np.int64)
+        res.allocation = {c: res.pool_codes.count(c) for c in self.vocabulary}
+        res.refinement = {"method": "marginals", "model_cliques": ["|".join(c) for c in model],
+                          "measurements": len(measured)}

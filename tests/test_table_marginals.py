@@ -1,0 +1,182 @@
+"""Issue 48: a table by federated marginals, end to end (the real ServerApp and ClientApp, a fake
+Grid, Breast Cancer over two sites), and the node's side of it as an attack surface: what a
+marginals request may ask, what the policy lets be measured, what is charged."""
+
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from flwr.app import ConfigRecord, Context, Message, RecordDict
+
+from common import records as R
+from common.config import ConfigError, RunConfig
+from common.dp import MARGINALS, PROFILE, STRONG, TRAIN, VOTE, WEAK
+
+ROOT = Path(__file__).resolve().parents[1]
+PRESET = tomllib.loads((ROOT / "presets" / "table-breast-cancer.toml").read_text())
+
+
+def marginals_config(**extra) -> dict:
+    """The Breast Cancer preset as a marginals run: every site's epsilon 8, 60 rows."""
+    return {**PRESET, "table-method": "marginals", "epsilon": 8.0, "strong-fraction": 0.5, "num-synthetic": 120,
+            "sampling-rate": 0.5, **extra}
+
+
+@pytest.fixture(scope="module")
+def table_run(tmp_path_factory):
+    """One whole marginals run: two simulated sites (one strong, one weak), two rounds."""
+    from fedsyn_client.client_app import app as client_app
+    from fedsyn_server import server_app
+    from tests.fakes import FakeGrid, client_node, set_task_identity
+
+    root = tmp_path_factory.mktemp("marginals")
+    # two rounds (the adaptive path); no held-out rows, so no evaluation (benchmarks/tables.py scores it)
+    rc = marginals_config(**{"out-dir": str(root / "out"), "run-name": "r", "marginal-rounds": 2, "test-fraction": 0.0})
+    nodes = {100 + p: client_node(client_app, 100 + p, {"partition-id": p, "num-partitions": 2,
+                                                         "state-dir": str(root / "state" / f"node{p}")}, rc, run_id=3)
+             for p in range(2)}
+    grid = FakeGrid(nodes)
+    set_task_identity()
+    server_app._main(grid, Context(run_id=3, node_id=0, node_config={}, state=RecordDict(), run_config=rc))
+    return root / "out" / "r", grid
+
+
+def test_every_site_answers_the_marginals_and_nothing_else_is_asked(table_run):
+    run_dir, grid = table_run
+    asked = [(m.metadata.message_type, m.metadata.dst_node_id) for m in grid.sent]
+    assert {t for t, _ in asked} == {R.MSG_TIER, R.MSG_MARGINALS, R.MSG_LEDGER}  # no training, profile or vote
+    rounds = [m for m in grid.sent if m.metadata.message_type == R.MSG_MARGINALS]
+    assert sorted(m.metadata.dst_node_id for m in rounds) == [100, 100, 101, 101]  # strong and weak alike
+    first = R.read_cliques(dict(rounds[0].content.config_records[R.CONFIG]))
+    assert len(first) == 7 + 21  # round 1: every 1-way and 2-way marginal of the 7 columns
+    second = R.read_cliques(dict(rounds[-1].content.config_records[R.CONFIG]))
+    assert len(second) == 5 and all("diagnosis" in c and len(c) == 3 for c in second)  # a tree of 6, with the label
+
+
+def test_the_rows_are_the_schemas_and_every_site_spent_exactly_its_epsilon(table_run):
+    run_dir, _ = table_run
+    table = pd.read_parquet(run_dir / "synthetic.parquet")
+    schema = RunConfig.from_flower(marginals_config()).schema()
+    assert list(table.columns) == list(schema.names) and len(table) == 60
+    for column in schema.columns:
+        values = table[column.name]
+        if column.type == "categorical":
+            assert set(values) <= set(column.categories)
+        else:
+            assert values.between(column.min, column.max).all()
+    report = json.loads((run_dir / "privacy_report.json").read_text())
+    for node in report["nodes"]:
+        releases = node["releases"]
+        assert [r["phase"] for r in releases] == [MARGINALS, MARGINALS]
+        assert sum(r["epsilon"] for r in releases) == pytest.approx(8.0)
+        assert [r["sensitivity"] for r in releases] == pytest.approx([math.sqrt(28), math.sqrt(5)])
+
+
+def test_a_marginals_run_gives_every_tier_its_whole_epsilon_for_the_marginals_alone():
+    cfg = RunConfig.from_flower(marginals_config())
+    for tier in (STRONG, WEAK):
+        assert cfg.phase_epsilon(tier, MARGINALS) == 8.0
+        assert [cfg.phase_epsilon(tier, p) for p in (TRAIN, PROFILE, VOTE)] == [0.0, 0.0, 0.0]
+    text = RunConfig()
+    assert text.phase_epsilon(WEAK, MARGINALS) == 0.0 and text.phase_epsilon(WEAK, VOTE) == 6.0
+
+
+def test_a_marginals_run_needs_a_schema_with_declared_ranges_before_anything_is_sent():
+    with pytest.raises(ConfigError, match="table-method.*needs a table-schema"):
+        RunConfig.from_flower({"table-method": "marginals"})
+    schema = json.dumps({"columns": [{"name": "y", "type": "categorical", "categories": ["a", "b"]},
+                                     {"name": "age", "type": "integer"}]})
+    with pytest.raises(ConfigError, match="'age'.*'min' and a 'max'"):
+        RunConfig.from_flower({"table-method": "marginals", "table-schema": schema, "control-columns": "y"})
+    RunConfig.from_flower({"table-schema": schema, "control-columns": "y"})  # the LLM's rows need no range
+
+
+def _ask(tmp_path, cliques: str, policy: dict | None = None, **rc_extra) -> tuple[Message, Path]:
+    """One marginals request to a deployed-style weak node holding 40 Breast Cancer rows."""
+    from sklearn.datasets import load_breast_cancer
+
+    from fedsyn_client import node as node_module
+    from fedsyn_client.client_app import app as client_app
+    from tests.fakes import client_node, set_task_identity
+
+    data = load_breast_cancer(as_frame=True).frame.head(40)
+    frame = data.assign(diagnosis=data["target"].map({0: "malignant", 1: "benign"}),
+                        **{"mean area": data["mean area"].round().astype(int)})
+    path = tmp_path / "rows.csv"
+    frame.to_csv(path, index=False)
+    rc = marginals_config(dataset=str(path), **rc_extra)
+    node_module._policy.cache_clear()
+    node_module._open.cache_clear()
+    node = client_node(client_app, 9, {"tier": "weak", "data-path": str(path), "max-records": 100, "epsilon": 8.0,
+                                       "state-dir": str(tmp_path / "state"), "table-schema": rc["table-schema"],
+                                       "control-columns": "diagnosis", **(policy or {})}, rc, run_id=2)
+    set_task_identity()
+    conf = {"codes": ["diagnosis=malignant", "diagnosis=benign"], "delta": 1e-5, "cliques": cliques,
+            "epsilon-share": 0.5, "server-round": 1}
+    reply = node(Message(content=RecordDict({R.CONFIG: ConfigRecord(conf)}), message_type=R.MSG_MARGINALS,
+                         dst_node_id=9))
+    return reply, tmp_path / "state" / "ledger.json"
+
+
+def _spent(ledger: Path) -> float:
+    from fedsyn_client.ledger import PrivacyLedger
+
+    return PrivacyLedger(ledger).spent() if ledger.exists() else 0.0
+
+
+def test_a_deployed_site_releases_its_marginals_at_half_its_epsilon_per_round(tmp_path):
+    reply, ledger = _ask(tmp_path, '[["diagnosis"], ["diagnosis", "mean area"]]')
+    assert not reply.has_error()
+    values = R.read_vector(reply.content, R.MARGINALS)
+    assert values.shape == (2 + 2 * 16,)
+    statement = dict(reply.content.config_records[R.RELEASE])
+    assert statement["phase"] == MARGINALS and statement["sensitivity"] == pytest.approx(math.sqrt(2))
+    assert _spent(ledger) == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize("cliques, policy, extra, code", [
+    ('[["diagnosis"], ["salary"]]', None, {}, R.ERR_CONFIG),  # a column outside the schema
+    ('[["diagnosis", "diagnosis"]]', None, {}, R.ERR_CONFIG),  # a column twice
+    ('{"a": 1}', None, {}, R.ERR_CONFIG),  # not a list of cliques
+    ('[["mean area", "mean radius", "mean texture", "mean perimeter", "mean concavity", "mean smoothness"]]', None,
+     {"marginal-bins": 1024}, R.ERR_CONFIG),  # 1024^6 cells: more than a request may ask
+    ('[["diagnosis", "mean area"]]', {"measurable-columns": "diagnosis,mean radius"}, {}, R.ERR_POLICY),
+    ('[["diagnosis"]]', {"max-epsilon-marginals": 2.0}, {}, R.ERR_POLICY),  # a cap below the run's 8
+], ids=["unknown-column", "repeated-column", "malformed", "too-many-cells", "not-measurable", "capped"])
+def test_a_marginals_request_the_site_does_not_allow_is_refused_before_anything_is_spent(tmp_path, cliques, policy,
+                                                                                          extra, code):
+    reply, ledger = _ask(tmp_path, cliques, policy, **extra)
+    assert reply.has_error() and reply.error.code == code
+    assert _spent(ledger) == 0.0
+
+
+def test_a_text_runs_node_refuses_a_marginals_request(tmp_path):
+    """A server cannot ask a text run's node for marginals: the phase has no budget there."""
+    from fedsyn_client.client_app import app as client_app
+    from tests.fakes import client_node, set_task_identity
+    from tests.test_strategy import TOPICS, run_config, write_topic_csv
+
+    rc = run_config(write_topic_csv(tmp_path / "news.csv", TOPICS, 5))
+    node = client_node(client_app, 4, {"partition-id": 0, "num-partitions": 1, "state-dir": str(tmp_path / "s")}, rc)
+    set_task_identity()
+    conf = {"codes": sorted(f"topic={t}" for t in TOPICS), "delta": 1e-5, "cliques": '[["topic"]]'}
+    reply = node(Message(content=RecordDict({R.CONFIG: ConfigRecord(conf)}), message_type=R.MSG_MARGINALS,
+                         dst_node_id=4))
+    assert reply.has_error() and reply.error.code in R.ERR_NOTHING_SPENT
+
+
+def test_plan_shows_each_rounds_marginals_and_their_noise_per_site(capsys):
+    from common.dp import analytic_gaussian_sigma
+    from fedsyn_server.cli import main
+
+    preset = str(ROOT / "presets" / "table-marginals.toml")
+    assert main(["plan", str(ROOT), "--run-config", preset, "--federation-config", "num-supernodes=3"]) == 0
+    out = capsys.readouterr().out
+    one = analytic_gaussian_sigma(8.0, 1e-5, 13 ** 0.5)  # 7 one-way + 6 pairs of the diagnosis
+    assert out.count(f"round 1: 13 1- and 2-way marginals, Gaussian sigma {one:.3g} per cell") == 3  # every site
+    assert "samples 60 rows; no language model" in out and "writers:" not in out

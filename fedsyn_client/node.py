@@ -153,7 +153,22 @@ def check_node(node_config: dict[str, Any]) -> str:
              + (f"; the file holds {len(data)}, so each release uses the same uniform subsample of {policy.max_records}"
                 if len(data) > policy.max_records else ""))
     return (f"node ready: tier={policy.tier} records={len(node.data)} budget epsilon={policy.epsilon:g} "
-            f"ledger={node.ledger.path} (spent {node.ledger.spent():.4g}); {bound}")
+            f"ledger={node.ledger.path} (spent {node.ledger.spent():.4g}); {bound}{_measurable(policy)}")
+
+
+def _measurable(policy: NodePolicy) -> str:
+    """For a table node: which columns a marginals run may count (issue 48), and which it cannot
+    (a number or date column without a declared range has no bins)."""
+    if not policy.table_schema:
+        return ""
+    schema = load_schema(policy.table_schema)
+    named = policy.measurable_columns or schema.names
+    unranged = [c.name for c in schema.columns if c.type != "categorical" and (c.min is None or c.max is None)]
+    return (f"; a marginals run may count {', '.join(named)}"
+            + (" (every column of its schema; node-config measurable-columns narrows it)"
+               if not policy.measurable_columns else " (node-config measurable-columns)")
+            + (f"; {', '.join(unranged)} declare no min and max, so no marginals run can use this schema"
+               if unranged else ""))
 
 
 def _check_requirements(policy: NodePolicy, node_config: dict[str, Any]) -> None:

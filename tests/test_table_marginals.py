@@ -111,19 +111,25 @@ def test_a_marginals_run_needs_a_schema_with_declared_ranges_before_anything_is_
     RunConfig.from_flower({"table-schema": schema, "control-columns": "y"})  # the LLM's rows need no range
 
 
-def _ask(tmp_path, cliques: str, policy: dict | None = None, **rc_extra) -> tuple[Message, Path]:
-    """One marginals request to a deployed-style weak node holding 40 Breast Cancer rows."""
+def _rows_csv(tmp_path: Path) -> Path:
+    """40 Breast Cancer rows as an institution's file."""
     from sklearn.datasets import load_breast_cancer
-
-    from fedsyn_client import node as node_module
-    from fedsyn_client.client_app import app as client_app
-    from tests.fakes import client_node, set_task_identity
 
     data = load_breast_cancer(as_frame=True).frame.head(40)
     frame = data.assign(diagnosis=data["target"].map({0: "malignant", 1: "benign"}),
                         **{"mean area": data["mean area"].round().astype(int)})
     path = tmp_path / "rows.csv"
     frame.to_csv(path, index=False)
+    return path
+
+
+def _ask(tmp_path, cliques: str, policy: dict | None = None, **rc_extra) -> tuple[Message, Path]:
+    """One marginals request to a deployed-style weak node holding 40 Breast Cancer rows."""
+    from fedsyn_client import node as node_module
+    from fedsyn_client.client_app import app as client_app
+    from tests.fakes import client_node, set_task_identity
+
+    path = _rows_csv(tmp_path)
     rc = marginals_config(dataset=str(path), **rc_extra)
     node_module._policy.cache_clear()
     node_module._open.cache_clear()
@@ -209,3 +215,18 @@ def test_the_second_table_loads_offline_and_every_row_is_inside_its_presets_sche
     assert (frame["affair"] == "yes").sum() == 2053  # Fair (1978): about a third report any time in affairs
     records = table_text_data(frame, cfg.schema(), cfg.control_columns)
     assert len(records) == 6366  # no row falls outside the public schema
+
+
+def test_node_check_says_which_columns_a_marginals_run_may_count(tmp_path):
+    from fedsyn_client.node import check_node
+
+    path = _rows_csv(tmp_path)
+    config = {"tier": "weak", "data-path": str(path), "max-records": 100, "epsilon": 8.0,
+              "state-dir": str(tmp_path / "state"), "table-schema": PRESET["table-schema"], "control-columns": "diagnosis",
+              "measurable-columns": "diagnosis,mean radius"}
+    assert "a marginals run may count diagnosis, mean radius (node-config measurable-columns)" in check_node(config)
+    unranged = json.loads(PRESET["table-schema"])
+    del unranged["columns"][1]["max"]
+    line = check_node({**config, "table-schema": json.dumps(unranged), "measurable-columns": "",
+                       "state-dir": str(tmp_path / "other")})
+    assert "count diagnosis, mean radius, mean texture" in line and "mean radius declare no min and max" in line

@@ -29,8 +29,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from common.dp import (DPSGD, GAUSSIAN, analytic_gaussian_sigma, dpsgd_event, dpsgd_noise_multiplier, gaussian_event,
-                       pld_epsilon)
+from common.dp import (DPSGD, GAUSSIAN, analytic_gaussian_sigma, dpsgd_epsilon, dpsgd_event, dpsgd_noise_multiplier,
+                       gaussian_event, pld_epsilon)
 
 BASIC, PLD = "basic", "pld"
 RULES = (BASIC, PLD)
@@ -194,3 +194,16 @@ def pld_charge(base: Base, sigma: float, sensitivity: float, delta: float) -> fl
 def rounds_of(share: float) -> int:
     """The number of equal rounds an ``epsilon-share`` splits a phase into (1/share, rounded)."""
     return max(1, round(1.0 / share))
+
+
+def dpsgd_phase_epsilon(history: list[list[float]], delta: float, base: Base | None) -> float:
+    """Phase 1's epsilon after ``history`` [(noise multiplier, q, steps), ...]: Opacus' RDP accountant
+    (basic), or under pld the growth of the PLD composition of ``base`` and the steps so far, at
+    the base's deltas plus the phase's ``delta`` (what the noise was solved for)."""
+    if base is None:
+        return dpsgd_epsilon(history, delta)
+    if any(float(h[0]) == 0 for h in history):
+        return math.inf
+    events = [gaussian_event(sigma, s) for sigma, s, _ in base] + [dpsgd_event(float(nm), float(q), int(n))
+                                                                    for nm, q, n in history]
+    return pld_epsilon(events, sum(d for _, _, d in base) + delta) - base_epsilon(base)

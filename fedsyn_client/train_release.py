@@ -44,9 +44,8 @@ from common import records as R
 from common.config import ConfigError, RunConfig
 from common.data import TextData
 from common.devices import hidden_gpu_warning, model_device
-from common.calibration import BASIC, Base, Planned, base_epsilon, gaussian_base, pld_noise
-from common.dp import (DPSGD, TRAIN, dpsgd_epsilon, dpsgd_event, dpsgd_noise_multiplier, gaussian_event, pld_epsilon,
-                       poisson_sample_rate)
+from common.calibration import BASIC, Base, Planned, dpsgd_phase_epsilon, gaussian_base, pld_noise
+from common.dp import DPSGD, TRAIN, dpsgd_noise_multiplier, poisson_sample_rate
 from common.logs import get_logger
 from fedsyn_client.refusals import BadWeights
 from fedsyn_client.release import Mechanism, Output, Request
@@ -158,7 +157,7 @@ class DpSgdRound(Mechanism):
             # A function of stored values and the round index only (q and nm are the first round's,
             # the steps are bounded by the ledger): within the reservation by construction. A
             # failure here is a bug, never a fact about the view.
-            after = _phase_epsilon(history + [[nm, q, cfg.local_steps]], delta, self.base if pld else None)
+            after = dpsgd_phase_epsilon(history + [[nm, q, cfg.local_steps]], delta, self.base if pld else None)
             if after > request.phase_budget + _TOL:
                 raise RuntimeError(f"train: this round would take phase 1 to epsilon = {after:.4g}, above the "
                                    f"reserved {request.phase_budget:g}")
@@ -213,19 +212,6 @@ class DpSgdRound(Mechanism):
 def _calibrate(epsilon: float, delta: float, q: float, steps: int) -> float:
     # Opacus' search takes a second or so; the public check and round 1 ask for it with the same terms
     return dpsgd_noise_multiplier(epsilon, delta, q, steps)
-
-
-def _phase_epsilon(history: list[list[float]], delta: float, base: Base | None) -> float:
-    """Phase 1's epsilon after ``history`` [(noise multiplier, q, steps), ...]: Opacus' RDP accountant
-    (basic), or under pld the growth of the PLD composition of ``base`` and the steps so far, at
-    the base's deltas plus the phase's ``delta`` (what the noise was solved for)."""
-    if base is None:
-        return dpsgd_epsilon(history, delta)
-    if any(float(h[0]) == 0 for h in history):
-        return math.inf
-    events = [gaussian_event(sigma, s) for sigma, s, _ in base] + [dpsgd_event(float(nm), float(q), int(n))
-                                                                    for nm, q, n in history]
-    return pld_epsilon(events, sum(d for _, _, d in base) + delta) - base_epsilon(base)
 
 
 def accountant_key(run_id: str) -> str:

@@ -89,7 +89,9 @@ def marginals_settings() -> dict:
     """``presets/table-marginals.toml``: Breast Cancer by federated marginals (issue 48)."""
     import tomllib
 
-    return tomllib.loads((Path(__file__).parents[1] / "presets" / "table-marginals.toml").read_text())
+    preset = tomllib.loads((Path(__file__).parents[1] / "presets" / "table-marginals.toml").read_text())
+    # one line: a run-config override (key=value) cannot hold the preset's line breaks
+    return {**preset, "table-schema": json.dumps(json.loads(preset["table-schema"]))}
 
 
 def measure_run(nodes: int, texts: int, out: Path, default_model: bool = False, marginals: bool = False) -> dict:

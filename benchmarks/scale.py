@@ -223,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--whole-limit-gib", type=float, default=6.0,
                     help="skip the one-matrix kNN where it would need more than this")
     args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
     csv_path = args.out / "scale.csv"
     rows = []
     if csv_path.exists():

@@ -55,6 +55,15 @@ def domain_size(column: Column, bins: int) -> int:
     return min(bins, last - first + 1)
 
 
+def has_domain(column: Column, bins: int) -> bool:
+    """Whether ``column`` has a finite domain from the schema alone (``domain_size`` does not raise)."""
+    try:
+        domain_size(column, bins)
+    except ValueError:
+        return False
+    return True
+
+
 def bin_edges(column: Column, bins: int) -> np.ndarray:
     """The ``domain_size + 1`` bin edges of a number or date column, from its declared range only.
 

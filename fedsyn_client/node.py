@@ -159,11 +159,13 @@ def check_node(node_config: dict[str, Any]) -> str:
 def _measurable(policy: NodePolicy) -> str:
     """For a table node: which columns a marginals run may count (issue 48), and which it cannot
     (a number or date column without a declared range has no bins)."""
+    from common.marginals import has_domain
+
     if not policy.table_schema:
         return ""
     schema = load_schema(policy.table_schema)
     named = policy.measurable_columns or schema.names
-    unranged = [c.name for c in schema.columns if c.type != "categorical" and (c.min is None or c.max is None)]
+    unranged = [c.name for c in schema.columns if not has_domain(c, 2)]
     return (f"; a marginals run may count {', '.join(named)}"
             + (" (every column of its schema; node-config measurable-columns narrows it)"
                if not policy.measurable_columns else " (node-config measurable-columns)")

@@ -39,8 +39,7 @@ from common.marginals import cells, column_sizes, split_marginals, undiscretise
 from common.rows import generated_part, serialise
 from strategies.checkpoint import Checkpoint
 from strategies.fedsyn import FedSynStrategy, RoundUnanswered
-from strategies.graphical_model import (Clique, Measured, first_round, fit_and_sample, model_measurements,
-                                        second_round, sum_marginals)
+from strategies.graphical_model import Clique, Measured, first_round, fit_and_sample, model_measurements, second_round
 from strategies.result import FedSynResult
 
 log = get_logger("fedsyn")
@@ -117,7 +116,7 @@ class MarginalsStrategy(FedSynStrategy):
         return self._finish(grid, t0)                                   # stage 5
 
     def _measure(self, cliques: list[Clique]) -> list[Measured]:
-        """One round: every site's noisy marginals of ``cliques``, summed (``sum_marginals``), with
+        """One round: every site's noisy marginals of ``cliques``, summed, with
         the sum's noise from each site's stated sigma. A finished round comes from the checkpoint."""
         self._vote_round += 1
         rnd, share = self._vote_round, 1.0 / self.cfg.marginal_rounds
@@ -149,7 +148,8 @@ class MarginalsStrategy(FedSynStrategy):
         return self._measured(total, stddev, cliques)
 
     def _measured(self, total: np.ndarray, stddev: float, cliques: list[Clique]) -> list[Measured]:
-        return sum_marginals([split_marginals(total, cliques, self.sizes)], [stddev])
+        """A round's summed vector as one measurement per clique (the sum is ``_measure``'s)."""
+        return [Measured(c, counts, stddev) for c, counts in split_marginals(total, cliques, self.sizes).items()]
 
     def _sigma(self, node_id: int, reply: Any) -> float | None:
         """The noise a site states it added (its release statement's sigma: public); a reply

@@ -53,11 +53,17 @@ def pick(scores: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def baseline_rows(cfg: Any, num_nodes: int, rows: int, synthesisers: dict[str, Any]) -> list[tuple[str, dict[str, float]]]:
-    """Each marginal baseline pooled and per site (mean over sites) on ``cfg``'s split, at its
-    (epsilon, delta); ``synthesisers`` maps a name to a function with ``mst_synthesise``'s
-    signature."""
+def baseline_rows(cfg: Any, num_nodes: int, rows: int, synthesisers: dict[str, Any],
+                  cache: Path | None = None, pooled: bool = True) -> list[tuple[str, dict[str, float]]]:
+    """Each marginal baseline pooled (when ``pooled``) and per site (mean over sites) on ``cfg``'s
+    split, at its (epsilon, delta); ``synthesisers`` maps a name to a function with
+    ``mst_synthesise``'s signature. With ``cache``, each synthesiser's scores are kept there as JSON
+    (one file per method, scope, seed, epsilon and partitioning) and read back on the next call, so a
+    long grid resumes where it stopped."""
+    import time
+
     from common.federation import benchmark, simulation_node_data
+    from common.io import atomic_write_text
     from fedsyn_server.evaluation.tables import evaluate_table, records_frame
 
     schema, bench = cfg.schema(), benchmark(cfg)
@@ -66,14 +72,24 @@ def baseline_rows(cfg: Any, num_nodes: int, rows: int, synthesisers: dict[str, A
     test = records_frame(bench.test.texts, bench.test.codes, schema)
     sites = [records_frame(d.texts, d.codes, schema)
              for d in (simulation_node_data(cfg, pid, num_nodes)[1] for pid in range(num_nodes))]
+    part = cfg.partitioning.replace(":", "-")
     out = []
     for name, synthesise in synthesisers.items():
-        def score(own: Any, seed: int) -> dict[str, float]:
+        def score(own: Any, seed: int, key: str) -> dict[str, float]:
+            path = cache / f"{name}-{key}-seed{cfg.seed}-eps{cfg.epsilon:g}-rows{rows}.json" if cache else None
+            if path is not None and path.is_file():
+                return json.loads(path.read_text())
+            start = time.perf_counter()
             synthetic = synthesise(own, schema, cfg.epsilon, cfg.resolve_delta(len(own)), rows, seed)
-            return pick(evaluate_table(synthetic, test, schema, target, real_train=train, seed=cfg.seed))
+            scores = pick(evaluate_table(synthetic, test, schema, target, real_train=train, seed=cfg.seed))
+            print(f"  {name} {key} seed {cfg.seed}: {len(own)} rows in, {time.perf_counter() - start:.0f} s", flush=True)
+            if path is not None:
+                atomic_write_text(path, json.dumps(scores))
+            return scores
 
-        out.append((f"{name} pooled", score(train, cfg.seed)))
-        per_site = [score(site, cfg.seed * 1000 + pid + 1) for pid, site in enumerate(sites)]
+        if pooled:
+            out.append((f"{name} pooled", score(train, cfg.seed, "pooled")))
+        per_site = [score(site, cfg.seed * 1000 + pid + 1, f"site{pid}-{part}") for pid, site in enumerate(sites)]
         out.append((f"{name} per site (mean of {num_nodes})",
                     {k: float(np.nanmean([s[k] for s in per_site])) for k in METRICS}))
     return out
@@ -141,7 +157,9 @@ def collect(grid_path: Path) -> list[dict[str, Any]]:
     from fedsyn_server.experiment import load_grid
 
     grid = load_grid(grid_path)
-    rows, done = [], set()
+    cache = grid.out_dir / "baselines"
+    cache.mkdir(parents=True, exist_ok=True)
+    rows, pooled_done, sites_done = [], set(), set()
     for cell in grid.cells:
         cfg = RunConfig.from_flower(dict(cell.run_config))
         evaluation = grid.out_dir / "runs" / cell.name / "evaluation.json"
@@ -153,12 +171,19 @@ def collect(grid_path: Path) -> list[dict[str, Any]]:
             print(f"{cell.name}: its evaluation has no table section")
             continue
         eps = "inf" if math.isinf(cfg.epsilon) else f"{cfg.epsilon:g}"
-        rows.append({"method": f"fedsyn {cell.method}", "epsilon": eps, "seed": cell.seed, **pick(table)})
-        key = (cell.seed, cfg.epsilon)
-        if math.isfinite(cfg.epsilon) and key not in done:
-            done.add(key)
-            for method, scores in baseline_rows(cfg, grid.num_supernodes or 2, int(table["n_synthetic"]), synthesisers()):
-                rows.append({"method": method, "epsilon": eps, "seed": cell.seed, **scores})
+        common_fields = {"epsilon": eps, "partitioning": cfg.partitioning, "seed": cell.seed}
+        rows.append({"method": f"fedsyn {cell.method}", **common_fields, **pick(table)})
+        # The pooled baseline sees the union of the sites' rows, the same under every partitioning;
+        # the per-site one changes with it.
+        key = (cell.seed, cfg.epsilon, cfg.partitioning)
+        if math.isfinite(cfg.epsilon) and key not in sites_done:
+            sites_done.add(key)
+            pooled = key[:2] not in pooled_done
+            pooled_done.add(key[:2])
+            for method, scores in baseline_rows(cfg, grid.num_supernodes or 2, int(table["n_synthetic"]),
+                                                synthesisers(), cache=cache, pooled=pooled):
+                scope = {"partitioning": "any"} if method.endswith("pooled") else {}
+                rows.append({"method": method, **common_fields, **scope, **scores})
     return rows
 
 
@@ -178,19 +203,20 @@ def grpo_rows(grid_path: Path) -> list[dict[str, Any]]:
 
 
 def summary(rows: list[dict[str, Any]]) -> str:
-    """Mean ± sample standard deviation (n − 1) over seeds per (method, epsilon), as a Markdown table."""
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    """Mean ± sample standard deviation (n − 1) over seeds per (method, epsilon, partitioning), as a
+    Markdown table."""
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for row in rows:
-        groups.setdefault((row["method"], row["epsilon"]), []).append(row)
+        groups.setdefault((row["method"], row["epsilon"], row.get("partitioning", "iid")), []).append(row)
     names = [m for m in METRICS if m != "rows"]
-    lines = ["| method | ε | seeds | rows | " + " | ".join(names) + " |", "|---" * (4 + len(names)) + "|"]
-    for (method, eps), group in groups.items():
+    lines = ["| method | ε | partitioning | seeds | rows | " + " | ".join(names) + " |", "|---" * (5 + len(names)) + "|"]
+    for (method, eps, part), group in sorted(groups.items(), key=lambda kv: (kv[0][2], kv[0][0])):
         cells = []
         for name in names:
             values = np.array([g[name] for g in group], dtype=float)
             cells.append("–" if np.isnan(values).all() else f"{np.nanmean(values):.3f} ± {np.nanstd(values, ddof=1) if np.isfinite(values).sum() > 1 else 0.0:.3f}")
         rows_mean = np.nanmean([g["rows"] for g in group])
-        lines.append(f"| {method} | {eps} | {len(group)} | {rows_mean:.0f} | " + " | ".join(cells) + " |")
+        lines.append(f"| {method} | {eps} | {part} | {len(group)} | {rows_mean:.0f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -203,7 +229,7 @@ def main() -> None:
     rows = collect(Path(args.grid))
     if not rows:
         raise SystemExit(f"no finished cell in {args.grid}: run `fedsyn experiment {args.grid}` first")
-    path = atomic_write_csv(Path(args.out) / args.name, rows, ["method", "epsilon", "seed", *METRICS])
+    path = atomic_write_csv(Path(args.out) / args.name, rows, ["method", "epsilon", "partitioning", "seed", *METRICS])
     print(summary(rows))
     print(f"\n-> {path}")
     diagnostics = grpo_rows(Path(args.grid))

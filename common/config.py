@@ -65,6 +65,9 @@ class RunConfig:
     marginal_bins: int = 16  # marginals: a number or date column is cut into this many equal bins of its declared range
     # marginals: measurement rounds; 1 measured better on Breast Cancer than 2 (docs/results.md#tables)
     marginal_rounds: int = 1
+    # marginals with a free-text column: the share of each site's epsilon its marginals take; the
+    # text's phases (DP finetuning, votes) take the rest
+    marginal_share: float = 0.5
     text_column: str = "text"
     control_columns: tuple[str, ...] = ("topic",)
     control_codes: tuple[str, ...] = ()
@@ -163,6 +166,8 @@ class RunConfig:
             ("marginal-bins", 2 <= self.marginal_bins <= 1024, "an integer in [2, 1024]"),
             ("marginal-rounds", self.marginal_rounds in (1, 2), "1 (the 1-way marginals and the control column's "
              "pairs) or 2 (every pair first, then a tree of the strongest; strategies.graphical_model)"),
+            ("marginal-share", 0.0 < self.marginal_share < 1.0, "a float in (0, 1): the share of epsilon a table "
+             "with a free-text column gives its marginals (the text's phases take the rest)"),
             ("strong-fraction", 0.0 <= self.strong_fraction <= 1.0, "a float in [0, 1]"),
             ("test-fraction", 0.0 <= self.test_fraction < 0.9, "a float in [0, 0.9)"),
             ("epsilon", self.epsilon > 0, "a float > 0, or inf for no DP"),
@@ -215,11 +220,15 @@ class RunConfig:
                 if any(CODE_FIELD_SEP in v or CODE_KV_SEP in v for v in schema.column(name).categories):
                     raise ConfigError(f"invalid run config: table-schema: the categories of control column {name!r} "
                                       f"may not contain '{CODE_FIELD_SEP}' or '{CODE_KV_SEP}' (they are written into codes)")
-            if len(self.control_columns) == len(schema.columns):
+            if len(self.control_columns) == len(schema.structured().columns) and not self.marginals:
                 raise ConfigError(_message("control-columns", ",".join(self.control_columns),
                                            "fewer columns than table-schema has: the others are what is generated"))
+            if schema.text_column is not None and not self.marginals:
+                raise ConfigError(_message("table-method", self.table_method, "'marginals' for a table with a free-text "
+                                           f"column ({schema.text_column!r}): the sites measure the other columns' "
+                                           "marginals and the language model writes the text from each sampled row"))
             if self.marginals:
-                _check_measurable(schema, self.marginal_bins)
+                _check_measurable(schema.structured(), self.marginal_bins)
         elif self.marginals:
             raise ConfigError(_message("table-method", self.table_method, "'rows' for a text run: 'marginals' needs a "
                                        "table-schema (the public columns whose marginals the sites count)"))
@@ -253,14 +262,31 @@ class RunConfig:
         """Whether this is a table run by federated marginals (``table-method = "marginals"``)."""
         return self.table_method == "marginals"
 
+    @property
+    def free_text(self) -> str | None:
+        """A marginals run's free-text column (the language model writes it), or None."""
+        schema = self.schema()
+        return schema.text_column if self.marginals and schema is not None else None
+
+    @property
+    def marginals_share(self) -> float:
+        """The share of a node's epsilon for the marginals phase: 1 for a table by marginals alone,
+        ``marginal-share`` for one with a free-text column, 0 for every other run."""
+        if not self.marginals:
+            return 0.0
+        return self.marginal_share if self.free_text is not None else 1.0
+
     def phase_epsilon(self, tier: str, phase: str) -> float:
         """A node of ``tier``'s epsilon for ``phase`` in this run (``common.dp.phase_epsilon``)."""
-        return phase_epsilon(self.epsilon, self.epsilon_profile, tier, self.voters, phase, marginals=self.marginals)
+        return phase_epsilon(self.epsilon, self.epsilon_profile, tier, self.voters, phase,
+                             marginals=self.marginals_share)
 
     @property
     def trains(self) -> bool:
-        """Whether the run has phase 1 (DP finetuning on the strong nodes)."""
-        return self.prompt != "zero-shot" and self.num_server_rounds > 0 and not self.marginals
+        """Whether the run has phase 1 (DP finetuning on the strong nodes): a marginals run only
+        for its free-text column."""
+        text = not self.marginals or self.free_text is not None
+        return self.prompt != "zero-shot" and self.num_server_rounds > 0 and text
 
     @property
     def vote_window(self) -> int:

@@ -132,6 +132,14 @@ def table_text_data(df: pd.DataFrame, schema: Schema, control_columns: Sequence[
     return TextData(texts, codes)
 
 
+def free_text_part(data: TextData) -> TextData:
+    """The records of a table with a free-text column as that column's text alone, each with its
+    code (``common.rows.split_record``): what the language model learns and is scored on."""
+    from common.rows import split_record
+
+    return TextData([split_record(t)[1] for t in data.texts], list(data.codes))
+
+
 def schema_vocabulary(schema: Schema, control_columns: Sequence[str]) -> list[str]:
     """A table's code vocabulary: every combination of the control columns' declared categories
     (public: the schema's, never the records')."""

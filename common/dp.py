@@ -22,8 +22,8 @@ WEAK = "weak"
 TIERS = (STRONG, WEAK)
 # The phases that release something; each is one constant, used by nodes, server and ledger.
 TRAIN, PROFILE, VOTE = "train", "profile", "vote"
-# A table run by federated marginals (issue 48): every site's whole epsilon goes to its noisy
-# marginals, and none to the text phases (a run is one method or the other).
+# A table run by federated marginals (issue 48): every site's epsilon goes to its noisy marginals,
+# or a share of it when the table has a free-text column (its text phases take the rest).
 MARGINALS = "marginals"
 PHASES = (TRAIN, PROFILE, VOTE, MARGINALS)
 GAUSSIAN, DPSGD = "gaussian", "dp-sgd"
@@ -116,20 +116,32 @@ def split_budget(epsilon: float, epsilon_profile: float) -> BudgetSplit:
 
 
 def phase_epsilon(epsilon: float, epsilon_profile: float, tier: str, voters: str, phase: str,
-                  marginals: bool = False) -> float:
+                  marginals: float = 0.0) -> float:
     """A node's epsilon for ``phase`` in one run (appendix B).
 
     Strong = train + profile, weak = vote + profile. When strong nodes also vote
     (``voters = "all"``) their non-profile share is split evenly between training and
     voting, so every node's total stays ``epsilon``. A phase the tier does not take part
-    in gets 0. ``epsilon = inf`` gives inf for every phase it takes part in. A run of federated
-    marginals (``marginals``, issue 48) gives every tier its whole ``epsilon`` for the marginals
-    phase and nothing for the others.
+    in gets 0. ``epsilon = inf`` gives inf for every phase it takes part in.
+
+    ``marginals`` is the share of ``epsilon`` a table run by federated marginals (issue 48) gives
+    every tier's marginals phase: 1 for a table without free text (nothing for the other phases), a
+    share in (0, 1) for one with a free-text column, whose text phases split the rest as above but
+    without a profile (the sampled rows allocate the texts, free); 0 for every other run.
     """
     if phase not in PHASES:
         raise ValueError(f"unknown phase {phase!r}; one of {PHASES}")
-    if marginals or phase == MARGINALS:
-        return epsilon if marginals and phase == MARGINALS else 0.0
+    if not 0.0 <= marginals <= 1.0:
+        raise ValueError(f"marginals share must be in [0, 1], got {marginals}")
+    if phase == MARGINALS:
+        return epsilon * marginals if marginals else 0.0
+    if marginals:
+        if marginals == 1.0 or phase == PROFILE:
+            return 0.0
+        rest = epsilon * (1.0 - marginals)
+        if tier == STRONG and voters == "all":
+            return rest / 2
+        return rest if phase == (TRAIN if tier == STRONG else VOTE) else 0.0
     split = split_budget(epsilon, epsilon_profile)
     if phase == PROFILE:
         return split.profile

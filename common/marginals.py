@@ -46,6 +46,8 @@ def domain_size(column: Column, bins: int) -> int:
     one for a float column whose min equals its max)."""
     if bins < 1:
         raise ValueError("bins must be >= 1")
+    if column.type == "text":
+        raise ValueError(f"column {column.name!r} is free text: it has no bins, and no marginal counts it")
     if column.type == "categorical":
         return len(column.categories)
     if column.type == "float":
@@ -128,6 +130,7 @@ def discretise(frame: pd.DataFrame, schema: Schema, bins: int) -> pd.DataFrame:
     the schema's order. A row with an undeclared category or a missing value is dropped whole
     (counted nowhere); a number or date outside its declared range goes to the edge bin.
     ``ValueError`` when a number or date column has no declared min or max."""
+    schema = schema.structured()  # a free-text column has no bins: it is not counted
     missing = [c.name for c in schema.columns if c.name not in frame.columns]
     if missing:
         raise ValueError(f"the records lack the schema's columns {missing}")
@@ -154,6 +157,7 @@ def undiscretise(codes: pd.DataFrame, schema: Schema, bins: int, rng: np.random.
     out the schema's columns in its order: a category's text; a whole number (int64) or a date
     (``datetime.date``) drawn uniformly among those of the bin; a float drawn uniformly inside the
     bin and rounded to the column's ``decimals``. Every value is inside the declared range."""
+    schema = schema.structured()  # a free-text column has no bins: it is not counted
     out: dict[str, np.ndarray] = {}
     for column in schema.columns:
         index = codes[column.name].to_numpy(dtype=np.int64)
@@ -181,6 +185,7 @@ def undiscretise(codes: pd.DataFrame, schema: Schema, bins: int, rng: np.random.
 def typed_like(out: pd.DataFrame, frame: pd.DataFrame, schema: Schema) -> pd.DataFrame:
     """``out`` with each column in the dtype of the same input column where that is a choice
     (text vs category dtype for categories, ``datetime.date`` vs pandas datetimes for dates)."""
+    schema = schema.structured()  # a free-text column has no bins: it is not counted
     out = out.copy()
     for column in schema.columns:
         dtype = frame[column.name].dtype
@@ -215,8 +220,9 @@ def marginal_counts(codes: pd.DataFrame, clique: tuple[str, ...], sizes: dict[st
 
 def column_sizes(schema: Schema, bins: int) -> dict[str, int]:
     """Each column's domain size (``domain_size``), in the schema's order: the public shape of
-    every marginal a site counts, known to server and node alike."""
-    return {c.name: domain_size(c, bins) for c in schema.columns}
+    every marginal a site counts, known to server and node alike. A free-text column has no bins:
+    it is not counted."""
+    return {c.name: domain_size(c, bins) for c in schema.structured().columns}
 
 
 def cells(clique: tuple[str, ...], sizes: dict[str, int]) -> int:

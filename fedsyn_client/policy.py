@@ -295,10 +295,11 @@ def policy_from_node_config(node_config: Mapping[str, Any]) -> NodePolicy:
                               "table-schema")
         table_schema = canonical(schema)
         measurable = _names(values.get("measurable-columns", ""))
-        outside = [c for c in measurable if c not in schema.names]
+        counted = schema.structured().names
+        outside = [c for c in measurable if c not in counted]
         if outside:
-            raise PolicyError(f"node-config measurable-columns {outside} are not columns of its table-schema "
-                              f"({', '.join(schema.names)})")
+            raise PolicyError(f"node-config measurable-columns {outside} are not counted columns of its table-schema "
+                              f"({', '.join(counted)}; a free-text column never is)")
     elif _names(values.get("measurable-columns", "")):
         raise PolicyError("node-config measurable-columns needs a table-schema: it names the table columns whose "
                           "marginals this node lets be counted")

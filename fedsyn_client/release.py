@@ -140,7 +140,8 @@ def measured_columns(cfg: RunConfig, conf: dict[str, Any]) -> tuple[str, ...]:
     sizes = column_sizes(schema, cfg.marginal_bins)
     unknown = sorted({a for c in cliques for a in c} - set(sizes))
     if unknown:
-        raise ConfigError(f"the marginals request names columns {unknown} outside the run's table-schema")
+        raise ConfigError(f"the marginals request names columns {unknown} that are not counted columns of the run's "
+                          "table-schema (a free-text column never is)")
     total = sum(cells(c, sizes) for c in cliques)
     if total > MAX_MARGINAL_CELLS:
         raise ConfigError(f"the marginals request asks for {total} cells, above {MAX_MARGINAL_CELLS}")
@@ -149,10 +150,12 @@ def measured_columns(cfg: RunConfig, conf: dict[str, Any]) -> tuple[str, ...]:
 
 # The run-config terms a node's computation reads (besides the message): a request under other
 # terms is another request, so it never gets a stored reply or takes over a dead reservation.
-COMPUTATION_TERMS = ("model", "finetune", "lora_rank", "lora_layers", "embedder", "vote_window", "max_length", "text_column",
-                     "control_columns", "table_schema", "table_method", "marginal_bins", "prompt", "zero_shot_template", "batch_size", "local_steps",
-                     "num_server_rounds", "learning_rate", "max_grad_norm", "contrastive_weight", "precision", "seed", "epsilon",
-                     "epsilon_profile", "voters", "accounting", "dataset", "partitioning", "strong_fraction", "test_fraction")
+COMPUTATION_TERMS = ("model", "finetune", "lora_rank", "lora_layers", "embedder", "vote_window", "max_length",
+                     "text_column", "control_columns", "table_schema", "table_method", "marginal_bins",
+                     "marginal_share", "prompt", "zero_shot_template", "batch_size", "local_steps",
+                     "num_server_rounds", "learning_rate", "max_grad_norm", "contrastive_weight", "precision",
+                     "seed", "epsilon", "epsilon_profile", "voters", "accounting", "dataset", "partitioning",
+                     "strong_fraction", "test_fraction")
 
 
 def computation_terms(cfg: RunConfig) -> dict[str, Any]:

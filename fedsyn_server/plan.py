@@ -114,7 +114,7 @@ def plan_run(flwr_args: list[str], cwd: Path) -> Plan:
     out.lines += _server_lines(cfg, parts, speed)
     out.lines.append(f"accounting: the simulated nodes price their releases by {cfg.accounting!r} (sigma above "
                      "under both rules; a deployed node follows its own node-config accounting)")
-    if not cfg.marginals:
+    if not cfg.marginals or cfg.free_text is not None:
         out.lines.append(writers_line(cfg, [t for t, _ in parts]))
     return out
 
@@ -166,7 +166,7 @@ def deployment_lines(cfg: RunConfig, answered: dict[int, str], result: FedSynRes
         lines += ["  " + line for line in _phase_lines(cfg, tier, bound, delta, _speeds() if bound else {})]
     lines += [f"node {f['node_id']} cannot take part: {f['reason']}" for f in result.failures
               if f["phase"] == "tiers" and f["node_id"] not in answered]
-    if not cfg.marginals:
+    if not cfg.marginals or cfg.free_text is not None:
         lines.append(writers_line(cfg, tiers))
     return lines
 
@@ -192,12 +192,13 @@ def writers_line(cfg: RunConfig, tiers: list[str]) -> str:
 def _phase_lines(cfg: RunConfig, tier: str, records: int | None, delta: float, speed: dict[str, Any]) -> list[str]:
     from strategies.refinement import planned_votes
 
-    if cfg.marginals:
-        return _marginal_lines(cfg, delta)
-    lines = []
+    lines = _marginal_lines(cfg, delta) if cfg.marginals else []
+    if cfg.marginals and cfg.free_text is None:
+        return lines
     eps_profile = cfg.phase_epsilon(tier, PROFILE)
-    lines.append(f"profile: epsilon {eps_profile:g}, delta {delta:g}, Gaussian sigma "
-                 f"{analytic_gaussian_sigma(eps_profile, delta, 1.0):.3g} (sensitivity 1)")
+    if eps_profile:  # a table's free text has none: its sampled rows allocate the texts
+        lines.append(f"profile: epsilon {eps_profile:g}, delta {delta:g}, Gaussian sigma "
+                     f"{analytic_gaussian_sigma(eps_profile, delta, 1.0):.3g} (sensitivity 1)")
     eps_train = cfg.phase_epsilon(tier, TRAIN)
     steps = cfg.num_server_rounds * cfg.local_steps
     if eps_train and cfg.trains and records is None:
@@ -236,11 +237,11 @@ def _marginal_lines(cfg: RunConfig, delta: float) -> list[str]:
     """A marginals run's one phase: per round, how many marginals, their sensitivity and sigma."""
     from strategies.marginals import planned_marginals
 
-    rounds = cfg.marginal_rounds
-    eps = cfg.epsilon / rounds
+    rounds, total = cfg.marginal_rounds, cfg.phase_epsilon(STRONG, MARGINALS)  # every tier's is the same
+    eps = total / rounds
     # under pld every round has one noise multiplier (sigma / sensitivity), solved for the rounds together
-    z = pld_noise((), Planned(MARGINALS, GAUSSIAN, cfg.epsilon, delta, 1.0, rounds=rounds))
-    lines = [f"marginals: epsilon {cfg.epsilon:g} in {rounds} round(s), delta {delta:g}"]
+    z = pld_noise((), Planned(MARGINALS, GAUSSIAN, total, delta, 1.0, rounds=rounds))
+    lines = [f"marginals: epsilon {total:g} in {rounds} round(s), delta {delta:g}"]
     for rnd, k in enumerate(planned_marginals(cfg), start=1):
         what = "1- and 2-way marginals" if rnd == 1 else "marginals of the tree the round-1 sums choose"
         lines.append(f"  round {rnd}: {k} {what}, Gaussian sigma {analytic_gaussian_sigma(eps, delta / rounds, k ** 0.5):.3g} "
@@ -257,8 +258,16 @@ def _server_lines(cfg: RunConfig, parts: list[tuple[str, Any]], speed: dict[str,
     if cfg.marginals:
         from strategies.marginals import final_rows
 
-        return [f"server: sums the sites' marginals, fits a graphical model (Private-PGM) and samples "
-                f"{final_rows(cfg)} rows; no language model"]
+        table = (f"server: sums the sites' marginals, fits a graphical model (Private-PGM) and samples "
+                 f"{final_rows(cfg)} rows")
+        if cfg.free_text is None:
+            return [table + "; no language model"]
+        return [table + f", each with a text of its code in free-text column {cfg.free_text!r}",
+                *_text_server_lines(cfg, speed)]
+    return _text_server_lines(cfg, speed)
+
+
+def _text_server_lines(cfg: RunConfig, speed: dict[str, Any]) -> list[str]:
     rate = speed.get("generation_tokens_per_s")
     passes = 1 if cfg.guidance == 1 else 2  # guidance runs the model once more per token
     tokens = passes * cfg.num_synthetic * (cfg.max_new_tokens or cfg.max_length)

@@ -61,8 +61,7 @@ def privacy_report(cfg: RunConfig, res: FedSynResult) -> dict[str, Any]:
         "warning": None if cfg.private else "NO DIFFERENTIAL PRIVACY: epsilon = inf, no noise was added anywhere",
         "unit": "one record of one node (sample-level DP, add/remove)",
         "mechanisms": _mechanisms(cfg),
-        "epsilon_split": ({"epsilon": cfg.epsilon, "marginals": cfg.epsilon} if cfg.marginals else
-                          {"epsilon": cfg.epsilon, "epsilon_profile": cfg.epsilon_profile, "voters": cfg.voters}),
+        "epsilon_split": _split(cfg),
         "nodes": nodes,
         # which weights wrote the kept texts, per code: chosen by the released votes, so free in epsilon
         "writers": {**writers_summary(res), "epsilon": 0.0,
@@ -71,19 +70,36 @@ def privacy_report(cfg: RunConfig, res: FedSynResult) -> dict[str, Any]:
 
 
 
+def _split(cfg: RunConfig) -> dict[str, Any]:
+    """How each node's epsilon is divided among the phases (``common.dp.phase_epsilon``)."""
+    if not cfg.marginals:
+        return {"epsilon": cfg.epsilon, "epsilon_profile": cfg.epsilon_profile, "voters": cfg.voters}
+    marginals = cfg.epsilon * cfg.marginals_share
+    if cfg.free_text is None:
+        return {"epsilon": cfg.epsilon, "marginals": marginals}
+    return {"epsilon": cfg.epsilon, "marginals": marginals, "free_text": cfg.free_text,
+            "train_or_vote": cfg.epsilon - marginals, "epsilon_profile": 0.0, "voters": cfg.voters}
+
+
 def _mechanisms(cfg: RunConfig) -> dict[str, str]:
-    """Each phase's mechanism in words: a marginals run has one phase, a text run three."""
-    if cfg.marginals:
-        return {"marginals": "analytic Gaussian on each round's marginal counts, joined (L2 sensitivity sqrt(number "
-                             f"of marginals)); {cfg.marginal_rounds} round(s), each at 1/{cfg.marginal_rounds} of "
-                             "epsilon and delta; the server's choice of round 2 and the graphical model are "
-                             "post-processing of the sums"}
-    return {"train": "DP-SGD (Opacus, Poisson sampling, RDP accountant over all rounds; the whole "
+    """Each phase's mechanism in words: a marginals run has one phase (and the text's two with a
+    free-text column), a text run three."""
+    text = {"train": "DP-SGD (Opacus, Poisson sampling, RDP accountant over all rounds; the whole "
                      "phase's epsilon is reserved at round 1)",
             "profile": "analytic Gaussian, L2 sensitivity 1",
             "vote": "analytic Gaussian at the named histogram's L2 sensitivity ("
                     + ", ".join(f"{name} {histograms.formula(name)}" for name in histograms.SENSITIVITIES)
                     + "); a refinement's vote rounds split epsilon_vote" + _this_run(cfg)}
+    if not cfg.marginals:
+        return text
+    marginals = {"marginals": "analytic Gaussian on each round's marginal counts, joined (L2 sensitivity sqrt(number "
+                              f"of marginals)); {cfg.marginal_rounds} round(s), each at 1/{cfg.marginal_rounds} of "
+                              "the phase's epsilon and delta; the server's choice of round 2 and the graphical model "
+                              "are post-processing of the sums"}
+    if cfg.free_text is None:
+        return marginals
+    # no profile: the sampled rows allocate the free texts (post-processing of the marginals)
+    return {**marginals, "train": text["train"], "vote": text["vote"]}
 
 
 def _this_run(cfg: RunConfig) -> str:

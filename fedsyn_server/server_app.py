@@ -12,6 +12,7 @@ from flwr.serverapp import Grid, ServerApp
 from common.logs import get_logger, plain_console
 from common.config import ConfigError, RunConfig
 from common.tables import DatasetFileError, DatasetLoadError
+from common.data import TextData, free_text_part
 from common.federation import Benchmark, benchmark
 from common.io import atomic_symlink, atomic_write_json, atomic_write_jsonl, atomic_write_text
 from fedsyn_server.experiment import EVALUATION_FILE
@@ -87,21 +88,24 @@ def build_strategy(cfg: RunConfig, load_model: bool = True) -> tuple[FedSynStrat
     bench = benchmark(cfg)
     # 'paper' delta: N = the run dataset's training records (public); nodes cap delta themselves
     delta = cfg.resolve_delta(len(bench.train))
-    if cfg.marginals:  # a table by federated marginals: no language model anywhere (strategies.marginals)
+    if cfg.marginals and cfg.free_text is None:  # a table by marginals alone: no language model anywhere
         from strategies.marginals import MarginalsStrategy
 
         return MarginalsStrategy(cfg, bench.vocabulary, delta=delta), bench, None
     build_aggregator(cfg.aggregator, cfg.server_learning_rate, 1)  # fail early on a bad class path
-    refinement = build_refinement(cfg.refinement)
     server_model = ServerModel(cfg) if load_model else None
-    strategy = FedSynStrategy(
-        cfg, bench.vocabulary,
+    # a table's free-text column: the language model learns and writes that column alone
+    heldout = free_text_part(bench.test) if cfg.free_text is not None else bench.test
+    parts: dict[str, Any] = dict(
         make_aggregator=lambda n: build_aggregator(cfg.aggregator, cfg.server_learning_rate, n),
-        refinement=refinement, generator=server_model,  # type: ignore[arg-type]  # None only for plan-only
+        refinement=build_refinement(cfg.refinement), generator=server_model,  # None only for plan-only
         delta=delta,
-        evaluate_fn=(lambda rnd, arrays: server_model.heldout_loss(arrays, bench.test)) if server_model else None,
-    )
-    return strategy, bench, server_model
+        evaluate_fn=(lambda rnd, arrays: server_model.heldout_loss(arrays, heldout)) if server_model else None)
+    if cfg.marginals:  # a table by marginals with a free-text column (strategies.marginals)
+        from strategies.marginals import MarginalsStrategy
+
+        return MarginalsStrategy(cfg, bench.vocabulary, **parts), bench, server_model
+    return FedSynStrategy(cfg, bench.vocabulary, **parts), bench, server_model
 
 
 def plan_only(grid: Grid, cfg: RunConfig) -> None:
@@ -130,9 +134,12 @@ def evaluate_run(run_dir: Path, cfg: RunConfig, result: FedSynResult, bench: Ben
     from fedsyn_server.evaluation import evaluate_sets, format_report, mauve_available, write_evaluation
 
     final = [int(i) for i in result.selected]
+    # a table's free-text column is scored as text: its label fidelity is how often a classifier
+    # of the real texts reads each synthetic text as its own row's label
+    syn = TextData([result.pool_texts[i] for i in final], [result.pool_codes[i] for i in final])
+    syn, real = (free_text_part(syn), free_text_part(bench.test)) if cfg.free_text is not None else (syn, bench.test)
     try:
-        scores = evaluate_sets([result.pool_texts[i] for i in final], [result.pool_codes[i] for i in final],
-                               bench.test.texts, bench.test.codes, list(cfg.control_columns),
+        scores = evaluate_sets(syn.texts, syn.codes, real.texts, real.codes, list(cfg.control_columns),
                                embedder=cfg.eval_embedder, seed=cfg.seed, mauve=mauve_available())
     except Exception as err:  # noqa: BLE001 - the synthetic set is written already
         log.error("evaluation against the held-out split failed: %s", err)

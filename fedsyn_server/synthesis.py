@@ -67,7 +67,9 @@ class ServerModel(Generator):
         self._report: dict[str, Any] = {}
         self._style = cfg.prompt  # the prompt style ``prompt`` writes with (``generate(prompt=...)`` sets it)
         schema = cfg.schema()
-        self.row_schema = None if schema is None else generated_part(schema, cfg.control_columns)
+        # a table's rows by the language model (table-method "rows"); a marginals run's free-text
+        # column is text like any text run's, its rows come from the graphical model
+        self.row_schema = None if schema is None or cfg.marginals else generated_part(schema, cfg.control_columns)
 
     def initial_arrays(self) -> ArrayRecord:
         """theta^0: the trainable weights every strong node starts round 1 from."""

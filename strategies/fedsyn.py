@@ -139,6 +139,12 @@ class FedSynStrategy(Strategy):
         """Run stages 0-5 of Algorithm 1 and return everything produced; with ``resume`` (a
         loaded checkpoint of this run) continue where it stopped."""
         t0 = self._begin(grid, resume)                                  # stage 0
+        self._write_texts(grid, initial_arrays)                         # stages 1-4
+        return self._finish(grid, t0)                                   # stage 5
+
+    def _write_texts(self, grid: Grid, initial_arrays: ArrayRecord | None) -> None:
+        """Stages 1-4: finetune, allocate (the profile), generate, refine; each skipped when the
+        checkpoint has it done. ``strategies.marginals`` runs them for a table's free-text column."""
         res, done = self.result, self.progress.completed
         self.aggregator = self.make_aggregator(len(self.members.strong))
 
@@ -149,8 +155,7 @@ class FedSynStrategy(Strategy):
             res.timings["finetune"] = time.time() - t
 
         if "profile" not in done:
-            self.members.admit(grid, "before the profile")
-            self._profile(grid, self.members.active())                  # stage 2
+            self._allocate(grid)                                        # stage 2
             self._checkpoint("profile")
 
         t = time.time()                                                 # stage 3
@@ -171,7 +176,8 @@ class FedSynStrategy(Strategy):
         t = time.time()                                                 # stage 4
         if "refine" not in done:
             self.generator.load(res.arrays)
-            self._vote_round, res.vote_rounds = 0, res.vote_rounds[:len(self.progress.vote_totals)]
+            self._vote_round = self._rounds_before_refine()
+            res.vote_rounds = res.vote_rounds[:len(self.progress.vote_totals)]
             writer = FINETUNED if res.finetuned else PRETRAINED
             refined = self.refinement.refine(RefinementContext(
                 cfg=self.cfg, texts=list(res.pool_texts), codes=list(res.pool_codes), allocation=dict(res.allocation),
@@ -192,8 +198,6 @@ class FedSynStrategy(Strategy):
             res.timings["refine"] = time.time() - t
         log.info("final synthetic set: %d of %d texts (%s, %d vote rounds)", len(res.selected), len(res.pool_texts),
                  self.refinement.name, len(res.vote_rounds))
-
-        return self._finish(grid, t0)                                   # stage 5
 
     def _begin(self, grid: Grid, resume: Checkpoint | None) -> float:
         """Stage 0, after restoring ``resume`` (a loaded checkpoint of this run) if given: every
@@ -271,6 +275,11 @@ class FedSynStrategy(Strategy):
             log.info("[phase 1] round %d held-out %s", rnd, {k: round(v, 4) for k, v in metrics.items()})
 
     # ------------------------------------------------------------ stage 2
+    def _allocate(self, grid: Grid) -> None:
+        """Stage 2: the pool's size per code, from the nodes' noisy profile (``_profile``)."""
+        self.members.admit(grid, "before the profile")
+        self._profile(grid, self.members.active())
+
     def _profile(self, grid: Grid, nodes: dict[int, str]) -> None:
         """Stage 2: every node's noisy per-code counts; their sum allocates the pool (stage 3)."""
         res, t = self.result, time.time()
@@ -378,6 +387,11 @@ class FedSynStrategy(Strategy):
             log.warning("could not end the nodes' holds for this run (%s); they lapse on their own", err)
 
     # ------------------------------------------------------------ what every request carries
+    def _rounds_before_refine(self) -> int:
+        """How many rounds of ``progress.vote_totals`` precede the refinement's (a table's marginals
+        rounds, ``strategies.marginals``): its vote rounds are numbered after them."""
+        return 0
+
     def _plan(self) -> list[str]:
         """The phases this run will ask of nodes (each node takes those of its tier)."""
         return [p for p in PHASES if (p != TRAIN or self.cfg.trains) and (p != VOTE or self.refinement.asks_votes)]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -33,17 +34,20 @@ from flwr.serverapp import Grid
 from common import records as R
 from common.codes import make_code
 from common.config import ConfigError, RunConfig
-from common.dp import MARGINALS
+from common.dp import MARGINALS, PROFILE
 from common.logs import get_logger
 from common.marginals import cells, column_sizes, split_marginals, undiscretise
-from common.rows import generated_part, serialise
+from common.rows import generated_part, join_record, serialise
 from strategies.checkpoint import Checkpoint
+from strategies.allocation import allocate
 from strategies.fedsyn import FedSynStrategy, RoundUnanswered
+from strategies.refinement import Generator, Refinement
 from strategies.graphical_model import Clique, Measured, first_round, fit_and_sample, model_measurements, second_round
 from strategies.result import FedSynResult
 
 log = get_logger("fedsyn")
 WRITER = "marginals"  # each row's writer in pool.jsonl and the writers' summary: the graphical model
+TEXTS = "free-text"  # the checkpoint's mark that the rows have their free text
 
 
 def final_rows(cfg: RunConfig) -> int:
@@ -56,21 +60,29 @@ def planned_marginals(cfg: RunConfig) -> list[int]:
     """How many marginals each round asks of every site (public: from the schema alone; round 2
     measures a tree over the non-control columns, with the control column, whatever the data)."""
     schema = cfg.schema()
-    columns = list(schema.names) if schema is not None else []
+    columns = list(schema.structured().names) if schema is not None else []
     first = len(first_round(columns, cfg.control_columns[0], cfg.marginal_rounds))
     return [first] if cfg.marginal_rounds == 1 else [first, max(1, len(columns) - 2)]
 
 
 class MarginalsStrategy(FedSynStrategy):
-    """Federated noisy marginals + a graphical model on the server (``table-method = "marginals"``)."""
+    """Federated noisy marginals + a graphical model on the server (``table-method = "marginals"``).
 
-    def __init__(self, cfg: RunConfig, vocabulary: list[str], delta: float, stable_seconds: float = 3.0) -> None:
+    Without a free-text column no language model takes part. With one, the text strategy's
+    ``make_aggregator``, ``refinement``, ``generator`` and ``evaluate_fn`` write it (``generator``
+    None only for stage 0 alone, ``fedsyn plan``)."""
+
+    def __init__(self, cfg: RunConfig, vocabulary: list[str], delta: float, stable_seconds: float = 3.0,
+                 generator: Generator | None = None, refinement: Refinement | None = None,
+                 make_aggregator: Callable[[int], Any] | None = None,
+                 evaluate_fn: Callable[[int, ArrayRecord], float] | None = None) -> None:
         from strategies.aggregators import build_aggregator
         from strategies.refinement import build_refinement
 
-        super().__init__(cfg, vocabulary, make_aggregator=lambda n: build_aggregator("fedavg", 1.0, n),
-                         refinement=build_refinement("none"), generator=None, delta=delta,  # type: ignore[arg-type]
-                         stable_seconds=stable_seconds)
+        super().__init__(cfg, vocabulary,
+                         make_aggregator=make_aggregator or (lambda n: build_aggregator("fedavg", 1.0, n)),
+                         refinement=refinement or build_refinement("none"), generator=generator,  # type: ignore[arg-type]
+                         delta=delta, evaluate_fn=evaluate_fn, stable_seconds=stable_seconds)
         schema = cfg.schema()
         if schema is None or not cfg.marginals:
             raise ValueError("MarginalsStrategy needs a table run with table-method = 'marginals'")
@@ -85,16 +97,25 @@ class MarginalsStrategy(FedSynStrategy):
         c = self.cfg
         log.info("fedsyn: table by federated marginals: %d columns, %d bins, %d round(s), eps=%s per site, %d rows",
                  len(self.sizes), c.marginal_bins, c.marginal_rounds, c.epsilon, final_rows(c))
+        if c.free_text is not None:
+            log.info("free-text column %r: written by %s from each row's code (%s), %.0f%% of every site's "
+                     "epsilon for the marginals", c.free_text, c.model, ", ".join(c.control_columns),
+                     100 * c.marginals_share)
         if not c.private:
             log.warning("epsilon = inf: NO DIFFERENTIAL PRIVACY. Sites release exact marginals; use this only "
                         "as a baseline on public data.")
 
     def _plan(self) -> list[str]:
-        return [MARGINALS]
+        text = [p for p in super()._plan() if p not in (PROFILE, MARGINALS)] if self.cfg.free_text is not None else []
+        return [MARGINALS] + text
+
+    def _rounds_before_refine(self) -> int:
+        return self.cfg.marginal_rounds
 
     # ------------------------------------------------------------- the phases
     def run(self, grid: Grid, initial_arrays: ArrayRecord | None = None, resume: Checkpoint | None = None) -> FedSynResult:
-        """Stages 0, M and 5; with ``resume`` continue where the checkpoint stopped."""
+        """Stages 0, M (and 1-4 for a free-text column) and 5; with ``resume`` continue where the
+        checkpoint stopped."""
         t0 = self._begin(grid, resume)                                  # stage 0
         res, t = self.result, time.time()                               # stage M
         if MARGINALS not in self.progress.completed:
@@ -111,8 +132,12 @@ class MarginalsStrategy(FedSynStrategy):
             self._checkpoint(MARGINALS)
             res.timings[MARGINALS] = time.time() - t
         log.info("final synthetic table: %d rows (%d marginals measured in %d round(s))", len(res.selected),
-                 sum(len(r["cliques"]) for r in res.vote_rounds), len(res.vote_rounds))
+                 sum(len(r["cliques"]) for r in res.vote_rounds if "cliques" in r), len(res.vote_rounds))
 
+        if self.cfg.free_text is not None and TEXTS not in self.progress.completed:
+            self._write_texts(grid, initial_arrays)                     # stages 1-4, the free text
+            self._attach_texts()
+            self._checkpoint(TEXTS)
         return self._finish(grid, t0)                                   # stage 5
 
     def _measure(self, cliques: list[Clique]) -> list[Measured]:
@@ -166,12 +191,14 @@ class MarginalsStrategy(FedSynStrategy):
     def _sample(self, measured: list[Measured], model: list[Clique]) -> None:
         """Fit the graphical model to ``measured``, sample the final rows, and keep them as the
         run's records: each row's text its generated columns (``common.rows.serialise``), its
-        code its control columns, as a node's records are."""
+        code its control columns, as a node's records are. With a free-text column the rows wait
+        in ``table_rows`` for their text (``_attach_texts``)."""
         rows = final_rows(self.cfg)
         codes = fit_and_sample(self.sizes, measured, rows, seed=self.cfg.seed)
         rng = np.random.default_rng(self.cfg.seed)
-        frame = undiscretise(codes, self.schema, self.cfg.marginal_bins, rng)
-        generated = generated_part(self.schema, self.cfg.control_columns)
+        counted = self.schema.structured()
+        frame = undiscretise(codes, counted, self.cfg.marginal_bins, rng)
+        generated = generated_part(counted, self.cfg.control_columns)
         res = self.result
         res.pool_texts, res.pool_codes = [], []
         for row in frame.to_dict("records"):
@@ -183,3 +210,52 @@ class MarginalsStrategy(FedSynStrategy):
         res.allocation = {c: res.pool_codes.count(c) for c in self.vocabulary}
         res.refinement = {"method": "marginals", "model_cliques": ["|".join(c) for c in model],
                           "measurements": len(measured)}
+        if self.cfg.free_text is not None:
+            res.table_rows = [[t, c] for t, c in zip(res.pool_texts, res.pool_codes)]
+
+    # ------------------------------------------------------------- the free-text column
+    def _allocate(self, grid: Grid) -> None:
+        """Stage 2 for the free text: the pool per code in proportion to the sampled rows' codes.
+        Post-processing of the marginals, so no site is asked for a profile (and none spends on one)."""
+        res = self.result
+        counts = np.array([sum(1 for _, c in res.table_rows if c == code) for code in self.vocabulary], dtype=float)
+        res.profile = counts
+        res.allocation = dict(zip(self.vocabulary, (int(a) for a in allocate(counts, self.refinement.pool_size(self.cfg)))))
+        log.info("the sampled rows' codes %s -> the text pool's allocation %s", counts.astype(int).tolist(), res.allocation)
+
+    def _attach_texts(self) -> None:
+        """Give every sampled row a final text of its own code: each code's texts in a random order,
+        again from the start when the code has more rows than texts. A row whose code got no text is
+        left out and said as a degradation (a text of another code would contradict its row)."""
+        res = self.result
+        rng = np.random.default_rng([self.cfg.seed, 48])
+        by_code: dict[str, list[int]] = {}
+        for i in (int(i) for i in res.selected):
+            by_code.setdefault(res.pool_codes[i], []).append(i)
+        order = {code: [idx[j] for j in rng.permutation(len(idx))] for code, idx in by_code.items()}
+        used: dict[str, int] = {}
+        texts, codes, writers, votes, textless = [], [], [], [], 0
+        for row_text, code in res.table_rows:
+            pool = order.get(code, [])
+            if not pool:
+                textless += 1
+                continue
+            i = pool[used.get(code, 0) % len(pool)]
+            used[code] = used.get(code, 0) + 1
+            texts.append(join_record(row_text, res.pool_texts[i]))
+            codes.append(code)
+            writers.append(res.pool_writers[i])
+            votes.append(float(res.votes[i]) if res.votes is not None and len(res.votes) > i else math.nan)
+        if textless:
+            self.courier.degrade(f"{textless} of {len(res.table_rows)} sampled rows left out: their code got no "
+                                 "text from the language model")
+        # the refinement's notes replaced the marginals' (stage 4 ran after them): both are kept
+        model = [c for c in next(r for r in reversed(res.vote_rounds) if r.get("histogram") == MARGINALS)["cliques"]
+                 if "|" in c]
+        res.refinement = {"method": "marginals", "model_cliques": model, "free_text": self.cfg.free_text,
+                          "rows_with_text": len(texts), "texts_reused": sum(max(0, used[c] - len(order[c])) for c in used),
+                          "text_refinement": {"method": self.refinement.name, **res.refinement}}
+        res.pool_texts, res.pool_codes, res.pool_writers = texts, codes, writers
+        res.votes = np.asarray(votes) if res.votes is not None else None
+        res.selected = np.arange(len(texts), dtype=np.int64)
+        res.allocation = {c: codes.count(c) for c in self.vocabulary}

@@ -26,6 +26,9 @@ class FedSynResult:
     pool_codes: list[str] = field(default_factory=list)
     # who wrote each pool text (``strategies.writers``): pretrained, finetuned, refined
     pool_writers: list[str] = field(default_factory=list)
+    # a table by marginals with a free-text column: the sampled rows' [text of the row, code], which
+    # the language model's texts are attached to (``strategies.marginals``)
+    table_rows: list[list[str]] = field(default_factory=list)
     finetuned: bool = False  # phase 1 trained the weights (else the one writer is θ⁰)
     pretrained_share: float = 0.0  # the share of each code's pool θ⁰ wrote in this run, and why:
     writers_note: str = ""

@@ -140,7 +140,9 @@ def closest_record(syn: pd.DataFrame, real_train: pd.DataFrame, real_holdout: pd
 
 def evaluate_table(syn: pd.DataFrame, test: pd.DataFrame, schema: Schema, target: str,
                    real_train: pd.DataFrame | None = None, seed: int = 0) -> dict[str, Any]:
-    """Every table metric above as one JSON-ready dict (``closest_record`` needs ``real_train``)."""
+    """Every table metric above as one JSON-ready dict (``closest_record`` needs ``real_train``), over
+    the schema's columns but its free-text one (scored as text: ``evaluate_sets``)."""
+    schema = schema.structured()
     fidelity, dependence = column_fidelity(test, syn, schema), pair_dependence(test, syn, schema)
     return {
         "n_synthetic": len(syn), "n_real": len(test),

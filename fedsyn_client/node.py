@@ -90,11 +90,13 @@ class Node:
         if key not in self._views:
             keep = np.flatnonzero(self._in(vocabulary) < len(vocabulary))
             # numpy's take, not a loop over the kept records: the time of a view is the bound's
-            texts = np.asarray(self.data.texts, dtype=object)[keep]
+            texts = list(np.asarray(self.data.texts, dtype=object)[keep])
             if free_text:
-                texts = np.char.partition(texts.astype(str), FREE_TEXT_SEP)[:, 2] if len(texts) else texts
-            self._views[key] = TextData([str(t) for t in texts] if free_text else list(texts),
-                                        list(np.asarray(self.data.codes, dtype=object)[keep]))
+                # one split per slot of the bound, records or padding (the work is the bound's); not
+                # numpy's fixed-width strings, whose memory the longest record would set
+                slots = texts + [""] * max(0, (self.bound or 0) - len(texts))
+                texts = [t.partition(FREE_TEXT_SEP)[2] for t in slots][:len(texts)]
+            self._views[key] = TextData(texts, list(np.asarray(self.data.codes, dtype=object)[keep]))
         return self._views[key]
 
     def code_counts(self, vocabulary: tuple[str, ...]) -> np.ndarray:

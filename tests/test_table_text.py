@@ -153,30 +153,52 @@ def _generated(schema, cfg):
 @pytest.fixture(scope="module")
 def text_table_run(tmp_path_factory):
     """One whole run of the free-text table over three simulated sites (one strong) with a tiny
-    model: marginals, DP finetuning, votes, rows with texts attached."""
+    model: marginals, DP finetuning, votes, rows with texts attached. The server dies once the
+    first vote round is released (its reply lost) and the run is resumed under a new Flower run."""
     from fedsyn_client.client_app import app as client_app
     from fedsyn_server import server_app
     from tests.fakes import FakeGrid, client_node, set_task_identity
+    from tests.test_resume import DyingGrid, ServerKilled
 
     root = tmp_path_factory.mktemp("text-table")
     rc = {**PRESET, "out-dir": str(root / "out"), "run-name": "r", "model": "tiny-gpt2", "num-server-rounds": 1,
           "local-steps": 1, "batch-size": 4, "max-length": 24, "max-new-tokens": 8, "num-synthetic": 40,
           "sampling-rate": 0.5, "num-votes": 2, "strong-fraction": 0.34, "test-fraction": 0.05, "epsilon": 8.0,
           "node-timeout": 60.0}
-    nodes = {100 + p: client_node(client_app, 100 + p, {"partition-id": p, "num-partitions": 3,
-                                                         "state-dir": str(root / "state" / f"node{p}")}, rc, run_id=5)
-             for p in range(3)}
-    grid = FakeGrid(nodes)
-    set_task_identity()
-    server_app._main(grid, Context(run_id=5, node_id=0, node_config={}, state=RecordDict(), run_config=rc))
-    return root / "out" / "r", grid
+
+    def serve(config, run_id, grid_type, *args):
+        nodes = {100 + p: client_node(client_app, 100 + p, {"partition-id": p, "num-partitions": 3,
+                                                             "state-dir": str(root / "state" / f"node{p}")},
+                                      config, run_id=run_id) for p in range(3)}
+        grid = grid_type(nodes, *args)
+        set_task_identity()
+        server_app._main(grid, Context(run_id=run_id, node_id=0, node_config={}, state=RecordDict(), run_config=config))
+        return grid
+
+    with pytest.raises(ServerKilled):
+        serve(rc, 5, DyingGrid, lambda m: m.metadata.message_type == R.MSG_VOTE, True)
+    grid = serve({**rc, "resume": str(root / "out" / "r")}, 6, FakeGrid)
+    return root / "out" / "r", grid, root / "state"
+
+
+def test_a_resumed_run_asks_only_what_was_left_and_pays_nothing_twice(text_table_run):
+    _, grid, state = text_table_run
+    asked = [m.metadata.message_type for m in grid.sent]
+    assert R.MSG_MARGINALS not in asked and R.MSG_TRAIN not in asked and R.MSG_PROFILE not in asked
+    # the vote rounds are numbered after the marginals round (the checkpoint keeps both in one list)
+    assert [m.content.config_records[R.CONFIG]["server-round"] for m in grid.sent
+            if m.metadata.message_type == R.MSG_VOTE][:1] == [2]
+    for p in range(3):
+        releases = [r for r in json.loads((state / f"node{p}" / "ledger.json").read_text())["releases"]
+                    if r["status"] != "cancelled"]
+        phases = sorted((r["phase"], r["round"]) for r in releases)
+        assert phases.count(("marginals", 1)) == 1 and len(phases) == len(set(phases))  # nothing paid twice
+        assert not any(phase == PROFILE for phase, _ in phases)  # the rows allocated the texts
+        assert sum(r["epsilon"] for r in releases) <= 8.0 + 1e-9
 
 
 def test_one_run_writes_the_table_with_a_text_of_each_rows_own_code(text_table_run):
-    run_dir, grid = text_table_run
-    asked = {m.metadata.message_type for m in grid.sent}
-    assert R.MSG_MARGINALS in asked and R.MSG_PROFILE not in asked  # no profile: the rows allocate the texts
-    assert any(m.metadata.message_type == R.MSG_VOTE for m in grid.sent)
+    run_dir, _, _ = text_table_run
     table = pd.read_parquet(run_dir / "synthetic.parquet")
     assert list(table.columns) == ["sentiment", "source", "words", "review"] and len(table) == 20
     assert table["review"].str.len().gt(0).all() and not table["review"].str.contains("\n").any()
@@ -194,7 +216,7 @@ def test_one_run_writes_the_table_with_a_text_of_each_rows_own_code(text_table_r
 
 
 def test_the_texts_label_fidelity_against_its_row_is_reported(text_table_run):
-    run_dir, _ = text_table_run
+    run_dir, _, _ = text_table_run
     scores = json.loads((run_dir / "evaluation.json").read_text())
     assert set(scores["table"]["column_fidelity"]) == {"sentiment", "source", "words"}  # the text is scored as text
     fidelity = scores["utility"]["sentiment"]["label_fidelity"]

@@ -221,3 +221,14 @@ def test_the_texts_label_fidelity_against_its_row_is_reported(text_table_run):
     assert set(scores["table"]["column_fidelity"]) == {"sentiment", "source", "words"}  # the text is scored as text
     fidelity = scores["utility"]["sentiment"]["label_fidelity"]
     assert 0.0 <= fidelity <= 1.0
+
+
+def test_plan_shows_the_marginals_and_the_texts_phases_at_their_shares_and_no_profile(capsys):
+    from fedsyn_server.cli import main
+
+    preset = str(ROOT / "presets" / "table-movie-reviews.toml")
+    assert main(["plan", str(ROOT), "--run-config", preset, "--federation-config", "num-supernodes=4"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("marginals: epsilon 4 in 1 round(s)") == 4  # every site, half of its 8
+    assert out.count("train: epsilon 4,") == 2 and out.count("vote: epsilon 4 in") == 2
+    assert "profile:" not in out and "each with a text of its code in free-text column 'review'" in out

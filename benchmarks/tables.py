@@ -82,6 +82,7 @@ def baseline_rows(cfg: Any, num_nodes: int, rows: int, synthesisers: dict[str, A
             start = time.perf_counter()
             synthetic = synthesise(own, schema, cfg.epsilon, cfg.resolve_delta(len(own)), rows, seed)
             scores = pick(evaluate_table(synthetic, test, schema, target, real_train=train, seed=cfg.seed))
+            _clear_jit_caches()
             print(f"  {name} {key} seed {cfg.seed}: {len(own)} rows in, {time.perf_counter() - start:.0f} s", flush=True)
             if path is not None:
                 atomic_write_text(path, json.dumps(scores))
@@ -93,6 +94,16 @@ def baseline_rows(cfg: Any, num_nodes: int, rows: int, synthesisers: dict[str, A
         out.append((f"{name} per site (mean of {num_nodes})",
                     {k: float(np.nanmean([s[k] for s in per_site])) for k in METRICS}))
     return out
+
+
+def _clear_jit_caches() -> None:
+    """Drop JAX's compiled code after each baseline: Private-PGM compiles anew for every model
+    shape, and one process running dozens of them ran out of memory mappings (LLVM's "Cannot
+    allocate memory" at the kernel's 65,530-map limit, with 20 GiB free; 2026-11-28)."""
+    import sys
+
+    if "jax" in sys.modules:
+        sys.modules["jax"].clear_caches()
 
 
 def synthesisers() -> dict[str, Any]:

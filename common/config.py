@@ -269,6 +269,12 @@ class RunConfig:
         return schema.text_column if self.marginals and schema is not None else None
 
     @property
+    def writes_text(self) -> bool:
+        """Whether a language model writes anything in this run: every run but a table by
+        marginals alone (one with a free-text column writes that column)."""
+        return not self.marginals or self.free_text is not None
+
+    @property
     def marginals_share(self) -> float:
         """The share of a node's epsilon for the marginals phase: 1 for a table by marginals alone,
         ``marginal-share`` for one with a free-text column, 0 for every other run."""
@@ -285,8 +291,7 @@ class RunConfig:
     def trains(self) -> bool:
         """Whether the run has phase 1 (DP finetuning on the strong nodes): a marginals run only
         for its free-text column."""
-        text = not self.marginals or self.free_text is not None
-        return self.prompt != "zero-shot" and self.num_server_rounds > 0 and text
+        return self.prompt != "zero-shot" and self.num_server_rounds > 0 and self.writes_text
 
     @property
     def vote_window(self) -> int:

@@ -134,22 +134,21 @@ def phase_epsilon(epsilon: float, epsilon_profile: float, tier: str, voters: str
     if not 0.0 <= marginals <= 1.0:
         raise ValueError(f"marginals share must be in [0, 1], got {marginals}")
     if phase == MARGINALS:
-        return epsilon * marginals if marginals else 0.0
-    if marginals:
-        if marginals == 1.0 or phase == PROFILE:
-            return 0.0
-        rest = epsilon * (1.0 - marginals)
-        if tier == STRONG and voters == "all":
-            return rest / 2
-        return rest if phase == (TRAIN if tier == STRONG else VOTE) else 0.0
-    split = split_budget(epsilon, epsilon_profile)
+        return epsilon * marginals if marginals else 0.0  # (inf * 0 would be nan)
+    if marginals == 1.0:
+        return 0.0
+    if marginals:  # the text's phases share the rest, with no profile
+        profile, main = 0.0, epsilon * (1.0 - marginals)
+    else:
+        split = split_budget(epsilon, epsilon_profile)
+        profile, main = split.profile, split.main
     if phase == PROFILE:
-        return split.profile
+        return profile
     if tier == STRONG:
         if phase == TRAIN:
-            return split.main / 2 if voters == "all" else split.main
-        return split.main / 2 if voters == "all" else 0.0
-    return split.main if phase == VOTE else 0.0
+            return main / 2 if voters == "all" else main
+        return main / 2 if voters == "all" else 0.0
+    return main if phase == VOTE else 0.0
 
 
 def preflight(needed: float, spent_this_run: float, remaining: float) -> float:

@@ -114,7 +114,8 @@ def train(msg: Message, node: Node, cfg: RunConfig, req: Request) -> RecordDict:
     from fedsyn_client.train_release import DpSgdRound, accountant_key  # the training stack: strong nodes only
 
     state = node.ledger.accountant_state(accountant_key(req.run_id))
-    mechanism = DpSgdRound(cfg, lambda: node.records(req.vocabulary, cfg.free_text is not None), msg.content.array_records.get(R.ARRAYS),
+    free_text = cfg.free_text is not None  # a table's free-text column: DP-SGD reads that column alone
+    mechanism = DpSgdRound(cfg, lambda: node.records(req.vocabulary, free_text), msg.content.array_records.get(R.ARRAYS),
                            state, msg.metadata.dst_node_id,
                            phase_reserved=node.ledger.spent(run_id=req.run_id, phase=TRAIN) > 0,
                            bound=node.bound)
@@ -149,7 +150,8 @@ def vote(msg: Message, node: Node, cfg: RunConfig, req: Request) -> RecordDict:
     if len(texts) != len(codes):
         raise ConfigError(f"{len(texts)} candidate texts but {len(codes)} codes")
     name = str(req.params.get("histogram", "knn-vote"))
-    compute, sensitivity = vote_histogram(name, node.records(req.vocabulary, cfg.free_text is not None), texts, codes, req.params, cfg,
+    records = node.records(req.vocabulary, cfg.free_text is not None)  # a table's free text alone
+    compute, sensitivity = vote_histogram(name, records, texts, codes, req.params, cfg,
                                           bound=node.bound)
     noisy, statement = release(node, req, GaussianHistogram(name, compute, sensitivity,
                                                             prepare=lambda: load_embedder(cfg.embedder)))

@@ -27,7 +27,7 @@ import numpy as np
 from common.config import RunConfig
 from common.data import TextData, dataset_fingerprint, load_node_data
 from common.logs import get_logger
-from common.rows import FREE_TEXT_SEP, canonical, load_schema
+from common.rows import canonical, load_schema, split_record
 from fedsyn_client import refusals
 from fedsyn_client.ledger import PrivacyLedger
 from fedsyn_client.policy import NodePolicy, PolicyError, is_simulated, policy_from_node_config, simulation_policy
@@ -95,7 +95,7 @@ class Node:
                 # one split per slot of the bound, records or padding (the work is the bound's); not
                 # numpy's fixed-width strings, whose memory the longest record would set
                 slots = texts + [""] * max(0, (self.bound or 0) - len(texts))
-                texts = [t.partition(FREE_TEXT_SEP)[2] for t in slots][:len(texts)]
+                texts = [split_record(t)[1] for t in slots][:len(texts)]
             self._views[key] = TextData(texts, list(np.asarray(self.data.codes, dtype=object)[keep]))
         return self._views[key]
 

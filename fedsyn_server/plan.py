@@ -114,7 +114,7 @@ def plan_run(flwr_args: list[str], cwd: Path) -> Plan:
     out.lines += _server_lines(cfg, parts, speed)
     out.lines.append(f"accounting: the simulated nodes price their releases by {cfg.accounting!r} (sigma above "
                      "under both rules; a deployed node follows its own node-config accounting)")
-    if not cfg.marginals or cfg.free_text is not None:
+    if cfg.writes_text:
         out.lines.append(writers_line(cfg, [t for t, _ in parts]))
     return out
 
@@ -166,7 +166,7 @@ def deployment_lines(cfg: RunConfig, answered: dict[int, str], result: FedSynRes
         lines += ["  " + line for line in _phase_lines(cfg, tier, bound, delta, _speeds() if bound else {})]
     lines += [f"node {f['node_id']} cannot take part: {f['reason']}" for f in result.failures
               if f["phase"] == "tiers" and f["node_id"] not in answered]
-    if not cfg.marginals or cfg.free_text is not None:
+    if cfg.writes_text:
         lines.append(writers_line(cfg, tiers))
     return lines
 
@@ -193,7 +193,7 @@ def _phase_lines(cfg: RunConfig, tier: str, records: int | None, delta: float, s
     from strategies.refinement import planned_votes
 
     lines = _marginal_lines(cfg, delta) if cfg.marginals else []
-    if cfg.marginals and cfg.free_text is None:
+    if not cfg.writes_text:
         return lines
     eps_profile = cfg.phase_epsilon(tier, PROFILE)
     if eps_profile:  # a table's free text has none: its sampled rows allocate the texts

@@ -13,7 +13,7 @@ from typing import Any
 
 from common import histograms
 from common.config import RunConfig
-from common.dp import composed_epsilon
+from common.dp import MARGINALS, STRONG, composed_epsilon
 from strategies.refinement import planned_votes
 from strategies.result import FedSynResult
 from strategies.writers import writers_summary
@@ -74,7 +74,7 @@ def _split(cfg: RunConfig) -> dict[str, Any]:
     """How each node's epsilon is divided among the phases (``common.dp.phase_epsilon``)."""
     if not cfg.marginals:
         return {"epsilon": cfg.epsilon, "epsilon_profile": cfg.epsilon_profile, "voters": cfg.voters}
-    marginals = cfg.epsilon * cfg.marginals_share
+    marginals = cfg.phase_epsilon(STRONG, MARGINALS)  # every tier's is the same
     if cfg.free_text is None:
         return {"epsilon": cfg.epsilon, "marginals": marginals}
     return {"epsilon": cfg.epsilon, "marginals": marginals, "free_text": cfg.free_text,

@@ -88,7 +88,7 @@ def build_strategy(cfg: RunConfig, load_model: bool = True) -> tuple[FedSynStrat
     bench = benchmark(cfg)
     # 'paper' delta: N = the run dataset's training records (public); nodes cap delta themselves
     delta = cfg.resolve_delta(len(bench.train))
-    if cfg.marginals and cfg.free_text is None:  # a table by marginals alone: no language model anywhere
+    if not cfg.writes_text:  # a table by marginals alone: no language model anywhere
         from strategies.marginals import MarginalsStrategy
 
         return MarginalsStrategy(cfg, bench.vocabulary, delta=delta), bench, None

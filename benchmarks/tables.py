@@ -161,9 +161,10 @@ def grpo_diagnostics(run_dir: Path, cfg: Any, num_nodes: int) -> dict[str, float
     return out
 
 
-def collect(grid_path: Path) -> list[dict[str, Any]]:
-    """One row per method and seed: every finished fedsyn cell of the grid and, for each seed at a
-    finite epsilon, the two MST baselines."""
+def collect(grid_path: Path, only_baselines: bool = False) -> list[dict[str, Any]]:
+    """One row per method and seed: every finished fedsyn cell of the grid and, for each seed,
+    partitioning and finite epsilon of a finished cell, the MST and AIM baselines (pooled and per
+    site). With ``only_baselines``, the baselines of every cell's split whether it ran or not."""
     from common.config import RunConfig
     from fedsyn_server.experiment import load_grid
 
@@ -174,24 +175,24 @@ def collect(grid_path: Path) -> list[dict[str, Any]]:
     for cell in grid.cells:
         cfg = RunConfig.from_flower(dict(cell.run_config))
         evaluation = grid.out_dir / "runs" / cell.name / "evaluation.json"
-        if not evaluation.is_file():
-            print(f"{cell.name}: not run yet (fedsyn experiment {grid_path})")
-            continue
-        table = json.loads(evaluation.read_text()).get("table")
-        if table is None:
-            print(f"{cell.name}: its evaluation has no table section")
-            continue
+        table = json.loads(evaluation.read_text()).get("table") if evaluation.is_file() else None
         eps = "inf" if math.isinf(cfg.epsilon) else f"{cfg.epsilon:g}"
         common_fields = {"epsilon": eps, "partitioning": cfg.partitioning, "seed": cell.seed}
-        rows.append({"method": f"fedsyn {cell.method}", **common_fields, **pick(table)})
-        # The pooled baseline sees the union of the sites' rows, the same under every partitioning;
-        # the per-site one changes with it.
+        if table is not None:
+            rows.append({"method": f"fedsyn {cell.method}", **common_fields, **pick(table)})
+        else:
+            print(f"{cell.name}: no table evaluation yet (fedsyn experiment {grid_path})")
+        # The baselines do not wait for the fedsyn cell (the two grids can run side by side): they
+        # write as many rows as it did, or as it was asked for when it has not run. The pooled
+        # baseline sees the union of the sites' rows, the same under every partitioning; the
+        # per-site one changes with it.
         key = (cell.seed, cfg.epsilon, cfg.partitioning)
-        if math.isfinite(cfg.epsilon) and key not in sites_done:
+        if math.isfinite(cfg.epsilon) and key not in sites_done and (table is not None or only_baselines):
             sites_done.add(key)
             pooled = key[:2] not in pooled_done
             pooled_done.add(key[:2])
-            for method, scores in baseline_rows(cfg, grid.num_supernodes or 2, int(table["n_synthetic"]),
+            n_rows = int(table["n_synthetic"]) if table is not None else cfg.num_synthetic
+            for method, scores in baseline_rows(cfg, grid.num_supernodes or 2, n_rows,
                                                 synthesisers(), cache=cache, pooled=pooled):
                 scope = {"partitioning": "any"} if method.endswith("pooled") else {}
                 rows.append({"method": method, **common_fields, **scope, **scores})
@@ -236,8 +237,10 @@ def main() -> None:
     parser.add_argument("--grid", default=str(Path(__file__).with_name("tables.toml")))
     parser.add_argument("--out", default=str(Path(__file__).parents[1] / "docs"))
     parser.add_argument("--name", default="tables_results.csv", help="the CSV's file name under --out")
+    parser.add_argument("--baselines-only", action="store_true",
+                        help="run the baselines of every split of the grid without waiting for its fedsyn cells")
     args = parser.parse_args()
-    rows = collect(Path(args.grid))
+    rows = collect(Path(args.grid), only_baselines=args.baselines_only)
     if not rows:
         raise SystemExit(f"no finished cell in {args.grid}: run `fedsyn experiment {args.grid}` first")
     path = atomic_write_csv(Path(args.out) / args.name, rows, ["method", "epsilon", "partitioning", "seed", *METRICS])

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from common.config import ConfigError, RunConfig
-from common.calibration import Planned, pld_noise
+from common.calibration import Planned, calibrate
 from common.dp import DPSGD, GAUSSIAN, MARGINALS, PROFILE, STRONG, TRAIN, VOTE, analytic_gaussian_sigma, dpsgd_noise_multiplier
 
 if TYPE_CHECKING:
@@ -192,66 +192,83 @@ def writers_line(cfg: RunConfig, tiers: list[str]) -> str:
 def _phase_lines(cfg: RunConfig, tier: str, records: int | None, delta: float, speed: dict[str, Any]) -> list[str]:
     from strategies.refinement import planned_votes
 
-    lines = _marginal_lines(cfg, delta) if cfg.marginals else []
+    # the phases a node of this tier releases, in the node's order (a table's marginals, DP-SGD,
+    # the profile, the votes), as the node prices each under accounting = pld
+    eps_profile, eps_train, eps_vote = (cfg.phase_epsilon(tier, p) for p in (PROFILE, TRAIN, VOTE))
+    steps = cfg.num_server_rounds * cfg.local_steps
+    q = min(1.0, cfg.batch_size / records) if records else 0.0
+    terms = planned_votes(cfg) if cfg.writes_text else None
+    planned = [
+        Planned(MARGINALS, GAUSSIAN, cfg.phase_epsilon(STRONG, MARGINALS), delta, 1.0, rounds=cfg.marginal_rounds)
+        if cfg.marginals else None,
+        Planned(TRAIN, DPSGD, eps_train, delta, sample_rate=q, steps=steps) if cfg.writes_text and eps_train and cfg.trains
+        else None,
+        Planned(PROFILE, GAUSSIAN, eps_profile, delta) if cfg.writes_text and eps_profile else None,
+        Planned(VOTE, GAUSSIAN, eps_vote, delta, terms[1], rounds=terms[0]) if eps_vote and terms is not None else None,
+    ]
+    pld = pld_noises([p for p in planned if p is not None])
+
+    lines = _marginal_lines(cfg, delta, pld[MARGINALS]) if cfg.marginals else []
     if not cfg.writes_text:
         return lines
-    eps_profile = cfg.phase_epsilon(tier, PROFILE)
     if eps_profile:  # a table's free text has none: its sampled rows allocate the texts
         lines.append(f"profile: epsilon {eps_profile:g}, delta {delta:g}, Gaussian sigma "
-                     f"{analytic_gaussian_sigma(eps_profile, delta, 1.0):.3g} (sensitivity 1)")
-    eps_train = cfg.phase_epsilon(tier, TRAIN)
-    steps = cfg.num_server_rounds * cfg.local_steps
+                     f"{analytic_gaussian_sigma(eps_profile, delta, 1.0):.3g} (sensitivity 1; basic; "
+                     f"{pld[PROFILE]:.3g} under accounting = pld)")
     if eps_train and cfg.trains and records is None:
         lines.append(f"train: epsilon {eps_train:g}, delta {delta:g} (or the node's cap), {steps} DP-SGD steps of "
                      f"batch {cfg.batch_size}, C = {cfg.max_grad_norm:g}; the noise multiplier is set on the node "
                      "from q = B / |D| (its record count is never sent)")
     elif eps_train and cfg.trains:
-        q = min(1.0, cfg.batch_size / records)
         nm = dpsgd_noise_multiplier(eps_train, delta, q, steps)
         tokens = steps * cfg.batch_size * cfg.max_length * (2 if cfg.contrastive_weight > 0 else 1)  # pairs: two rows
         rate = speed.get(f"train_{cfg.finetune}_dp_tokens_per_s")
-        # phase 1 runs before the profile (stage 1, then 2): under pld its multiplier is solved alone
-        pld = pld_noise((), Planned(TRAIN, DPSGD, eps_train, delta, sample_rate=q, steps=steps))
         lines.append(f"train: epsilon {eps_train:g}, delta {delta:g}, DP-SGD noise multiplier {nm:.3g} "
-                     f"(basic; {pld:.3g} under accounting = pld) "
+                     f"(basic; {pld[TRAIN]:.3g} under accounting = pld) "
                      f"(q = {q:.3g}, {steps} steps, C = {cfg.max_grad_norm:g}); {tokens:,} tokens"
                      + (f", about {tokens / rate:.0f} s" if rate else ""))
-    eps_vote = cfg.phase_epsilon(tier, VOTE)
-    terms = planned_votes(cfg)
     if eps_vote and terms is not None:
         rounds, sens, formula = terms
         rate = speed.get("embedding_vote_window_texts_per_s") or speed.get("embedding_texts_per_s")
-        # under pld the vote composes with the profile, the Gaussian before it (stage 2, then 4;
-        # a strong voter's DP-SGD came before both and is composed with neither)
-        pld = pld_noise(_profile_base(eps_profile, delta), Planned(VOTE, GAUSSIAN, eps_vote, delta, sens, rounds=rounds))
         lines.append(f"vote: epsilon {eps_vote:g} in {rounds} round(s), delta {delta:g}, Gaussian sigma "
                      f"{analytic_gaussian_sigma(eps_vote / rounds, delta / rounds, sens):.3g} per round (sensitivity "
-                     f"{formula} = {sens:.3g}; basic; {pld:.3g} under accounting = pld)"
+                     f"{formula} = {sens:.3g}; basic; {pld[VOTE]:.3g} under accounting = pld)"
                      + (f"; embedding {records} rows, about {records / rate:.0f} s" if rate and records else ""))
     elif eps_vote:
         lines.append(f"vote: epsilon {eps_vote:g} in the rounds refinement {cfg.refinement!r} asks for (never more)")
     return lines
 
 
-def _marginal_lines(cfg: RunConfig, delta: float) -> list[str]:
-    """A marginals run's one phase: per round, how many marginals, their sensitivity and sigma."""
+def pld_noises(planned: list[Planned]) -> dict[str, float]:
+    """Each planned phase's noise (sigma, or DP-SGD's noise multiplier) under accounting = pld, by
+    the nodes' own rule (``common.calibration.calibrate``: a phase composes with the run's
+    Gaussians since its last DP-SGD release). A DP-SGD phase whose sampling rate is unknown here (a
+    deployment: |D| is the node's secret) is left out, and the phases after it are priced without
+    those before it, as the node prices them after any DP-SGD release."""
+    out: dict[str, float] = {}
+    segment: list[Planned] = []
+    for phase in [*planned, None]:
+        if phase is None or (phase.mechanism == DPSGD and not phase.sample_rate):
+            out.update(zip((p.phase for p in segment), calibrate(segment)))
+            segment = []
+        else:
+            segment.append(phase)
+    return out
+
+
+def _marginal_lines(cfg: RunConfig, delta: float, z: float) -> list[str]:
+    """A marginals run's phase: per round, how many marginals, their sensitivity and sigma (``z``:
+    the pld noise multiplier, sigma / sensitivity, every round's)."""
     from strategies.marginals import planned_marginals
 
     rounds, total = cfg.marginal_rounds, cfg.phase_epsilon(STRONG, MARGINALS)  # every tier's is the same
     eps = total / rounds
-    # under pld every round has one noise multiplier (sigma / sensitivity), solved for the rounds together
-    z = pld_noise((), Planned(MARGINALS, GAUSSIAN, total, delta, 1.0, rounds=rounds))
     lines = [f"marginals: epsilon {total:g} in {rounds} round(s), delta {delta:g}"]
     for rnd, k in enumerate(planned_marginals(cfg), start=1):
         what = "1- and 2-way marginals" if rnd == 1 else "marginals of the tree the round-1 sums choose"
         lines.append(f"  round {rnd}: {k} {what}, Gaussian sigma {analytic_gaussian_sigma(eps, delta / rounds, k ** 0.5):.3g} "
                      f"per cell (sensitivity sqrt({k}); basic; {z * k ** 0.5:.3g} under accounting = pld)")
     return lines
-
-
-def _profile_base(eps_profile: float, delta: float) -> tuple[tuple[float, float, float], ...]:
-    """The profile as the Gaussian a phase after it is priced on under pld (none without one)."""
-    return ((analytic_gaussian_sigma(eps_profile, delta, 1.0), 1.0, delta),) if eps_profile else ()
 
 
 def _server_lines(cfg: RunConfig, parts: list[tuple[str, Any]], speed: dict[str, Any]) -> list[str]:

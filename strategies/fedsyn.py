@@ -142,6 +142,27 @@ class FedSynStrategy(Strategy):
         self._write_texts(grid, initial_arrays)                         # stages 1-4
         return self._finish(grid, t0)                                   # stage 5
 
+    def _begin(self, grid: Grid, resume: Checkpoint | None) -> float:
+        """Stage 0, after restoring ``resume`` (a loaded checkpoint of this run) if given: every
+        node's tier and pre-flight. Returns the run's start time."""
+        self.summary()
+        if resume is not None:
+            self._restore(resume)
+        self.progress.resume_key = self.resume_key
+        t0, self._grid = time.time(), grid
+        self.result.tiers = self.members.discover(grid, self.stable_seconds)
+        self.result.timings["tiers"] = time.time() - t0
+        return t0
+
+    def preflight(self, grid: Grid) -> FedSynResult:
+        """Stage 0 alone (run config ``plan-only``, for ``fedsyn plan``): every node's tier and
+        budget and whether its ledger and policy cover this run, then every hold is ended;
+        nothing is spent. Raises ``RunRefused`` as ``run`` would (its holds ended too)."""
+        self.summary()
+        self.result.tiers = self.members.discover(grid, self.stable_seconds)
+        self.end_holds(grid)
+        return self.result
+
     def _write_texts(self, grid: Grid, initial_arrays: ArrayRecord | None) -> None:
         """Stages 1-4: finetune, allocate (the profile), generate, refine; each skipped when the
         checkpoint has it done. ``strategies.marginals`` runs them for a table's free-text column."""
@@ -199,26 +220,6 @@ class FedSynStrategy(Strategy):
         log.info("final synthetic set: %d of %d texts (%s, %d vote rounds)", len(res.selected), len(res.pool_texts),
                  self.refinement.name, len(res.vote_rounds))
 
-    def _begin(self, grid: Grid, resume: Checkpoint | None) -> float:
-        """Stage 0, after restoring ``resume`` (a loaded checkpoint of this run) if given: every
-        node's tier and pre-flight. Returns the run's start time."""
-        self.summary()
-        if resume is not None:
-            self._restore(resume)
-        self.progress.resume_key = self.resume_key
-        t0, self._grid = time.time(), grid
-        self.result.tiers = self.members.discover(grid, self.stable_seconds)
-        self.result.timings["tiers"] = time.time() - t0
-        return t0
-
-    def preflight(self, grid: Grid) -> FedSynResult:
-        """Stage 0 alone (run config ``plan-only``, for ``fedsyn plan``): every node's tier and
-        budget and whether its ledger and policy cover this run, then every hold is ended;
-        nothing is spent. Raises ``RunRefused`` as ``run`` would (its holds ended too)."""
-        self.summary()
-        self.result.tiers = self.members.discover(grid, self.stable_seconds)
-        self.end_holds(grid)
-        return self.result
 
     # ------------------------------------------------------------ stage 1
     def _finetune(self, grid: Grid, arrays: ArrayRecord | None) -> ArrayRecord | None:

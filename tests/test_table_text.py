@@ -232,3 +232,32 @@ def test_plan_shows_the_marginals_and_the_texts_phases_at_their_shares_and_no_pr
     assert out.count("marginals: epsilon 4 in 1 round(s)") == 4  # every site, half of its 8
     assert out.count("train: epsilon 4,") == 2 and out.count("vote: epsilon 4 in") == 2
     assert "profile:" not in out and "each with a text of its code in free-text column 'review'" in out
+
+
+def test_plan_prices_the_texts_phases_under_pld_on_the_marginals_released_before_them(capsys):
+    """Issue 47 on a free-text table: a node prices its DP-SGD (strong) or its votes (weak) under
+    pld on the marginals it released first; the plan says the same figure (``calibrate``), not
+    the phase solved alone."""
+    import re
+
+    from common.calibration import Planned, calibrate, pld_noise
+    from common.dp import GAUSSIAN, MARGINALS, VOTE
+    from fedsyn_server.cli import main
+    from fedsyn_server.plan import pld_noises
+
+    preset = str(ROOT / "presets" / "table-movie-reviews.toml")
+    assert main(["plan", str(ROOT), "--run-config", preset, "--federation-config", "num-supernodes=4"]) == 0
+    out = capsys.readouterr().out
+    vote = re.search(r"vote: epsilon 4 in (\d+) round\(s\), delta ([0-9.e-]+), .*?= ([0-9.]+); basic; ([0-9.]+) "
+                     r"under accounting = pld", out)
+    rounds, delta, sens, shown = int(vote.group(1)), float(vote.group(2)), float(vote.group(3)), float(vote.group(4))
+    marginals = Planned(MARGINALS, GAUSSIAN, 4.0, delta, 1.0, rounds=1)
+    vote_phase = Planned(VOTE, GAUSSIAN, 4.0, delta, sens, rounds=rounds)
+    composed = calibrate([marginals, vote_phase])[1]
+    assert shown == pytest.approx(composed, rel=2e-3, abs=1e-3)
+    assert composed < 0.97 * pld_noise((), vote_phase)  # composing with the marginals buys less noise
+    # a DP-SGD phase of unknown q (a deployment) resets the base: the phases after it are priced alone
+    from common.dp import DPSGD, TRAIN
+    unknown_q = Planned(TRAIN, DPSGD, 4.0, delta, steps=6)
+    noises = pld_noises([marginals, unknown_q, vote_phase])
+    assert TRAIN not in noises and noises[VOTE] == pytest.approx(pld_noise((), vote_phase))

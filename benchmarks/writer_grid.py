@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from common.io import atomic_write_csv
 from fedsyn_server.outputs import save_figure
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,6 +38,8 @@ SOURCES = [
     ("rt", "benchmarks/writer_grid_rt.toml", None),
     ("rt", "docs/label_grid_results.csv", None),
     ("source", "benchmarks/writer_grid_source.toml", None),
+    # this script's own last CSV: the runs whose result folders are gone (results/ is not kept)
+    (None, "docs/writer_grid_results.csv", None),
 ]
 ONE_WRITER = ("zero-shot-contrastive-vote", "dp-contrastive-vote")
 # issue 33's quality preset (one writer) beside its re-measure with the mixed pool
@@ -48,11 +51,17 @@ COLUMNS = ["dataset", "partitioning", "method", "seed", "accuracy", "label_fidel
 
 def read_rows(root: Path = ROOT) -> list[dict]:
     """One row per run of the grid's methods (``ONE_WRITER``, ``MIXED`` and its variants ``mixed-*``),
-    the first file naming a (dataset, partitioning, method, seed) winning."""
+    the first file naming a (dataset, partitioning, method, seed) winning: a grid's finished cells,
+    then the earlier grids' CSVs, then the rows this script wrote last time."""
     rows: dict[tuple, dict] = {}
     for dataset, name, partitioning in SOURCES:
         path = root / name
         if not path.is_file():
+            continue
+        if dataset is None:
+            for r in _results(path):
+                key = (r["dataset"], r["partitioning"], r["method"], int(float(r["seed"])))
+                rows.setdefault(key, {**r, "seed": key[3], **{k: _float(r[k]) for k in COLUMNS[4:-1]}})
             continue
         label = LABEL[dataset]
         for r in _results(path):
@@ -174,10 +183,8 @@ def main() -> int:
     args = ap.parse_args()
     rows = read_rows()
     out = Path(args.out)
-    with open(out.with_name(out.name + "_results.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows(sorted(rows, key=lambda r: (r["dataset"], r["partitioning"], r["method"], r["seed"])))
+    atomic_write_csv(out.with_name(out.name + "_results.csv"),
+                     sorted(rows, key=lambda r: (r["dataset"], r["partitioning"], r["method"], r["seed"])), COLUMNS)
     table = summary(rows)
     plot(table, out.with_suffix(".png"))
     print(markdown(table))

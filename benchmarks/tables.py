@@ -161,15 +161,16 @@ def grpo_diagnostics(run_dir: Path, cfg: Any, num_nodes: int) -> dict[str, float
     return out
 
 
-def collect(grid_path: Path, only_baselines: bool = False) -> list[dict[str, Any]]:
+def collect(grid_path: Path, only_baselines: bool = False, cache: Path | None = None) -> list[dict[str, Any]]:
     """One row per method and seed: every finished fedsyn cell of the grid and, for each seed,
     partitioning and finite epsilon of a finished cell, the MST and AIM baselines (pooled and per
-    site). With ``only_baselines``, the baselines of every cell's split whether it ran or not."""
+    site). With ``only_baselines``, the baselines of every cell's split whether it ran or not. Each
+    baseline run's scores are kept under ``cache`` (default: the grid's ``<out-dir>/baselines``)."""
     from common.config import RunConfig
     from fedsyn_server.experiment import load_grid
 
     grid = load_grid(grid_path)
-    cache = grid.out_dir / "baselines"
+    cache = cache or grid.out_dir / "baselines"
     cache.mkdir(parents=True, exist_ok=True)
     rows, pooled_done, sites_done = [], set(), set()
     for cell in grid.cells:
@@ -239,8 +240,11 @@ def main() -> None:
     parser.add_argument("--name", default="tables_results.csv", help="the CSV's file name under --out")
     parser.add_argument("--baselines-only", action="store_true",
                         help="run the baselines of every split of the grid without waiting for its fedsyn cells")
+    parser.add_argument("--cache", default=None,
+                        help="folder of each baseline run's scores (default <out-dir>/baselines): one kept with "
+                             "the results lets a long grid resume in another checkout")
     args = parser.parse_args()
-    rows = collect(Path(args.grid), only_baselines=args.baselines_only)
+    rows = collect(Path(args.grid), only_baselines=args.baselines_only, cache=Path(args.cache) if args.cache else None)
     if not rows:
         raise SystemExit(f"no finished cell in {args.grid}: run `fedsyn experiment {args.grid}` first")
     path = atomic_write_csv(Path(args.out) / args.name, rows, ["method", "epsilon", "partitioning", "seed", *METRICS])

@@ -1,10 +1,12 @@
-"""Issue 47, measured: the default run under ``accounting = "basic"`` against ``"pld"``.
+"""Issue 47, measured: the default run and the quality preset under ``accounting = "basic"`` against ``"pld"``.
 
 Usage: python -m benchmarks.accounting [--state DIR] [--out docs/accounting]
 
 Reads the finished cells of ``benchmarks/accounting_{bbc,rt}.toml`` (the default under pld) and
-their basic counterparts (the default's IID cells of ``benchmarks/writer_grid_{bbc,rt}.toml``), and
-for each run recomputes every node's spend from its own ledger (``DIR``: the simulated nodes'
+their basic counterparts (the default's IID cells of ``benchmarks/writer_grid_{bbc,rt}.toml``), the
+quality preset's (``benchmarks/accounting_quality_{bbc,rt}.toml``, BBC's basic counterpart in
+``benchmarks/writer_quality.toml``), then the rows of its own last CSV for runs whose folders are
+gone; and for each run recomputes every node's spend from its own ledger (``DIR``: the simulated nodes'
 state root, ``$FEDSYN_STATE_DIR`` or ``<tmp>/fedsyn-sim``) with ``dp_accounting`` alone, not
 through ``common.calibration``: the PLD composition of the run's releases up to its DP-SGD phase
 plus that of the releases after it (what the pld rule promises), as a share of the node's
@@ -24,13 +26,21 @@ from pathlib import Path
 
 import numpy as np
 
+from common.io import atomic_write_csv
 from benchmarks.writer_grid import LABEL, NAMES, _float, _results
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = [("bbc", "basic", "benchmarks/writer_grid_bbc.toml"), ("bbc", "pld", "benchmarks/accounting_bbc.toml"),
-           ("rt", "basic", "benchmarks/writer_grid_rt.toml"), ("rt", "pld", "benchmarks/accounting_rt.toml")]
-METHODS = {"basic": "mixed-contrastive-vote", "pld": "mixed-contrastive-vote-pld"}
-COLUMNS = ["dataset", "rule", "seed", "accuracy", "label_fidelity", "mauve", "node", "tier", "budget", "charged",
+# (dataset, preset, rule, grid file, the grid's method of that rule)
+SOURCES = [("bbc", "default", "basic", "benchmarks/writer_grid_bbc.toml", "mixed-contrastive-vote"),
+           ("bbc", "default", "pld", "benchmarks/accounting_bbc.toml", "mixed-contrastive-vote-pld"),
+           ("rt", "default", "basic", "benchmarks/writer_grid_rt.toml", "mixed-contrastive-vote"),
+           ("rt", "default", "pld", "benchmarks/accounting_rt.toml", "mixed-contrastive-vote-pld"),
+           ("bbc", "quality", "basic", "benchmarks/writer_quality.toml", "quality-mixed"),
+           ("bbc", "quality", "pld", "benchmarks/accounting_quality_bbc.toml", "quality-mixed-pld"),
+           ("rt", "quality", "basic", "benchmarks/accounting_quality_rt.toml", "quality-mixed"),
+           ("rt", "quality", "pld", "benchmarks/accounting_quality_rt.toml", "quality-mixed-pld")]
+PRESETS = ("default", "quality")
+COLUMNS = ["dataset", "preset", "rule", "seed", "accuracy", "label_fidelity", "mauve", "node", "tier", "budget", "charged",
            "pld_spent", "share_used", "vote_sigma", "noise_multiplier"]
 
 
@@ -62,21 +72,23 @@ def spent_by_pld(entries: list[dict]) -> float:
     return float(total)
 
 
-def read_rows(state: Path, root: Path = ROOT) -> list[dict]:
-    """One row per finished run and node of ``SOURCES`` (the IID default cells)."""
+def read_rows(state: Path, root: Path = ROOT, earlier: Path | None = None) -> list[dict]:
+    """One row per finished run and node of ``SOURCES`` (the IID cells), then the rows of
+    ``earlier`` (this script's last CSV) for the (dataset, preset, rule, seed) none of them ran."""
+    from fedsyn_server.experiment import load_grid
+
     rows = []
-    for dataset, rule, name in SOURCES:
+    for dataset, preset, rule, name, method in SOURCES:
         path = root / name
         if not path.is_file():
             continue
-        from fedsyn_server.experiment import load_grid
-
         grid = load_grid(path)
+        cells = {(c.method, c.seed, dict(c.run_config).get("partitioning", "iid")): c.name for c in grid.cells}
         for r in _results(path):
-            if r["method"] != METHODS[rule] or r.get("partitioning", "iid") != "iid":
+            if r["method"] != method or r.get("partitioning", "iid") != "iid":
                 continue
             label = LABEL[dataset]
-            run_dir = Path(grid.out_dir) / "runs" / f"{r['method']}__partitioning=iid__seed={int(float(r['seed']))}"
+            run_dir = Path(grid.out_dir) / "runs" / cells[(method, int(float(r["seed"])), "iid")]
             report = json.loads((run_dir / "privacy_report.json").read_text())
             for node in report["nodes"]:
                 run_key = node["releases"][0]["run_id"] if node["releases"] else ""
@@ -87,7 +99,7 @@ def read_rows(state: Path, root: Path = ROOT) -> list[dict]:
                 vote = [e["sigma"] for e in node["releases"] if e["phase"] == "vote"]
                 nm = [e.get("private", {}).get("noise_multiplier") for e in mine if e["mechanism"] == "dp-sgd"]
                 pld = spent_by_pld(mine) if mine else float("nan")
-                rows.append({"dataset": dataset, "rule": rule, "seed": int(float(r["seed"])),
+                rows.append({"dataset": dataset, "preset": preset, "rule": rule, "seed": int(float(r["seed"])),
                              "accuracy": float(r[f"utility/{label}/accuracy"]),
                              "label_fidelity": _float(r.get(f"utility/{label}/label_fidelity")),
                              "mauve": _float(r.get("alignment/mauve/mean")), "node": node["node_id"],
@@ -95,32 +107,39 @@ def read_rows(state: Path, root: Path = ROOT) -> list[dict]:
                              "pld_spent": pld, "share_used": pld / node["epsilon_budget"],
                              "vote_sigma": vote[0] if vote else float("nan"),
                              "noise_multiplier": nm[0] if nm and nm[0] else float("nan")})
+    if earlier is not None and earlier.is_file():
+        done = {(r["dataset"], r["preset"], r["rule"], r["seed"]) for r in rows}
+        with open(earlier, newline="") as f:
+            for r in csv.DictReader(f):
+                r = {**r, "preset": r.get("preset") or "default", "seed": int(float(r["seed"]))}
+                if (r["dataset"], r["preset"], r["rule"], r["seed"]) not in done:
+                    rows.append({k: r[k] if k in ("dataset", "preset", "rule", "seed", "node", "tier") else _float(r[k])
+                                 for k in COLUMNS})
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
-    """Per dataset and rule: the run metrics (mean ± std over seeds) and the nodes' noise and spend."""
-    lines = ["| dataset | rule | runs | accuracy | label fidelity | MAUVE | weak vote σ | DP-SGD noise multiplier | "
-             "budget used by PLD (min–max over nodes) |", "|---|---|---|---|---|---|---|---|---|"]
-    for dataset in NAMES:
-        for rule in ("basic", "pld"):
-            mine = [r for r in rows if (r["dataset"], r["rule"]) == (dataset, rule)]
-            if not mine:
-                continue
-            runs = {r["seed"]: r for r in mine}
+    """Per preset, dataset and rule: the run metrics (mean ± std over seeds) and the nodes' noise and spend."""
+    lines = ["| dataset | preset | rule | runs | accuracy | label fidelity | MAUVE | weak vote σ | DP-SGD noise multiplier | "
+             "budget used by PLD (min–max over nodes) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for dataset, preset, rule in ((d, p, r) for p in PRESETS for d in NAMES for r in ("basic", "pld")):
+        mine = [r for r in rows if (r["dataset"], r["preset"], r["rule"]) == (dataset, preset, rule)]
+        if not mine:
+            continue
+        runs = {r["seed"]: r for r in mine}
 
-            def stat(key: str, of: list[dict]) -> str:
-                values = np.array([r[key] for r in of], dtype=np.float64)
-                return f"{np.nanmean(values):.3f} ± {np.nanstd(values):.3f}"
+        def stat(key: str, of: list[dict]) -> str:
+            values = np.array([r[key] for r in of], dtype=np.float64)
+            return f"{np.nanmean(values):.3f} ± {np.nanstd(values):.3f}"
 
-            weak = [r for r in mine if r["tier"] == "weak"]
-            strong = [r for r in mine if r["tier"] == "strong"]
-            used = np.array([r["share_used"] for r in mine], dtype=np.float64)
-            lines.append(f"| {NAMES[dataset]} | {rule} | {len(runs)} | {stat('accuracy', list(runs.values()))} | "
-                         f"{stat('label_fidelity', list(runs.values()))} | {stat('mauve', list(runs.values()))} | "
-                         f"{np.nanmean([r['vote_sigma'] for r in weak]):.3f} | "
-                         f"{np.nanmean([r['noise_multiplier'] for r in strong]):.3f} | "
-                         f"{np.nanmin(used):.1%}–{np.nanmax(used):.1%} |")
+        weak = [r for r in mine if r["tier"] == "weak"]
+        strong = [r for r in mine if r["tier"] == "strong"]
+        used = np.array([r["share_used"] for r in mine], dtype=np.float64)
+        lines.append(f"| {NAMES[dataset]} | {preset} | {rule} | {len(runs)} | {stat('accuracy', list(runs.values()))} | "
+                     f"{stat('label_fidelity', list(runs.values()))} | {stat('mauve', list(runs.values()))} | "
+                     f"{np.nanmean([r['vote_sigma'] for r in weak]):.3f} | "
+                     f"{np.nanmean([r['noise_multiplier'] for r in strong]):.3f} | "
+                     f"{np.nanmin(used):.1%}–{np.nanmax(used):.1%} |")
     return "\n".join(lines)
 
 
@@ -130,11 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--state", type=Path, default=default_state)
     parser.add_argument("--out", default="docs/accounting")
     args = parser.parse_args(argv)
-    rows = read_rows(args.state)
-    with open(ROOT / f"{args.out}_results.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
+    out = ROOT / f"{args.out}_results.csv"
+    rows = read_rows(args.state, earlier=out)
+    atomic_write_csv(out, sorted(rows, key=lambda r: (r["dataset"], PRESETS.index(r["preset"]), r["rule"], r["seed"])),
+                     COLUMNS)
     print(markdown(rows))
     return 0
 

@@ -10,6 +10,8 @@ from common.io import read_jsonl
 from fedsyn_server.flwr_runner import run_app
 
 
+@pytest.mark.session(covered_by="tests/test_front_door.py::test_a_new_user_walks_the_readme (the same tiny "
+                              "three-site run through `fedsyn run`, and these outputs)")
 @pytest.mark.flwr
 def test_flwr_run_tiny_model_writes_all_outputs(tmp_path):
     res = run_app({

@@ -54,12 +54,14 @@ def pick(scores: dict[str, Any]) -> dict[str, float]:
 
 
 def baseline_rows(cfg: Any, num_nodes: int, rows: int, synthesisers: dict[str, Any],
-                  cache: Path | None = None, pooled: bool = True) -> list[tuple[str, dict[str, float]]]:
+                  cache: Path | None = None, pooled: bool = True,
+                  cached_only: bool = False) -> list[tuple[str, dict[str, float]]]:
     """Each marginal baseline pooled (when ``pooled``) and per site (mean over sites) on ``cfg``'s
     split, at its (epsilon, delta); ``synthesisers`` maps a name to a function with
     ``mst_synthesise``'s signature. With ``cache``, each synthesiser's scores are kept there as JSON
     (one file per method, scope, seed, epsilon and partitioning) and read back on the next call, so a
-    long grid resumes where it stopped."""
+    long grid resumes where it stopped. With ``cached_only`` nothing is run: a baseline not in the
+    cache is left out (a per-site mean needs every site's)."""
     import time
 
     from common.federation import benchmark, simulation_node_data
@@ -75,10 +77,12 @@ def baseline_rows(cfg: Any, num_nodes: int, rows: int, synthesisers: dict[str, A
     part = cfg.partitioning.replace(":", "-")
     out = []
     for name, synthesise in synthesisers.items():
-        def score(own: Any, seed: int, key: str) -> dict[str, float]:
+        def score(own: Any, seed: int, key: str) -> dict[str, float] | None:
             path = cache / f"{name}-{key}-seed{cfg.seed}-eps{cfg.epsilon:g}-rows{rows}.json" if cache else None
             if path is not None and path.is_file():
                 return json.loads(path.read_text())
+            if cached_only:
+                return None
             start = time.perf_counter()
             synthetic = synthesise(own, schema, cfg.epsilon, cfg.resolve_delta(len(own)), rows, seed)
             scores = pick(evaluate_table(synthetic, test, schema, target, real_train=train, seed=cfg.seed))
@@ -88,11 +92,13 @@ def baseline_rows(cfg: Any, num_nodes: int, rows: int, synthesisers: dict[str, A
                 atomic_write_text(path, json.dumps(scores))
             return scores
 
-        if pooled:
-            out.append((f"{name} pooled", score(train, cfg.seed, "pooled")))
+        pooled_scores = score(train, cfg.seed, "pooled") if pooled else None
+        if pooled_scores is not None:
+            out.append((f"{name} pooled", pooled_scores))
         per_site = [score(site, cfg.seed * 1000 + pid + 1, f"site{pid}-{part}") for pid, site in enumerate(sites)]
-        out.append((f"{name} per site (mean of {num_nodes})",
-                    {k: float(np.nanmean([s[k] for s in per_site])) for k in METRICS}))
+        if all(s is not None for s in per_site):
+            out.append((f"{name} per site (mean of {num_nodes})",
+                        {k: float(np.nanmean([s[k] for s in per_site])) for k in METRICS}))
     return out
 
 
@@ -161,11 +167,13 @@ def grpo_diagnostics(run_dir: Path, cfg: Any, num_nodes: int) -> dict[str, float
     return out
 
 
-def collect(grid_path: Path, only_baselines: bool = False, cache: Path | None = None) -> list[dict[str, Any]]:
+def collect(grid_path: Path, only_baselines: bool = False, cache: Path | None = None,
+            cached_only: bool = False) -> list[dict[str, Any]]:
     """One row per method and seed: every finished fedsyn cell of the grid and, for each seed,
     partitioning and finite epsilon of a finished cell, the MST and AIM baselines (pooled and per
     site). With ``only_baselines``, the baselines of every cell's split whether it ran or not. Each
-    baseline run's scores are kept under ``cache`` (default: the grid's ``<out-dir>/baselines``)."""
+    baseline run's scores are kept under ``cache`` (default: the grid's ``<out-dir>/baselines``);
+    with ``cached_only`` only those are reported and nothing is run."""
     from common.config import RunConfig
     from fedsyn_server.experiment import load_grid
 
@@ -194,7 +202,8 @@ def collect(grid_path: Path, only_baselines: bool = False, cache: Path | None = 
             pooled_done.add(key[:2])
             n_rows = int(table["n_synthetic"]) if table is not None else cfg.num_synthetic
             for method, scores in baseline_rows(cfg, grid.num_supernodes or 2, n_rows,
-                                                synthesisers(), cache=cache, pooled=pooled):
+                                                synthesisers(), cache=cache, pooled=pooled,
+                                                cached_only=cached_only):
                 scope = {"partitioning": "any"} if method.endswith("pooled") else {}
                 rows.append({"method": method, **common_fields, **scope, **scores})
     return rows
@@ -243,8 +252,11 @@ def main() -> None:
     parser.add_argument("--cache", default=None,
                         help="folder of each baseline run's scores (default <out-dir>/baselines): one kept with "
                              "the results lets a long grid resume in another checkout")
+    parser.add_argument("--cached-only", action="store_true",
+                        help="run no baseline: report the fedsyn cells and the baselines already in the cache")
     args = parser.parse_args()
-    rows = collect(Path(args.grid), only_baselines=args.baselines_only, cache=Path(args.cache) if args.cache else None)
+    rows = collect(Path(args.grid), only_baselines=args.baselines_only, cache=Path(args.cache) if args.cache else None,
+                   cached_only=args.cached_only)
     if not rows:
         raise SystemExit(f"no finished cell in {args.grid}: run `fedsyn experiment {args.grid}` first")
     path = atomic_write_csv(Path(args.out) / args.name, rows, ["method", "epsilon", "partitioning", "seed", *METRICS])

@@ -192,8 +192,9 @@ def writers_line(cfg: RunConfig, tiers: list[str]) -> str:
 def _phase_lines(cfg: RunConfig, tier: str, records: int | None, delta: float, speed: dict[str, Any]) -> list[str]:
     from strategies.refinement import planned_votes
 
-    # the phases a node of this tier releases, in the node's order (a table's marginals, DP-SGD,
-    # the profile, the votes), as the node prices each under accounting = pld
+    # the phases a node of this tier releases, in the node's order (a table's marginals, the
+    # profile, DP-SGD, the votes: strategies.fedsyn asks the profile first), as the node prices
+    # each under accounting = pld
     eps_profile, eps_train, eps_vote = (cfg.phase_epsilon(tier, p) for p in (PROFILE, TRAIN, VOTE))
     steps = cfg.num_server_rounds * cfg.local_steps
     q = min(1.0, cfg.batch_size / records) if records else 0.0
@@ -201,9 +202,9 @@ def _phase_lines(cfg: RunConfig, tier: str, records: int | None, delta: float, s
     planned = [
         Planned(MARGINALS, GAUSSIAN, cfg.phase_epsilon(STRONG, MARGINALS), delta, 1.0, rounds=cfg.marginal_rounds)
         if cfg.marginals else None,
+        Planned(PROFILE, GAUSSIAN, eps_profile, delta) if cfg.writes_text and eps_profile else None,
         Planned(TRAIN, DPSGD, eps_train, delta, sample_rate=q, steps=steps) if cfg.writes_text and eps_train and cfg.trains
         else None,
-        Planned(PROFILE, GAUSSIAN, eps_profile, delta) if cfg.writes_text and eps_profile else None,
         Planned(VOTE, GAUSSIAN, eps_vote, delta, terms[1], rounds=terms[0]) if eps_vote and terms is not None else None,
     ]
     pld = pld_noises([p for p in planned if p is not None])

@@ -139,7 +139,7 @@ class FedSynStrategy(Strategy):
         """Run stages 0-5 of Algorithm 1 and return everything produced; with ``resume`` (a
         loaded checkpoint of this run) continue where it stopped."""
         t0 = self._begin(grid, resume)                                  # stage 0
-        self._write_texts(grid, initial_arrays)                         # stages 1-4
+        self._write_texts(grid, initial_arrays)                         # stages 2, 1, 3, 4
         return self._finish(grid, t0)                                   # stage 5
 
     def _begin(self, grid: Grid, resume: Checkpoint | None) -> float:
@@ -164,20 +164,26 @@ class FedSynStrategy(Strategy):
         return self.result
 
     def _write_texts(self, grid: Grid, initial_arrays: ArrayRecord | None) -> None:
-        """Stages 1-4: finetune, allocate (the profile), generate, refine; each skipped when the
-        checkpoint has it done. ``strategies.marginals`` runs them for a table's free-text column."""
+        """Stages 2, 1, 3, 4: allocate (the profile), finetune, generate, refine; each skipped when
+        the checkpoint has it done. ``strategies.marginals`` runs them for a table's free-text column.
+
+        The profile is asked before phase 1 (Algorithm 1 lists them the other way; neither reads
+        the other's output): a run whose profile cannot be had stops before the strong sites spend
+        on DP-SGD, and under ``accounting = "pld"`` a strong site's DP-SGD is solved on its profile
+        Gaussian (the default's multiplier 0.509 -> 0.441), where after it the profile would start a
+        new composition."""
         res, done = self.result, self.progress.completed
         self.aggregator = self.make_aggregator(len(self.members.strong))
+
+        if "profile" not in done:
+            self._allocate(grid)                                        # stage 2
+            self._checkpoint("profile")
 
         t = time.time()                                                 # stage 1
         if "finetune" not in done:
             res.arrays = self._finetune(grid, res.arrays if res.arrays is not None else initial_arrays)
             self._checkpoint("finetune")
             res.timings["finetune"] = time.time() - t
-
-        if "profile" not in done:
-            self._allocate(grid)                                        # stage 2
-            self._checkpoint("profile")
 
         t = time.time()                                                 # stage 3
         if "generate" not in done:
@@ -220,6 +226,32 @@ class FedSynStrategy(Strategy):
         log.info("final synthetic set: %d of %d texts (%s, %d vote rounds)", len(res.selected), len(res.pool_texts),
                  self.refinement.name, len(res.vote_rounds))
 
+
+    # ------------------------------------------------------------ stage 2
+    def _allocate(self, grid: Grid) -> None:
+        """Stage 2: the pool's size per code, from the nodes' noisy profile (``_profile``)."""
+        self.members.admit(grid, "before the profile")
+        self._profile(grid, self.members.active())
+
+    def _profile(self, grid: Grid, nodes: dict[int, str]) -> None:
+        """Stage 2: every node's noisy per-code counts; their sum allocates the pool (stage 3)."""
+        res, t = self.result, time.time()
+        profile_replies = self.courier.ask(grid, sorted(nodes), R.MSG_PROFILE, PROFILE, RecordDict(
+            {R.CONFIG: self._request()}))
+        res.node_profiles = self.courier.vectors(profile_replies, R.PROFILE, len(self.vocabulary), PROFILE)
+        self.courier.coverage("profile", res.node_profiles, nodes)
+        if not res.node_profiles:
+            raise RuntimeError("no node returned a profile; nothing to allocate (see failures above)")
+        res.profile = aggregate_profiles(list(res.node_profiles.values()))
+        res.allocation = dict(zip(self.vocabulary, (int(a) for a in allocate(res.profile, self.refinement.pool_size(self.cfg)))))
+        log.info("noisy profile %s -> allocation %s", np.round(res.profile, 1).tolist(), res.allocation)
+        if self.cfg.coverage_floor > 0 and self.cfg.prompt != "zero-shot":
+            strong = [p for n, p in res.node_profiles.items() if res.tiers.get(n) == "strong"]
+            rho = finetune_coverage(strong, list(res.node_profiles.values()))
+            res.pretrained_codes = pretrained_codes(self.vocabulary, rho, self.cfg.coverage_floor)
+            log.info("phase-1 coverage %s: %s written by the pretrained weights (coverage-floor %g)",
+                     np.round(rho, 2).tolist(), res.pretrained_codes or "no code", self.cfg.coverage_floor)
+        res.timings["profile"] = time.time() - t
 
     # ------------------------------------------------------------ stage 1
     def _finetune(self, grid: Grid, arrays: ArrayRecord | None) -> ArrayRecord | None:
@@ -274,32 +306,6 @@ class FedSynStrategy(Strategy):
         if metrics:
             self.result.eval_metrics[rnd] = metrics
             log.info("[phase 1] round %d held-out %s", rnd, {k: round(v, 4) for k, v in metrics.items()})
-
-    # ------------------------------------------------------------ stage 2
-    def _allocate(self, grid: Grid) -> None:
-        """Stage 2: the pool's size per code, from the nodes' noisy profile (``_profile``)."""
-        self.members.admit(grid, "before the profile")
-        self._profile(grid, self.members.active())
-
-    def _profile(self, grid: Grid, nodes: dict[int, str]) -> None:
-        """Stage 2: every node's noisy per-code counts; their sum allocates the pool (stage 3)."""
-        res, t = self.result, time.time()
-        profile_replies = self.courier.ask(grid, sorted(nodes), R.MSG_PROFILE, PROFILE, RecordDict(
-            {R.CONFIG: self._request()}))
-        res.node_profiles = self.courier.vectors(profile_replies, R.PROFILE, len(self.vocabulary), PROFILE)
-        self.courier.coverage("profile", res.node_profiles, nodes)
-        if not res.node_profiles:
-            raise RuntimeError("no node returned a profile; nothing to allocate (see failures above)")
-        res.profile = aggregate_profiles(list(res.node_profiles.values()))
-        res.allocation = dict(zip(self.vocabulary, (int(a) for a in allocate(res.profile, self.refinement.pool_size(self.cfg)))))
-        log.info("noisy profile %s -> allocation %s", np.round(res.profile, 1).tolist(), res.allocation)
-        if self.cfg.coverage_floor > 0 and self.cfg.prompt != "zero-shot" and res.arrays is not None:
-            strong = [p for n, p in res.node_profiles.items() if res.tiers.get(n) == "strong"]
-            rho = finetune_coverage(strong, list(res.node_profiles.values()))
-            res.pretrained_codes = pretrained_codes(self.vocabulary, rho, self.cfg.coverage_floor)
-            log.info("phase-1 coverage %s: %s written by the pretrained weights (coverage-floor %g)",
-                     np.round(rho, 2).tolist(), res.pretrained_codes or "no code", self.cfg.coverage_floor)
-        res.timings["profile"] = time.time() - t
 
     # ------------------------------------------------------------ stage 4 (the refinements' ctx.vote)
     def _vote(self, texts: list[str], codes: list[str], histogram: str = "knn-vote", epsilon_share: float = 1.0,

@@ -166,3 +166,14 @@ def test_a_whole_run_under_pld_spends_each_nodes_budget_by_pld_and_never_more(da
             spent += _pld(events, delta) if events else 0.0
         charged = sum(r["epsilon"] for r in entries)
         assert 0.97 * 8.0 <= spent <= 8.0 + 1e-3 and charged <= 8.0 + 1e-6, (tier, spent, charged)
+    # the server asked the profile before phase 1, so the strong node's DP-SGD was solved on the
+    # profile's Gaussian: less noise than the same (epsilon, delta) solved alone
+    from common.calibration import Planned, pld_noise
+    from common.dp import DPSGD, TRAIN
+
+    strong = PrivacyLedger.open(tmp_path / "node0", budget=8.0).releases
+    assert strong[0]["phase"] == "profile" and {r["phase"] for r in strong[1:]} == {TRAIN}
+    train, cfg = strong[1], RunConfig.from_flower(rc)
+    alone = pld_noise((), Planned(TRAIN, DPSGD, train["epsilon"], train["delta"], sample_rate=train["private"]["sample_rate"],
+                                  steps=cfg.num_server_rounds * cfg.local_steps))
+    assert train["private"]["noise_multiplier"] < 0.97 * alone

@@ -122,11 +122,11 @@ def test_a_resumed_run_gives_the_uninterrupted_runs_outputs(dataset, tmp_path):
     whole = {**rc, "run-name": "whole"}
     _serve(whole, FakeGrid(_nodes(whole, tmp_path / "state", 7)), run_id=7)
     # The same run (same key, same releases: every node answers from the replies it stored),
-    # killed before its profile and resumed, must end with the same outputs.
+    # killed between its profile and phase 1 and resumed, must end with the same outputs.
     shutil.copytree(tmp_path / "state", tmp_path / "copy")
     cut = {**rc, "run-name": "cut"}
     with pytest.raises(ServerKilled):
-        _serve(cut, DyingGrid(_nodes(cut, tmp_path / "copy", 7), lambda m: m.metadata.message_type == R.MSG_PROFILE),
+        _serve(cut, DyingGrid(_nodes(cut, tmp_path / "copy", 7), lambda m: m.metadata.message_type == R.MSG_TRAIN),
                run_id=7)
     _serve({**cut, "resume": str(tmp_path / "out" / "cut")}, FakeGrid(_nodes(cut, tmp_path / "copy", 11)), run_id=11)
     for name in ("synthetic.jsonl", "pool.jsonl", "profile.json"):
@@ -138,7 +138,7 @@ def test_a_resumed_run_gives_the_uninterrupted_runs_outputs(dataset, tmp_path):
 def test_resuming_with_another_config_is_refused_with_the_fix(dataset, tmp_path):
     rc = {**run_config(dataset, **{"num-server-rounds": 1}), "out-dir": str(tmp_path / "out"), "run-name": "r"}
     with pytest.raises(ServerKilled):
-        _serve(rc, DyingGrid(_nodes(rc, tmp_path / "s", 7), lambda m: m.metadata.message_type == R.MSG_PROFILE), 7)
+        _serve(rc, DyingGrid(_nodes(rc, tmp_path / "s", 7), lambda m: m.metadata.message_type == R.MSG_TRAIN), 7)
     other = {**rc, "resume": str(tmp_path / "out" / "r"), "epsilon": 4.0}
     with pytest.raises(server_app.ConfigError, match=r"differs .* in epsilon \(4.0, was 8.0\).*resume.toml"):
         _serve(other, FakeGrid({}), run_id=8)

@@ -250,7 +250,7 @@ def test_the_report_does_not_reveal_record_counts(tmp_path):
                 assert "sample_rate" not in text and "noise_multiplier" not in text
     # finding 7: the report's delta is the sum of each release's delta as the node stated it
     strong = entries[1]
-    assert [r["phase"] for r in strong["releases"]] == ["train", "train", "profile"]
+    assert [r["phase"] for r in strong["releases"]] == ["profile", "train", "train"]
     assert strong["delta"] == pytest.approx(sum(r["delta"] for r in strong["releases"])) == pytest.approx(2e-5)
     assert strong["epsilon_spent"] == pytest.approx(8.0) and strong["epsilon_pld"] <= 8.0
 

@@ -83,7 +83,7 @@ def test_full_flow_with_real_node_handlers(dataset, tmp_path):
         spent = sum(float(r["epsilon"]) for r in rels)
         assert spent <= 8.0 + 1e-6
         phases = [r["phase"] for r in rels]
-        assert phases == (["train", "train", "profile"] if nid == 100 else ["profile", "vote"])
+        assert phases == (["profile", "train", "train"] if nid == 100 else ["profile", "vote"])  # the profile first
     train_eps = sum(float(r["epsilon"]) for r in res.releases[100] if r["phase"] == "train")
     assert 5.0 < train_eps <= 6.0 + 1e-6
 
@@ -307,7 +307,7 @@ def test_a_strong_node_killed_mid_round_rejoins_with_a_new_node_id_and_pays_noth
     assert sorted(res.train_metrics) == [2, 3]  # round 1 had no reply; rounds 2 and 3 aggregated the new id
     book = PrivacyLedger.open(tmp_path / "node0", 8.0).run_statements("7")
     assert [(r["phase"], r["round"], r["epsilon"] > 0) for r in book] == [
-        ("train", 1, True), ("train", 2, False), ("train", 3, False), ("profile", 0, True)]
+        ("profile", 0, True), ("train", 1, True), ("train", 2, False), ("train", 3, False)]
     report = privacy_report(RunConfig.from_flower(rc), res)["nodes"]
     entry = next(n for n in report if 200 in n["node_ids"])
     assert entry["node_ids"] == [100, 200] and entry["source"] == "node ledger"

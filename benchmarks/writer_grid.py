@@ -32,7 +32,7 @@ NAMES = {"bbc": "BBC News (topic)", "rt": "Rotten Tomatoes (sentiment)", "source
 # (dataset, grid file or results file, the partitioning of a file without that column)
 SOURCES = [
     ("bbc", "benchmarks/writer_grid_bbc.toml", None),
-    ("bbc", "benchmarks/writer_quality.toml", None),
+    ("bbc", "benchmarks/writer_quality.toml", "iid"),  # its split is in [base], not a grid axis
     ("bbc", "docs/finetune_study_results.csv", "iid"),
     ("bbc", "docs/finetune_study_noniid_results.csv", "strong-codes:sport,tech"),
     ("rt", "benchmarks/writer_grid_rt.toml", None),

@@ -226,7 +226,6 @@ class FedSynStrategy(Strategy):
         log.info("final synthetic set: %d of %d texts (%s, %d vote rounds)", len(res.selected), len(res.pool_texts),
                  self.refinement.name, len(res.vote_rounds))
 
-
     # ------------------------------------------------------------ stage 2
     def _allocate(self, grid: Grid) -> None:
         """Stage 2: the pool's size per code, from the nodes' noisy profile (``_profile``)."""

@@ -10,6 +10,29 @@ from common.io import read_jsonl
 from fedsyn_server.flwr_runner import run_app
 
 
+def check_tiny_run_outputs(run_dir) -> list[dict]:
+    """Assert a finished tiny three-site run (one strong, BBC News) wrote every output, spent within
+    each node's budget, failed nowhere and was scored with MiniLM; returns its synthetic rows."""
+    for name in ("synthetic.jsonl", "pool.jsonl", "privacy_report.json", "profile.json", "metrics.json",
+                 "config.json", "heldout.jsonl", "evaluation.json", "plots/allocation.png", "plots/votes_per_code.png",
+                 "model/adapter_config.json"):
+        assert (run_dir / name).exists(), name
+    synthetic = read_jsonl(run_dir / "synthetic.jsonl")
+    assert synthetic and all({"text", "control_code", "topic"} <= set(r) for r in synthetic)
+    report = json.loads((run_dir / "privacy_report.json").read_text())
+    assert sorted(n["tier"] for n in report["nodes"]) == ["strong", "weak", "weak"]
+    for node in report["nodes"]:
+        assert node["epsilon_spent"] <= node["epsilon_budget"] + 1e-6
+        assert node["epsilon_pld"] <= node["epsilon_basic_composition"] + 1e-9
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["failures"] == [] and metrics["final_size"] == len(synthetic)
+    evaluation = json.loads((run_dir / "evaluation.json").read_text())
+    assert 0.0 <= evaluation["utility"]["topic"]["accuracy"] <= 1.0
+    assert evaluation["n_synthetic"] == len(synthetic) and evaluation["n_real"] > 0
+    assert evaluation["embedder"] == "all-MiniLM-L6-v2"
+    return synthetic
+
+
 @pytest.mark.session(covered_by="tests/test_front_door.py::test_a_new_user_walks_the_readme (the same tiny "
                               "three-site run through `fedsyn run`, and these outputs)")
 @pytest.mark.flwr
@@ -24,25 +47,7 @@ def test_flwr_run_tiny_model_writes_all_outputs(tmp_path):
     assert res.ok, f"{res.status}\n{res.output[-4000:]}"
     run_dir = tmp_path / "tiny"
     assert res.run_dir == run_dir
-    for name in ("synthetic.jsonl", "pool.jsonl", "privacy_report.json", "profile.json", "metrics.json",
-                 "config.json", "heldout.jsonl", "evaluation.json", "plots/allocation.png", "plots/votes_per_code.png",
-                 "model/adapter_config.json"):
-        assert (run_dir / name).exists(), name
-    synthetic = read_jsonl(run_dir / "synthetic.jsonl")
-    assert synthetic and all({"text", "control_code", "topic"} <= set(r) for r in synthetic)
-    report = json.loads((run_dir / "privacy_report.json").read_text())
-    assert len(report["nodes"]) == 3
-    tiers = sorted(n["tier"] for n in report["nodes"])
-    assert tiers == ["strong", "weak", "weak"]
-    for node in report["nodes"]:
-        assert node["epsilon_spent"] <= node["epsilon_budget"] + 1e-6
-        assert node["epsilon_pld"] <= node["epsilon_basic_composition"] + 1e-9
-    metrics = json.loads((run_dir / "metrics.json").read_text())
-    assert metrics["failures"] == [] and metrics["final_size"] == len(synthetic)
-    evaluation = json.loads((run_dir / "evaluation.json").read_text())
-    assert 0.0 <= evaluation["utility"]["topic"]["accuracy"] <= 1.0
-    assert evaluation["n_synthetic"] == len(synthetic) and evaluation["n_real"] > 0
-    assert evaluation["embedder"] == "all-MiniLM-L6-v2"
+    check_tiny_run_outputs(run_dir)
 
 
 @pytest.mark.slow

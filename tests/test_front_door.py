@@ -333,25 +333,11 @@ def test_a_new_user_walks_the_readme(tmp_path):
         run("fedsyn run . --stream", *three)
     finally:
         stop_processes_of(home)
+    from tests.test_flwr_run import check_tiny_run_outputs
+
     latest = tmp_path / "outputs" / "latest"
-    for name in ("synthetic.jsonl", "pool.jsonl", "privacy_report.json", "profile.json", "metrics.json",
-                 "config.json", "heldout.jsonl", "evaluation.json", "plots/allocation.png", "plots/votes_per_code.png",
-                 "model/adapter_config.json"):
-        assert (latest / name).exists(), name
     assert latest.is_symlink()
-    synthetic = [json.loads(line) for line in (latest / "synthetic.jsonl").read_text().splitlines()]
-    assert synthetic and all({"text", "control_code", "topic"} <= set(r) for r in synthetic)
-    report = json.loads((latest / "privacy_report.json").read_text())
-    assert sorted(n["tier"] for n in report["nodes"]) == ["strong", "weak", "weak"]
-    for node in report["nodes"]:
-        assert node["epsilon_spent"] <= node["epsilon_budget"] + 1e-6
-        assert node["epsilon_pld"] <= node["epsilon_basic_composition"] + 1e-9
-    metrics = json.loads((latest / "metrics.json").read_text())
-    assert metrics["failures"] == [] and metrics["final_size"] == len(synthetic)
-    evaluation = json.loads((latest / "evaluation.json").read_text())
-    assert 0.0 <= evaluation["utility"]["topic"]["accuracy"] <= 1.0
-    assert evaluation["n_synthetic"] == len(synthetic) and evaluation["n_real"] > 0
-    assert evaluation["embedder"] == "all-MiniLM-L6-v2"
+    synthetic = check_tiny_run_outputs(latest)
     assert "texts written to" in run("fedsyn generate outputs/latest -n 6").stdout
     [more] = list((latest / "more").glob("*.jsonl"))
     assert json.loads((latest / "more" / f"{more.stem}.privacy.json").read_text())["epsilon_spent"] == 0

@@ -31,8 +31,9 @@ PRECISIONS = ("auto", "fp32")
 WRITER_CHOICES = ("better", "mix")  # strategies.writers.better_writer
 # How a table run makes its rows (issue 48): "rows", the language model writes each row as text
 # (issue 25); "marginals", every site releases noisy marginals and the server samples rows from a
-# graphical model fitted to their sum (strategies.marginals)
-TABLE_METHODS = ("rows", "marginals")
+# graphical model fitted to their sum (strategies.marginals); "auto", marginals for a table run
+# (they beat both the rows and AIM on one site: docs/results.md#tables) and nothing for a text run
+TABLE_METHODS = ("auto", "rows", "marginals")
 
 
 class ConfigError(ValueError):
@@ -61,7 +62,7 @@ class RunConfig:
     precision: str = "auto"  # auto: bf16 autocast where the device computes bf16 natively; fp32: never
     dataset: str = "bbc-news"
     table_schema: str = ""  # a table run: the public schema as inline JSON ("" = a text column; see _schema)
-    table_method: str = "rows"  # a table run: "rows" (the LLM writes rows) or "marginals" (TABLE_METHODS)
+    table_method: str = "auto"  # a table run: "rows" (the LLM writes rows) or "marginals" (TABLE_METHODS)
     marginal_bins: int = 16  # marginals: a number or date column is cut into this many equal bins of its declared range
     # marginals: measurement rounds; 1 measured better on Breast Cancer than 2 (docs/results.md#tables)
     marginal_rounds: int = 1
@@ -230,7 +231,7 @@ class RunConfig:
             if self.marginals:
                 _check_measurable(schema.structured(), self.marginal_bins)
         elif self.marginals:
-            raise ConfigError(_message("table-method", self.table_method, "'rows' for a text run: 'marginals' needs a "
+            raise ConfigError(_message("table-method", self.table_method, "'auto' (the default) for a text run: 'marginals' needs a "
                                        "table-schema (the public columns whose marginals the sites count)"))
         try:
             self.resolve_delta(num_records=2)
@@ -259,8 +260,9 @@ class RunConfig:
 
     @property
     def marginals(self) -> bool:
-        """Whether this is a table run by federated marginals (``table-method = "marginals"``)."""
-        return self.table_method == "marginals"
+        """Whether this is a table run by federated marginals: ``table-method = "marginals"``, or
+        ``"auto"`` (the default) with a ``table-schema``. Public config only, so node and server agree."""
+        return self.table_method == "marginals" or (self.table_method == "auto" and bool(self.table_schema.strip()))
 
     @property
     def free_text(self) -> str | None:
@@ -342,7 +344,8 @@ def _check_measurable(schema: Schema, bins: int) -> None:
         try:
             domain_size(column, bins)
         except ValueError as err:
-            raise ConfigError(f"invalid run config: table-method = 'marginals': {err}") from None
+            raise ConfigError(f"invalid run config: table-method = 'marginals' (the default for a table): {err}; "
+                              "or ask the language model to write the rows with table-method = 'rows'") from None
 
 
 def _message(key: str, value: Any, allowed: str) -> str:

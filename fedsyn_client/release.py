@@ -132,7 +132,8 @@ def measured_columns(cfg: RunConfig, conf: dict[str, Any]) -> tuple[str, ...]:
 
     schema = cfg.schema()
     if schema is None or not cfg.marginals:
-        raise ConfigError("a marginals request in a run that is not table-method = 'marginals'")
+        raise ConfigError("a marginals request in a run that is not a table by marginals (table-method 'marginals', "
+                          "or 'auto' with a table-schema)")
     try:
         cliques = R.read_cliques(conf)
     except ValueError as err:

@@ -88,7 +88,8 @@ class MarginalsStrategy(FedSynStrategy):
             raise ValueError("MarginalsStrategy needs a table run with table-method = 'marginals'")
         if importlib.util.find_spec("mbi") is None:  # before any site is asked: nothing spent on a run that cannot end
             raise ConfigError("table-method = 'marginals' needs Private-PGM on the server to fit its model: "
-                              "pip install 'fedsyn[tables]' (the sites only count; they do not need it)")
+                              "pip install 'fedsyn[tables]' (the sites only count; they do not need it), or "
+                              "let the language model write the rows: table-method = 'rows'")
         self.schema, self.sizes = schema, column_sizes(schema, cfg.marginal_bins)
         self.anchor = cfg.control_columns[0]
 

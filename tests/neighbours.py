@@ -139,7 +139,7 @@ def base_run_config(data: str, table: bool = False) -> dict[str, Any]:
     """The run config of the harness: a tiny model, two rounds of two steps, ``BUDGET``."""
     cfg = RunConfig(model="tiny-gpt2", dataset=data, test_fraction=0.0, epsilon=BUDGET, epsilon_profile=1.0,
                     num_server_rounds=2, local_steps=2, batch_size=4, max_length=16,
-                    control_codes=(), **({"table_schema": SCHEMA, "text_column": "text"} if table else {}))
+                    control_codes=(), **({"table_schema": SCHEMA, "text_column": "text", "table_method": "rows"} if table else {}))
     return cfg.to_flower()
 
 

@@ -594,11 +594,12 @@ def test_deployment_strong_node_killed_mid_round_rejoins_and_weak_node_killed_af
         run_dir = out / "faults"
         run = dep.start_run(rc, "faults-run")
         try:
+            # the profile is asked before phase 1, so it is in by the time round 1 is
+            dep.wait_for(lambda: "profile" in _progress(run_dir).get("completed", []), run, "faults-run", "the profile")
             dep.wait_for(lambda: _progress(run_dir).get("train_round", 0) >= 1, run, "faults-run", "phase-1 round 1")
             dep.kill("strong2")  # round 2 is under way
+            dep.kill("weak")  # its profile is in; it will miss the vote
             dep.start_node("strong2", "strong2-restarted")
-            dep.wait_for(lambda: "profile" in _progress(run_dir).get("completed", []), run, "faults-run", "the profile")
-            dep.kill("weak")
             run.wait(timeout=RUN_TIMEOUT)
         finally:
             if run.poll() is None:

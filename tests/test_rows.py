@@ -188,7 +188,7 @@ def test_a_table_runs_generation_writes_the_names_and_asks_the_model_for_values_
     from common.config import RunConfig
     from fedsyn_server.synthesis import REGENERATE, VALUE_RETRIES, ServerModel, ValueRule
 
-    server = ServerModel(RunConfig(model="tiny-gpt2", table_schema=json.dumps(SCHEMA), control_columns=("sex",)))
+    server = ServerModel(RunConfig(model="tiny-gpt2", table_schema=json.dumps(SCHEMA), table_method="rows", control_columns=("sex",)))
     good = {"age": " 40\nand more", "age group": " old, then", "income": " 12.5", "admitted": " 2022-02-02 "}
     calls = []
 
@@ -223,7 +223,7 @@ def test_a_rows_variation_keeps_its_first_half_of_columns_and_draws_the_rest(sch
     from common.config import RunConfig
     from fedsyn_server.synthesis import ServerModel
 
-    server = ServerModel(RunConfig(model="tiny-gpt2", table_schema=json.dumps(SCHEMA), control_columns=("sex",)))
+    server = ServerModel(RunConfig(model="tiny-gpt2", table_schema=json.dumps(SCHEMA), table_method="rows", control_columns=("sex",)))
     generated = R.generated_part(schema, ["sex"])
     parent = "income is 12.5, age is 40, admitted is 2022-02-02, age group is old"
     children = server.variation([parent] * 4, ["sex=F"] * 4, seed=1)

@@ -108,7 +108,23 @@ def test_a_marginals_run_needs_a_schema_with_declared_ranges_before_anything_is_
                                      {"name": "age", "type": "integer"}]})
     with pytest.raises(ConfigError, match="'age'.*'min' and a 'max'"):
         RunConfig.from_flower({"table-method": "marginals", "table-schema": schema, "control-columns": "y"})
-    RunConfig.from_flower({"table-schema": schema, "control-columns": "y"})  # the LLM's rows need no range
+    # the default for a table is the marginals too, and its error names the way out
+    with pytest.raises(ConfigError, match="'age'.*'min' and a 'max'.*table-method = 'rows'"):
+        RunConfig.from_flower({"table-schema": schema, "control-columns": "y"})
+    rows = RunConfig.from_flower({"table-method": "rows", "table-schema": schema, "control-columns": "y"})
+    assert not rows.marginals  # the LLM's rows need no range
+
+
+def test_a_table_run_is_by_marginals_unless_it_asks_for_rows_and_a_text_run_never_is():
+    """``table-method = "auto"`` (the default) resolves from the public config alone, so the server and
+    every node read the same method: marginals with a table-schema, none without."""
+    schema = marginals_config()["table-schema"]
+    assert RunConfig().table_method == "auto" and not RunConfig().marginals
+    assert RunConfig.from_flower({"table-schema": schema, "control-columns": "diagnosis"}).marginals
+    assert not RunConfig.from_flower({"table-schema": schema, "control-columns": "diagnosis",
+                                      "table-method": "rows"}).marginals
+    with pytest.raises(ConfigError, match="table-method = 'marginals'.*'auto' \\(the default\\) for a text run"):
+        RunConfig.from_flower({"table-method": "marginals"})
 
 
 def _rows_csv(tmp_path: Path) -> Path:

@@ -106,7 +106,7 @@ class RunConfig:
     popri_learning_rate: float = 1e-4
     grpo_group_size: int = 8  # GRPO's G: texts per prompt, normalised against each other
     grpo_learning_rate: float = 1e-4
-    voters: str = "weak"
+    voters: str = "all"  # VOTERS; "all" chosen by issue 46's grid (docs/results.md), "weak" is the paper's
     accounting: str = "basic"  # simulated nodes' rule (a deployed node's is its node-config accounting)
     min_nodes: int = 0
     node_timeout: float = 3600.0

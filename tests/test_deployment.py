@@ -384,7 +384,7 @@ def test_deployment_two_supernodes_then_budget_refusal(deployment):
         ledger = _ledger(node["state"])
         ledgers[name] = ledger
         this_run = [r for r in ledger["releases"] if r["run_id"] == run_id]
-        expected = {"strong": ["train", "profile"], "weak": ["profile", "vote"]}[name]
+        expected = {"strong": ["train", "profile", "vote"], "weak": ["profile", "vote"]}[name]  # voters = "all"
         assert sorted(r["phase"] for r in this_run) == sorted(expected), ledger
         assert ledger["budget"] == EPSILON
         assert _spent(ledger) <= EPSILON + 1e-6
@@ -563,7 +563,7 @@ def test_deployment_stopped_with_flwr_stop_then_resumed_releases_nothing_twice(d
     books = _books(dep)
     _once_per_round(books)
     for name, book in books.items():
-        assert {r["phase"] for r in book} == ({"train", "profile"} if name == "strong" else {"profile", "vote"}), book
+        assert {r["phase"] for r in book} == ({"train", "profile", "vote"} if name == "strong" else {"profile", "vote"}), book
     report = json.loads((run_dir / "privacy_report.json").read_text())
     assert all(n["source"] == "node ledger" for n in report["nodes"]), report
 
@@ -660,7 +660,7 @@ def test_deployment_two_runs_started_at_once_never_both_spend(deployment):
     spent_by = {r["run_id"] for book in books.values() for r in book}
     assert len(spent_by) <= 1, f"two runs spent on the nodes: {books}"
     if completed:  # the run that finished paid every phase; the refused one nothing
-        assert {r["phase"] for r in books["strong"]} == {"train", "profile"}
+        assert {r["phase"] for r in books["strong"]} == {"train", "profile", "vote"}
         assert {r["phase"] for r in books["weak"]} == {"profile", "vote"}
     for name, node in dep.nodes.items():  # every hold ended with its run
         assert not _ledger(node["state"]).get("holds"), (name, _ledger(node["state"]))

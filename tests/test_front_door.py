@@ -232,7 +232,13 @@ class _nothing:
 def test_plan_prints_each_phases_cost_and_one_line_per_problem(tmp_path, capsys):
     from fedsyn_server.cli import main
 
+    # the default: every node votes, a strong node's non-profile epsilon split between DP-SGD and its votes
     assert main(["plan", str(APP), "--run-config", "epsilon=4.0 epsilon-profile=1.0"]) == 0
+    out = capsys.readouterr().out
+    strong, weak = out.split("node 1 (weak, 1001 records)")
+    assert "train: epsilon 1.5, delta 1e-05, DP-SGD noise multiplier" in strong and "vote: epsilon 1.5 in 1" in strong
+    assert "vote: epsilon 3 in 1" in weak and "2 voter(s) (all)" in weak
+    assert main(["plan", str(APP), "--run-config", 'epsilon=4.0 epsilon-profile=1.0 voters="weak"']) == 0
     out = capsys.readouterr().out
     assert "node 0 (strong, 1001 records)" in out and "node 1 (weak, 1001 records)" in out
     assert "train: epsilon 3, delta 1e-05, DP-SGD noise multiplier" in out and "q = 0.032" in out
@@ -289,7 +295,7 @@ def test_plan_asks_a_deployment_and_reads_its_connection_like_flwr(tmp_path, mon
     train = [line for line in lines if "train:" in line]
     assert len(train) == 1 and "never sent" in train[0]  # |D| is the node's secret: no noise multiplier here
     assert lines[-2] == "node 11 cannot take part: refused: policy: model 'x' is not allowed"
-    assert lines[-1].startswith("writers: each code's pool 50% by the pretrained model") and "1 voter(s)" in lines[-1]
+    assert lines[-1].startswith("writers: each code's pool 50% by the pretrained model") and "2 voter(s) (all)" in lines[-1]
 
 
 # --------------------------------------------------------------------------- the README, walked

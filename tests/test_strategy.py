@@ -322,7 +322,8 @@ def test_a_run_whose_votes_no_node_can_cast_is_refused_before_anything_is_spent(
     fail. Stage 0 refuses it instead, and the strong node's hold for it is ended."""
     from fedsyn_client.ledger import PrivacyLedger
 
-    rc = run_config(dataset, **{"num-server-rounds": 1})
+    rc = run_config(dataset, **{"num-server-rounds": 1, "voters": "weak"})
+
     def broken_weak_nodes(rc: dict, state) -> dict:
         nodes = nodes_for(rc, 3, state)  # 100 strong; 101, 102 weak
         for nid in (101, 102):
@@ -334,7 +335,7 @@ def test_a_run_whose_votes_no_node_can_cast_is_refused_before_anything_is_spent(
         run(rc, broken_weak_nodes(rc, tmp_path))
     ledger = PrivacyLedger.open(tmp_path / "node0", 8.0)
     assert ledger.spent() == 0.0 and ledger.held() == 0.0 and ledger.remaining() == 8.0
-    rc_all = {**rc, "voters": "all"}  # the strong node may vote instead: the run goes on, degraded
+    rc_all = {**rc, "voters": "all"}  # the default: the strong node votes too, so the run goes on, degraded
     res, grid, _ = run(rc_all, broken_weak_nodes(rc_all, tmp_path / "all"))
     assert res.vote_rounds[0]["voters"] == [100] and not res.skipped and res.degradations
     assert set(res.pool_writers) == {"pretrained", "finetuned"}  # a voter judges: both writers

@@ -169,10 +169,13 @@ def test_a_whole_run_under_pld_spends_each_nodes_budget_by_pld_and_never_more(da
     # the server asked the profile before phase 1, so the strong node's DP-SGD was solved on the
     # profile's Gaussian: less noise than the same (epsilon, delta) solved alone
     from common.calibration import Planned, pld_noise
-    from common.dp import DPSGD, TRAIN
+    from common.dp import DPSGD, TRAIN, VOTE
 
     strong = PrivacyLedger.open(tmp_path / "node0", budget=8.0).releases
-    assert strong[0]["phase"] == "profile" and {r["phase"] for r in strong[1:]} == {TRAIN}
+    # profile, DP-SGD, then (voters = "all", the default) its votes, priced after DP-SGD on their own
+    phases = [r["phase"] for r in strong[1:]]
+    assert strong[0]["phase"] == "profile" and set(phases) == {TRAIN, VOTE}
+    assert phases == sorted(phases, key=lambda p: p == VOTE)  # every DP-SGD release before the first vote
     train, cfg = strong[1], RunConfig.from_flower(rc)
     alone = pld_noise((), Planned(TRAIN, DPSGD, train["epsilon"], train["delta"], sample_rate=train["private"]["sample_rate"],
                                   steps=cfg.num_server_rounds * cfg.local_steps))

@@ -46,7 +46,8 @@ def test_a_later_training_round_under_other_data_terms_is_refused_before_the_rec
         (seen,) = play([other], pair[0], state)
         monkeypatch.setattr(node_module.Node, "records", original)
         assert seen.error == (R.ERR_BUDGET, "refused: budget: reservation bound to other terms")
-        assert reads == [] and PrivacyLedger(state / "ledger.json").spent() == pytest.approx(BUDGET - 1.0)
+        # round 1's charge only: a strong node's epsilon but its profile's (1.0), halved for its votes (voters = "all")
+        assert reads == [] and PrivacyLedger(state / "ledger.json").spent() == pytest.approx((BUDGET - 1.0) / 2)
 
 
 def test_q_and_the_noise_multiplier_are_the_first_rounds(pair, tmp_path):

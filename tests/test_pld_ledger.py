@@ -91,7 +91,7 @@ def test_a_strong_nodes_dpsgd_noise_is_solved_with_its_profile_by_pld(data, tmp_
     and all of phase 1's steps compose by PLD to the budget; the charge stays epsilon_train."""
     from fedsyn_server.synthesis import ServerModel
 
-    state, rc = tmp_path / "state", _rc(data)
+    state, rc = tmp_path / "state", _rc(data, voters="weak")  # the strong node trains with all but its profile
     node = _node(data, state, rc, run_id=1, tier="strong", accounting="pld")
     assert not _profile(node).has_error()
     set_task_identity()

@@ -145,7 +145,7 @@ def test_a_whole_run_under_pld_spends_each_nodes_budget_by_pld_and_never_more(da
     ledger composed by dp_accounting here (its releases up to DP-SGD, plus those after it)."""
     from tests.test_strategy import nodes_for, run, run_config
 
-    rc = run_config(dataset, accounting="pld", **{"refinement": "pe-contrastive", "refinement-rounds": 2})
+    rc = run_config(dataset, accounting="pld", voters="all", **{"refinement": "pe-contrastive", "refinement-rounds": 2})
     res, _, _ = run(rc, nodes_for(rc, 3, tmp_path))
     assert not res.failures and len(res.vote_rounds) == 2
     for pid, tier in enumerate(("strong", "weak", "weak")):

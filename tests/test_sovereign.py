@@ -44,7 +44,7 @@ def data(tmp_path) -> str:
 
 def _rc(data: str, **over) -> dict:
     base = RunConfig(model="tiny-gpt2", dataset=data, test_fraction=0.0, epsilon=BUDGET, epsilon_profile=2.0,
-                     num_server_rounds=1, local_steps=2, batch_size=4, max_length=16).to_flower()
+                     num_server_rounds=1, local_steps=2, batch_size=4, max_length=16, voters="weak").to_flower()
     base.update(over)
     return base
 

@@ -33,7 +33,10 @@ def dataset(tmp_path_factory) -> str:
 def run_config(dataset: str, **over) -> dict:
     cfg = RunConfig(model="tiny-gpt2", dataset=dataset, num_server_rounds=2, local_steps=2, batch_size=4,
                     max_length=32, num_synthetic=24, max_new_tokens=8, strong_fraction=0.34,
-                    num_votes=2, test_fraction=0.1).to_flower()
+                    num_votes=2, test_fraction=0.1,
+                    # the paper's tiers (strong nodes train, weak ones vote), which these tests were written
+                    # on; the default "all" runs in test_pld_ledger, the voters="all" cases here and flwr_run
+                    voters="weak").to_flower()
     cfg.update(over)
     return cfg
 

@@ -62,7 +62,7 @@ class RunConfig:
     precision: str = "auto"  # auto: bf16 autocast where the device computes bf16 natively; fp32: never
     dataset: str = "bbc-news"
     table_schema: str = ""  # a table run: the public schema as inline JSON ("" = a text column; see _schema)
-    table_method: str = "auto"  # a table run: "rows" (the LLM writes rows) or "marginals" (TABLE_METHODS)
+    table_method: str = "auto"  # TABLE_METHODS: "auto" (marginals with a table-schema), "rows" (the LLM writes rows), "marginals"
     marginal_bins: int = 16  # marginals: a number or date column is cut into this many equal bins of its declared range
     # marginals: measurement rounds; 1 measured better on Breast Cancer than 2 (docs/results.md#tables)
     marginal_rounds: int = 1

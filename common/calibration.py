@@ -9,14 +9,16 @@ sigma), each phase with its appendix-B share of the node's epsilon and its own d
   Opacus' RDP accountant; the node is charged the sum of the shares. Composed by a PLD
   accountant, such a node has spent well under its budget (60–80% in the default run).
 - ``pld``: the phases are solved in the plan's order, each for the noise that brings the PLD
-  composition of it and the run's Gaussians before it to their epsilon plus its share, at their
-  summed delta; a phase after DP-SGD is solved on its own (DP-SGD's privacy curve depends on q,
-  which a stated sigma must not). The profile, first, has the same sigma as under ``basic`` (one
+  composition of it and the run's releases before it (DP-SGD included) to their epsilon plus its
+  share, at their summed delta. The profile, first, has the same sigma as under ``basic`` (one
   Gaussian is exact either way). A node's ledger prices each release by the growth of the PLD
   epsilon it causes (``pld_charge``), so a run's charges add up to its PLD composition.
 
-Everything here reads public inputs only (shares, deltas, sensitivities, T, q = B /
-max-records, steps): never a record count. The solver searches the noise because the
+Everything here reads public inputs only (shares, deltas, sensitivities, T, steps, and DP-SGD's
+q = B / max-records with the noise multiplier solved from it): never a record count. A deployed
+node's q is its public bound's (``max-records`` is required and the server may learn it); a
+simulated node's is its partition's, which the server chose. So a vote after DP-SGD may compose
+with it, and its stated sigma, a function of q, says nothing the server could not know. The solver searches the noise because the
 composed epsilon falls as the noise grows and ``dp_accounting`` has no inverse for a composition
 of several mechanisms (Brent's method from scipy on a bracket, kept on the side that fits).
 """
@@ -126,42 +128,74 @@ def _calibrate(planned: tuple[Planned, ...], rule: str) -> tuple[float, ...]:
         return (0.0,) * len(planned)
     if rule == BASIC:
         return tuple(p.basic_noise() for p in planned)
-    # what the nodes do (fedsyn_client.release): each phase on the run's Gaussians since its last
-    # DP-SGD phase, so the prediction and the ledger agree
+    # what the nodes do (fedsyn_client.release): each phase on every release of the run before
+    # it, so the prediction and the ledger agree
     noises: list[float] = []
     base: Base = ()
     for phase in planned:
         noise = pld_noise(base, phase)
         noises.append(noise)
-        base = () if phase.mechanism == DPSGD else base + ((noise, phase.sensitivity, phase.delta / phase.rounds),) \
-            * phase.rounds
+        if phase.mechanism == DPSGD:  # q unknown (0): the node's own; what follows is priced alone
+            base = base + ((DPSGD, noise, phase.sample_rate, phase.steps, phase.delta),) if phase.sample_rate else ()
+        else:
+            base = base + ((noise, phase.sensitivity, phase.delta / phase.rounds),) * phase.rounds
     return tuple(noises)
 
 
 # ----------------------------------------------------------------- a node's ledger under ``pld``
-# What a node's ledger knows of a run's earlier releases, for pricing the next one: the
-# (sigma, sensitivity, delta) of its Gaussian releases since its last DP-SGD release. Only
-# public values: a Gaussian's sigma is in its statement, while DP-SGD's privacy curve depends on
-# its sampling rate (|D|), so a phase after DP-SGD is priced on its own (composed with the run's
-# earlier phases by basic composition, a valid bound), never on the sampling rate.
-Base = tuple[tuple[float, float, float], ...]
+# What a node's ledger knows of a run's earlier releases, for pricing the next one, oldest first:
+# a Gaussian release as (sigma, sensitivity, delta), from its statement; a DP-SGD phase as
+# ("dp-sgd", noise multiplier, q, all R x tau steps, delta): the whole phase, as its first round
+# reserved it, whatever number of rounds ran. A ledger written before DP-SGD composed with what
+# follows stores a DP-SGD phase's base of 3-tuples only, which still reads.
+Base = tuple[tuple[Any, ...], ...]
 
 
-def gaussian_base(entries: Sequence[dict[str, Any]]) -> Base:
-    """The public (sigma, sensitivity, delta) of the Gaussian ``entries`` (a run's counted ledger
-    entries, oldest first) after the last DP-SGD one; entries without a sigma (no DP) are skipped."""
-    last = max((i for i, e in enumerate(entries) if e.get("mechanism") == DPSGD), default=-1)
-    base = []
-    for e in entries[last + 1:]:
-        public = e.get("public", {})
-        sigma = float(public.get("sigma", e.get("sigma", 0.0)) or 0.0)
-        if e.get("mechanism") == GAUSSIAN and sigma > 0:
-            base.append((sigma, float(public.get("sensitivity", e.get("sensitivity", 1.0))), float(e["delta"])))
+def release_base(entries: Sequence[dict[str, Any]]) -> Base:
+    """The public terms of the run's counted ledger ``entries`` (oldest first) as a ``Base``.
+    Entries without a sigma (no DP) are skipped. A DP-SGD phase whose terms the entries do not
+    hold (no round confirmed yet, or a ledger from before the first round stored its binding)
+    cannot be composed: what came before it is dropped too, and what follows is priced on its
+    own (basic composition with it, a valid bound, as before issue 47's joint rule)."""
+    base: list[tuple[Any, ...]] = []
+    done: set[str] = set()
+    for e in entries:
+        if e.get("mechanism") == DPSGD:
+            if e["phase"] not in done:
+                done.add(e["phase"])
+                terms = _dpsgd_terms([x for x in entries if x.get("mechanism") == DPSGD and x["phase"] == e["phase"]])
+                base = [*base, terms] if terms is not None else []
+        elif e.get("mechanism") == GAUSSIAN:
+            public = e.get("public", {})
+            sigma = float(public.get("sigma", e.get("sigma", 0.0)) or 0.0)
+            if sigma > 0:
+                base.append((sigma, float(public.get("sensitivity", e.get("sensitivity", 1.0))), float(e["delta"])))
     return tuple(base)
 
 
+def _dpsgd_terms(entries: Sequence[dict[str, Any]]) -> tuple[Any, ...] | None:
+    """A DP-SGD phase's ("dp-sgd", noise multiplier, q, R x tau, delta) from its ledger entries:
+    the first reservation's binding (rounds, steps) and delta, a confirmed round's multiplier and q
+    (every round of a run uses the first round's)."""
+    first = next((e for e in entries if e.get("binding")), None)
+    terms = next((e["private"] for e in entries if (e.get("private") or {}).get("noise_multiplier")), None)
+    if first is None or terms is None or not terms.get("sample_rate"):
+        return None
+    steps = int(first["binding"]["rounds"]) * int(first["binding"]["local_steps"])
+    return (DPSGD, float(terms["noise_multiplier"]), float(terms["sample_rate"]), steps, float(first["delta"]))
+
+
 def _base_planned(base: Base) -> tuple[list[Planned], list[float]]:
-    return [Planned("before", GAUSSIAN, 0.0, d, s) for _, s, d in base], [sigma for sigma, _, _ in base]
+    planned, noises = [], []
+    for b in base:
+        if b[0] == DPSGD:
+            _, noise, q, steps, delta = b
+            planned.append(Planned("before", DPSGD, 0.0, float(delta), sample_rate=float(q), steps=int(steps)))
+        else:
+            noise, sensitivity, delta = b
+            planned.append(Planned("before", GAUSSIAN, 0.0, float(delta), float(sensitivity)))
+        noises.append(float(noise))
+    return planned, noises
 
 
 @functools.lru_cache(maxsize=256)
@@ -175,7 +209,7 @@ def base_epsilon(base: Base) -> float:
 def pld_noise(base: Base, phase: Planned) -> float:
     """The noise of ``phase`` (its sigma, or DP-SGD's noise multiplier) such that the PLD
     composition of ``base`` and the whole phase is within ``base_epsilon(base) + phase.share``:
-    the phase spends its share on top of what the run's earlier Gaussians already cost."""
+    the phase spends its share on top of what the run's earlier releases already cost."""
     if math.isinf(phase.share):
         return 0.0
     planned, noises = _base_planned(base)
@@ -204,6 +238,7 @@ def dpsgd_phase_epsilon(history: list[list[float]], delta: float, base: Base | N
         return dpsgd_epsilon(history, delta)
     if any(float(h[0]) == 0 for h in history):
         return math.inf
-    events = [gaussian_event(sigma, s) for sigma, s, _ in base] + [dpsgd_event(float(nm), float(q), int(n))
-                                                                    for nm, q, n in history]
-    return pld_epsilon(events, sum(d for _, _, d in base) + delta) - base_epsilon(base)
+    planned, noises = _base_planned(base)
+    events = [e for p, n in zip(planned, noises) for e in p.events(n)]
+    events += [dpsgd_event(float(nm), float(q), int(n)) for nm, q, n in history]
+    return pld_epsilon(events, sum(p.delta for p in planned) + delta) - base_epsilon(base)

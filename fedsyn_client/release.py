@@ -37,7 +37,7 @@ from flwr.app import ConfigRecord, Context, Message
 
 from common import records as R
 from common.config import ConfigError, RunConfig
-from common.calibration import BASIC, Planned, gaussian_base, pld_charge, pld_noise, rounds_of
+from common.calibration import BASIC, Planned, pld_charge, pld_noise, release_base, rounds_of
 from common.dp import GAUSSIAN, MARGINALS, PHASES, analytic_gaussian_sigma, gaussian_release
 from common.logs import get_logger
 from common.rows import canonical
@@ -244,12 +244,13 @@ class GaussianHistogram(Mechanism):
 
     def calibrate(self, request: Request, before: list[dict[str, Any]]) -> None:
         """Under pld, the phase's T = 1 / epsilon-share rounds share one sigma, solved so that
-        they and the run's earlier Gaussian releases compose to the earlier ones' epsilon plus the
-        phase's (epsilon, delta): exact Gaussian composition instead of epsilon / T per round."""
+        they and the run's earlier releases (its DP-SGD phase included, at its public q) compose
+        to the earlier ones' epsilon plus the phase's (epsilon, delta): exact composition instead
+        of epsilon / T per round and of a vote priced apart from the DP-SGD before it."""
         if request.accounting == BASIC or not math.isfinite(request.epsilon):
             return  # no DP: no noise, priced inf as under basic
         rounds = rounds_of(request.epsilon / request.phase_budget) if request.phase_budget > 0 else 1
-        earlier = gaussian_base([e for e in before if e["phase"] != request.phase])
+        earlier = release_base([e for e in before if e["phase"] != request.phase])
         phase = Planned(request.phase, GAUSSIAN, request.epsilon * rounds, request.delta * rounds, self.sensitivity,
                         rounds=rounds)
         self.sigma = pld_noise(earlier, phase)
@@ -259,7 +260,7 @@ class GaussianHistogram(Mechanism):
             return None
         if self.sigma == 0:
             return float("inf")
-        return pld_charge(gaussian_base(before), self.sigma, self.sensitivity, request.delta)
+        return pld_charge(release_base(before), self.sigma, self.sensitivity, request.delta)
 
     def public(self, request: Request) -> dict[str, Any]:  # noqa: D102
         basic = analytic_gaussian_sigma(request.epsilon, request.delta, self.sensitivity)

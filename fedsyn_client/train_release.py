@@ -44,7 +44,7 @@ from common import records as R
 from common.config import ConfigError, RunConfig
 from common.data import TextData
 from common.devices import hidden_gpu_warning, model_device
-from common.calibration import BASIC, Base, Planned, dpsgd_phase_epsilon, gaussian_base, pld_noise
+from common.calibration import BASIC, Base, Planned, dpsgd_phase_epsilon, pld_noise, release_base
 from common.dp import DPSGD, TRAIN, dpsgd_noise_multiplier, poisson_sample_rate
 from common.logs import get_logger
 from fedsyn_client.refusals import BadWeights
@@ -77,7 +77,7 @@ class DpSgdRound(Mechanism):
         # the ledger never lets the run take more.
         self.phase_reserved = phase_reserved
         self.model = self.tokenizer = None
-        self.base: Base = ()  # under pld: the run's earlier Gaussians the phase's noise is solved on
+        self.base: Base = ()  # under pld: the run's earlier releases the phase's noise is solved on
 
     def binding(self, request: Request) -> dict[str, Any]:  # noqa: D102
         cfg = self.cfg
@@ -93,10 +93,11 @@ class DpSgdRound(Mechanism):
 
     def calibrate(self, request: Request, before: list[dict[str, Any]]) -> None:
         """Under pld, the phase's noise multiplier is solved (at the first round, on the node: it
-        depends on q) so that the run's earlier Gaussians and all R x tau steps compose to the
+        depends on q) so that the run's earlier releases and all R x tau steps compose to the
         earlier ones' epsilon plus epsilon_train; later rounds keep the first round's base."""
         stored = self.state.get("pld_base")
-        self.base = tuple(tuple(b) for b in stored) if stored is not None else gaussian_base(before)
+        self.base = (tuple(tuple(b) for b in stored) if stored is not None
+                     else release_base([e for e in before if e["phase"] != request.phase]))
 
     def check(self, request: Request) -> None:
         """Public checks, before the reservation: epsilon_train reachable in R x tau steps at any

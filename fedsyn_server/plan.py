@@ -219,7 +219,7 @@ def _phase_lines(cfg: RunConfig, tier: str, records: int | None, delta: float, s
     if eps_train and cfg.trains and records is None:
         lines.append(f"train: epsilon {eps_train:g}, delta {delta:g} (or the node's cap), {steps} DP-SGD steps of "
                      f"batch {cfg.batch_size}, C = {cfg.max_grad_norm:g}; the noise multiplier is set on the node "
-                     "from q = B / |D| (its record count is never sent)")
+                     "from q = B / max-records (its public bound; its record count is never sent)")
     elif eps_train and cfg.trains:
         nm = dpsgd_noise_multiplier(eps_train, delta, q, steps)
         tokens = steps * cfg.batch_size * cfg.max_length * (2 if cfg.contrastive_weight > 0 else 1)  # pairs: two rows
@@ -231,9 +231,11 @@ def _phase_lines(cfg: RunConfig, tier: str, records: int | None, delta: float, s
     if eps_vote and terms is not None:
         rounds, sens, formula = terms
         rate = speed.get("embedding_vote_window_texts_per_s") or speed.get("embedding_texts_per_s")
+        after_unknown_q = bool(eps_train and cfg.trains and records is None)  # composed with DP-SGD on the node
         lines.append(f"vote: epsilon {eps_vote:g} in {rounds} round(s), delta {delta:g}, Gaussian sigma "
                      f"{analytic_gaussian_sigma(eps_vote / rounds, delta / rounds, sens):.3g} per round (sensitivity "
-                     f"{formula} = {sens:.3g}; basic; {pld[VOTE]:.3g} under accounting = pld)"
+                     f"{formula} = {sens:.3g}; basic; {'at most ' if after_unknown_q else ''}{pld[VOTE]:.3g} under "
+                     "accounting = pld" + (", less composed with DP-SGD at the node's q" if after_unknown_q else "") + ")"
                      + (f"; embedding {records} rows, about {records / rate:.0f} s" if rate and records else ""))
     elif eps_vote:
         lines.append(f"vote: epsilon {eps_vote:g} in the rounds refinement {cfg.refinement!r} asks for (never more)")
@@ -242,10 +244,10 @@ def _phase_lines(cfg: RunConfig, tier: str, records: int | None, delta: float, s
 
 def pld_noises(planned: list[Planned]) -> dict[str, float]:
     """Each planned phase's noise (sigma, or DP-SGD's noise multiplier) under accounting = pld, by
-    the nodes' own rule (``common.calibration.calibrate``: a phase composes with the run's
-    Gaussians since its last DP-SGD release). A DP-SGD phase whose sampling rate is unknown here (a
-    deployment: |D| is the node's secret) is left out, and the phases after it are priced without
-    those before it, as the node prices them after any DP-SGD release."""
+    the nodes' own rule (``common.calibration.calibrate``: a phase composes with every release of
+    the run before it). A DP-SGD phase whose sampling rate is unknown here (a deployment: the plan
+    does not know a node's max-records) is left out, and the phases after it are priced without
+    those before it: an upper bound on the noise the node will solve with its q."""
     out: dict[str, float] = {}
     segment: list[Planned] = []
     for phase in [*planned, None]:

@@ -256,7 +256,8 @@ def test_plan_prices_the_texts_phases_under_pld_on_the_marginals_released_before
     composed = calibrate([marginals, vote_phase])[1]
     assert shown == pytest.approx(composed, rel=2e-3, abs=1e-3)
     assert composed < 0.97 * pld_noise((), vote_phase)  # composing with the marginals buys less noise
-    # a DP-SGD phase of unknown q (a deployment) resets the base: the phases after it are priced alone
+    # a DP-SGD phase of unknown q (a deployment) resets the base: the phases after it are priced alone,
+    # an upper bound on what the node solves with its q
     from common.dp import DPSGD, TRAIN
     unknown_q = Planned(TRAIN, DPSGD, 4.0, delta, steps=6)
     noises = pld_noises([marginals, unknown_q, vote_phase])

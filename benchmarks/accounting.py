@@ -8,9 +8,8 @@ quality preset's (``benchmarks/accounting_quality_{bbc,rt}.toml``, BBC's basic c
 ``benchmarks/writer_quality.toml``), then the rows of its own last CSV for runs whose folders are
 gone; and for each run recomputes every node's spend from its own ledger (``DIR``: the simulated nodes'
 state root, ``$FEDSYN_STATE_DIR`` or ``<tmp>/fedsyn-sim``) with ``dp_accounting`` alone, not
-through ``common.calibration``: the PLD composition of the run's releases up to its DP-SGD phase
-plus that of the releases after it (what the pld rule promises), as a share of the node's
-budget. Writes ``<out>_results.csv`` (one row per run and node) and prints the markdown table
+through ``common.calibration``: the PLD composition of all the run's releases (what the pld
+rule promises), as a share of the node's budget. Writes ``<out>_results.csv`` (one row per run and node) and prints the markdown table
 of accuracy, label fidelity and MAUVE per rule with the vote's sigma, the DP-SGD noise
 multiplier and the budget share used.
 """
@@ -45,31 +44,26 @@ COLUMNS = ["dataset", "preset", "rule", "seed", "accuracy", "label_fidelity", "m
 
 
 def spent_by_pld(entries: list[dict]) -> float:
-    """dp_accounting's PLD epsilon of a run's ledger entries: those up to its last DP-SGD entry
-    composed at their deltas, plus those after it composed at theirs (NaN without the details)."""
+    """dp_accounting's PLD epsilon of a run's ledger entries, all composed together at the sum of
+    their deltas (a vote after DP-SGD too: the pld rule composes it since 2026-11-28); NaN without
+    the details."""
     from dp_accounting import dp_event
     from dp_accounting.pld import pld_privacy_accountant
 
-    last = max((i for i, e in enumerate(entries) if e["mechanism"] == "dp-sgd"), default=-1)
-    total = 0.0
-    for group in (entries[:last + 1], entries[last + 1:]):
-        if not group:
-            continue
-        acc, delta = pld_privacy_accountant.PLDAccountant(), 0.0
-        for e in group:
-            public, private = e.get("public", {}), e.get("private", {})
-            if e["mechanism"] == "gaussian":
-                acc.compose(dp_event.GaussianDpEvent(public["sigma"] / public["sensitivity"]))
-            elif "noise_multiplier" in private:
-                step = dp_event.PoissonSampledDpEvent(private["sample_rate"],
-                                                      dp_event.GaussianDpEvent(private["noise_multiplier"]))
-                acc.compose(dp_event.SelfComposedDpEvent(step, int(private["steps"])))
-            else:
-                return float("nan")
-            # DP-SGD's later rounds are charged 0 and carry no delta of their own
-            delta += float(e["delta"]) if float(e["epsilon"]) > 0 or e["mechanism"] == "gaussian" else 0.0
-        total += acc.get_epsilon(delta)
-    return float(total)
+    acc, delta = pld_privacy_accountant.PLDAccountant(), 0.0
+    for e in entries:
+        public, private = e.get("public", {}), e.get("private", {})
+        if e["mechanism"] == "gaussian":
+            acc.compose(dp_event.GaussianDpEvent(public["sigma"] / public["sensitivity"]))
+        elif "noise_multiplier" in private:
+            step = dp_event.PoissonSampledDpEvent(private["sample_rate"],
+                                                  dp_event.GaussianDpEvent(private["noise_multiplier"]))
+            acc.compose(dp_event.SelfComposedDpEvent(step, int(private["steps"])))
+        else:
+            return float("nan")
+        # DP-SGD's later rounds are charged 0 and carry no delta of their own
+        delta += float(e["delta"]) if float(e["epsilon"]) > 0 or e["mechanism"] == "gaussian" else 0.0
+    return float(acc.get_epsilon(delta)) if entries else 0.0
 
 
 def read_rows(state: Path, root: Path = ROOT, earlier: Path | None = None) -> list[dict]:

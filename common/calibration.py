@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.dp import (DPSGD, GAUSSIAN, analytic_gaussian_sigma, dpsgd_epsilon, dpsgd_event, dpsgd_noise_multiplier,
-                       gaussian_event, pld_epsilon)
+                       gaussian_event, pld_accountant, pld_epsilon)
 
 BASIC, PLD = "basic", "pld"
 RULES = (BASIC, PLD)
@@ -83,10 +83,16 @@ def solve_noise(before: Sequence[Planned], before_noises: Sequence[float], phase
     """The least noise (within ``NOISE_TOLERANCE``) for ``phase`` such that the PLD composition of
     ``before`` at ``before_noises`` and ``phase`` stays within ``target`` epsilon; inf if even an
     unbounded noise cannot (``before`` alone exceeds it)."""
-    planned = [*before, phase]
+    # the earlier phases composed once; each noise tried composes the phase onto a copy (the same
+    # events in the same order as ``composed``, so the same figure)
+    prefix = _prefix(tuple(before), tuple(before_noises))
+    delta = sum(p.delta for p in before) + phase.delta
+
+    def epsilon(noise: float) -> float:
+        return float(pld_accountant(phase.events(noise), start=prefix).get_epsilon(delta))
 
     def fits(noise: float) -> bool:
-        return composed(planned, [*before_noises, noise]) <= target
+        return epsilon(noise) <= target
 
     # a Gaussian phase starts from the noise that meets its own share (near the answer, and
     # instant); DP-SGD from 1, since Opacus' RDP calibration takes seconds where a PLD takes 0.3
@@ -108,10 +114,15 @@ def solve_noise(before: Sequence[Planned], before_noises: Sequence[float], phase
     from scipy.optimize import brentq
 
     width = NOISE_TOLERANCE * hi
-    noise = brentq(lambda x: composed(planned, [*before_noises, x]) - target, lo, hi, xtol=width)
+    noise = brentq(lambda x: epsilon(x) - target, lo, hi, xtol=width)
     while not fits(noise):
         noise = min(noise + width, hi)
     return noise
+
+
+@functools.lru_cache(maxsize=32)
+def _prefix(before: tuple[Planned, ...], noises: tuple[float, ...]) -> Any:
+    return pld_accountant([e for p, n in zip(before, noises) for e in p.events(n)])
 
 
 def calibrate(planned: Sequence[Planned], rule: str = PLD) -> list[float]:

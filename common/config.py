@@ -23,8 +23,9 @@ if TYPE_CHECKING:
 # code, and generation uses it; zero-shot: the pretrained model with that template (no phase 1)
 PROMPTS = ("code", "instruction", "zero-shot")
 VOTERS = ("weak", "all")
-# How a node composes its releases (issue 47, common.calibration): "basic" adds epsilons, the
-# paper's rule; "pld" spends the same budget by a privacy-loss distribution (less noise).
+# How a node composes its releases (issue 47, common.calibration): "pld" (the default) spends the
+# budget by a privacy-loss distribution (the same epsilon, less noise); "basic" adds epsilons, the
+# paper's rule, for an institution that requires it.
 ACCOUNTING = ("basic", "pld")
 ON_NODE_SHORTFALL = ("refuse", "continue-without")
 PRECISIONS = ("auto", "fp32")
@@ -107,7 +108,7 @@ class RunConfig:
     grpo_group_size: int = 8  # GRPO's G: texts per prompt, normalised against each other
     grpo_learning_rate: float = 1e-4
     voters: str = "all"  # VOTERS; "all" chosen by issue 46's grid (docs/results.md), "weak" is the paper's
-    accounting: str = "basic"  # simulated nodes' rule (a deployed node's is its node-config accounting)
+    accounting: str = "pld"  # simulated nodes' rule (a deployed node's is its node-config accounting)
     min_nodes: int = 0
     node_timeout: float = 3600.0
     on_node_shortfall: str = "refuse"  # a node that cannot finish the run: refuse to start, or go on without it

@@ -196,14 +196,25 @@ def pld_epsilon(events: Sequence[Any], delta: float) -> float:
     Tighter than basic composition (the sum of per-release epsilons, what the paper uses).
     No events cost 0.
     """
-    from dp_accounting.pld import pld_privacy_accountant
-
     if not events:
         return 0.0
-    accountant = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-3)
+    return float(pld_accountant(events).get_epsilon(delta))
+
+
+def pld_accountant(events: Sequence[Any], start: Any = None):
+    """A ``dp_accounting`` PLD accountant (the project's discretisation) with ``events`` composed, in
+    order, onto a copy of ``start`` (another such accountant; default: none composed yet). Copying
+    a composed prefix is how a noise search prices many last events after the same earlier ones
+    without recomputing them (a DP-SGD phase's PLD takes about a second)."""
+    import copy
+
+    from dp_accounting.pld import pld_privacy_accountant
+
+    accountant = (copy.deepcopy(start) if start is not None
+                  else pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-3))
     for event in events:
         accountant.compose(event)
-    return float(accountant.get_epsilon(delta))
+    return accountant
 
 
 def composed_epsilon(releases: Sequence[dict[str, Any]]) -> float:

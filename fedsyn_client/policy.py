@@ -24,7 +24,7 @@ a node's records can lose, and what runs on them, comes from here, never from th
 | unconfirmed holds | ``max-unconfirmed-holds`` (default 1)   | 1                                |
 | reply retention   | ``keep-replies-days`` (default 30; 0 = forever) | 30 (the store is the run's)  |
 | token cap         | ``max-length`` (default 512): the longest ``max-length`` a request may ask | the run's ``max-length`` |
-| accounting        | ``accounting`` (``basic``: epsilons add up; ``pld``: a privacy-loss distribution prices each release, ``common.calibration``) | run config ``accounting`` |
+| accounting        | ``accounting`` (default ``pld``: a privacy-loss distribution prices each release, ``common.calibration``; ``basic``: epsilons add up, the paper's) | run config ``accounting`` |
 | public size bound | ``max-records`` (**required**): every release does the work of exactly this many records; a file with more is subsampled once (``fedsyn_client.view``) | none: the partition's size, no padding |
 
 ``policy-file`` names a TOML file with the same keys (node-config keys win), so an
@@ -130,7 +130,7 @@ class NodePolicy:
     finetune_modes: tuple[str, ...] = DEFAULT_FINETUNE
     max_length: int = DEFAULT_MAX_LENGTH  # the longest max-length a request may ask
     max_records: int = 0  # the public size bound (0 in simulation: the partition's size, public there)
-    accounting: str = "basic"  # how this node composes its releases (common.config.ACCOUNTING)
+    accounting: str = "pld"  # how this node composes its releases (common.config.ACCOUNTING)
     measurable_columns: tuple[str, ...] = ()  # the columns a marginals request may count; () = all of the schema's
     simulated: bool = False
     partition: tuple[int, ...] = ()  # simulation: (partition id, number of partitions)
@@ -316,7 +316,7 @@ def policy_from_node_config(node_config: Mapping[str, Any]) -> NodePolicy:
     max_records = _float("max-records", values["max-records"])
     if not (1 <= max_records <= 10_000_000 and max_records == int(max_records)):
         raise PolicyError(f"node-config max-records = {max_records:g} must be an integer in [1, 10000000]")
-    accounting = str(values.get("accounting", "basic")).strip()
+    accounting = str(values.get("accounting", "pld")).strip()
     if accounting not in ACCOUNTING:
         raise PolicyError(f"node-config accounting = {accounting!r} must be one of {', '.join(ACCOUNTING)} (basic: "
                           "epsilons add up; pld: the same budget priced by a privacy-loss distribution, less noise)")
@@ -338,7 +338,7 @@ def simulation_policy(tier: str, epsilon: float, delta: float, text_column: str,
                       control_columns: Sequence[str], vocabulary: Sequence[str], state_dir: str,
                       partition: tuple[int, int], model: str, embedder: str, finetune: str,
                       table_schema: str = "", max_length: int = DEFAULT_MAX_LENGTH,
-                      accounting: str = "basic") -> NodePolicy:
+                      accounting: str = "pld") -> NodePolicy:
     """The policy of a simulated node: built from the run config, since no institution exists
     (its models and table schema are the run's own)."""
     return NodePolicy(tier=tier, epsilon=epsilon, delta=delta, text_column=text_column,

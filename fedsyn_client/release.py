@@ -223,6 +223,7 @@ class GaussianHistogram(Mechanism):
         self.histogram, self.compute, self.sensitivity = histogram, compute, float(sensitivity)
         self.prepare = prepare  # loads what the computation needs (an embedder): a public fact
         self.sigma: float | None = None  # fixed by ``calibrate`` under pld; else per request (basic)
+        self.noise_multiplier: float | None = None  # sigma / sensitivity under pld: the phase's, every round's
 
     def check(self, request: Request) -> None:
         """What the computation needs is loaded before the reservation: a model that is not
@@ -236,11 +237,14 @@ class GaussianHistogram(Mechanism):
 
     def binding(self, request: Request) -> dict[str, Any]:
         """A run's rounds of a phase share one split: the first round fixes each round's (epsilon,
-        delta), hence their number, and under pld the sigma all of them use; a round asking
+        delta), hence their number, and under pld the noise multiplier all of them use; a round asking
         another share, or priced on another history, under the same run key is refused."""
         bound = {"epsilon": float(request.epsilon), "delta": float(request.delta)}
-        return bound if request.accounting == BASIC else {**bound, "accounting": request.accounting,
-                                                           "sigma": self.public(request)["sigma"]}
+        if request.accounting == BASIC or self.noise_multiplier is None:
+            return bound
+        # the multiplier, not sigma: a phase's rounds may measure vectors of other sensitivities
+        # (a marginals run's round 2 asks fewer marginals than round 1) at one noise multiplier
+        return {**bound, "accounting": request.accounting, "noise_multiplier": self.noise_multiplier}
 
     def calibrate(self, request: Request, before: list[dict[str, Any]]) -> None:
         """Under pld, the phase's T = 1 / epsilon-share rounds share one sigma, solved so that
@@ -251,9 +255,11 @@ class GaussianHistogram(Mechanism):
             return  # no DP: no noise, priced inf as under basic
         rounds = rounds_of(request.epsilon / request.phase_budget) if request.phase_budget > 0 else 1
         earlier = release_base([e for e in before if e["phase"] != request.phase])
-        phase = Planned(request.phase, GAUSSIAN, request.epsilon * rounds, request.delta * rounds, self.sensitivity,
-                        rounds=rounds)
-        self.sigma = pld_noise(earlier, phase)
+        # solved at sensitivity 1: the composition depends on sigma / sensitivity alone, so every
+        # round of the phase gets the same multiplier whatever its vector's sensitivity
+        phase = Planned(request.phase, GAUSSIAN, request.epsilon * rounds, request.delta * rounds, 1.0, rounds=rounds)
+        self.noise_multiplier = pld_noise(earlier, phase)
+        self.sigma = self.noise_multiplier * self.sensitivity
 
     def charge(self, request: Request, before: list[dict[str, Any]]) -> float | None:  # noqa: D102
         if request.accounting == BASIC or self.sigma is None:

@@ -61,7 +61,9 @@ def _fresh() -> None:
 def _send(data: str, state: Path, message_type: str, rc: dict | None = None, tier: str = "weak", arrays=None,
           candidates=None, run_id: int = 1, node_config: dict | None = None, **conf) -> Message:
     _fresh()
-    config = {"tier": tier, "data-path": data, "max-records": 100, "state-dir": str(state), "epsilon": BUDGET, **(node_config or {})}
+    # "basic": these tests' arithmetic (a release costs exactly its epsilon); "pld" is test_pld_ledger's
+    config = {"tier": tier, "data-path": data, "max-records": 100, "state-dir": str(state), "epsilon": BUDGET,
+              "accounting": "basic", **(node_config or {})}
     node = client_node(app, 5, config, rc or _rc(data), run_id=run_id)
     set_task_identity()
     conf.setdefault("codes", VOCAB)

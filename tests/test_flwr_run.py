@@ -102,8 +102,9 @@ def test_flwr_run_refinement_plugins_book_every_vote_round(tmp_path, refinement)
         assert node["source"] == "node ledger"
         votes = [r for r in node["releases"] if r["phase"] == "vote"]
         assert [r["round"] for r in votes] == list(range(1, rounds + 1))
-        assert sum(r["epsilon"] for r in votes) == pytest.approx(6.0)
-        assert node["epsilon_spent"] == pytest.approx(8.0)
+        # the default pld rule charges each release its PLD growth: the sum is the composition, a hair under
+        assert sum(r["epsilon"] for r in votes) == pytest.approx(6.0, abs=2e-3)
+        assert node["epsilon_spent"] == pytest.approx(8.0, abs=2e-3) and node["epsilon_spent"] <= 8.0 + 1e-9
     assert len(read_jsonl(run_dir / "synthetic.jsonl")) == metrics["final_size"] > 0
     history = run_dir / "refinement_rounds.jsonl"  # built-ins log every round's texts; the plug-in chose not to
     assert history.exists() == (":" not in refinement)

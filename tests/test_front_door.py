@@ -254,7 +254,7 @@ def test_plan_prints_each_phases_cost_and_one_line_per_problem(tmp_path, capsys)
     # issue 47: the same budget under pld (the weak node's vote composed with its profile) needs less noise
     pld = float(re.search(r"sqrt\(2K\) = 2.83; basic; ([0-9.]+) under accounting = pld", out).group(1))
     assert 0.5 * basic < pld < 0.95 * basic
-    assert "accounting: the simulated nodes price their releases by 'basic'" in out
+    assert "accounting: the simulated nodes price their releases by 'pld'" in out
     assert main(["plan", str(APP), "--run-config", "refinement=\"none\""]) == 0  # no vote: one writer, said
     assert "writers: no vote judges the pool" in capsys.readouterr().out
     assert main(["plan", str(APP), "--run-config", "refinement=\"pe-contrastive\" refinement-rounds=3"]) == 0

@@ -109,13 +109,13 @@ def test_a_strong_nodes_dpsgd_noise_is_solved_with_its_profile_by_pld(data, tmp_
     assert 0.97 * BUDGET <= composed <= BUDGET + 1e-3
 
 
-def test_basic_is_the_default_and_a_misspelt_rule_stops_the_node(data, tmp_path):
+def test_pld_is_the_default_basic_can_be_pinned_and_a_misspelt_rule_stops_the_node(data, tmp_path):
     base = {"tier": "weak", "data-path": data, "max-records": 100, "epsilon": BUDGET}
-    assert load_policy(base).accounting == "basic"
-    assert load_policy({**base, "accounting": "pld"}).accounting == "pld"
+    assert load_policy(base).accounting == "pld" and RunConfig().accounting == "pld"
+    assert load_policy({**base, "accounting": "basic"}).accounting == "basic"
     with pytest.raises(PolicyError, match="accounting = 'rdp' must be one of basic, pld"):
         load_policy({**base, "accounting": "rdp"})
-    node = _node(data, tmp_path / "s", _rc(data, **{"num-votes": 1}), run_id=1)
+    node = _node(data, tmp_path / "s", _rc(data, **{"num-votes": 1}), run_id=1, accounting="basic")
     assert not _profile(node).has_error() and not _vote(node, 1, 0.5).has_error()
     entries = _entries(tmp_path / "s")
     assert [r["epsilon"] for r in entries] == pytest.approx([EPS_PROFILE, (BUDGET - EPS_PROFILE) / 2])
@@ -130,7 +130,7 @@ def test_a_basic_runs_charges_stay_and_a_pld_release_over_the_budget_is_refused_
     from fedsyn_client import node as node_module
 
     state = tmp_path / "state"
-    assert not _profile(_node(data, state, _rc(data), run_id=1)).has_error()  # basic: charged 2 of 3
+    assert not _profile(_node(data, state, _rc(data), run_id=1, accounting="basic")).has_error()  # charged 2 of 3
     assert PrivacyLedger.open(state, budget=BUDGET).spent() == pytest.approx(EPS_PROFILE)
     read = []
     monkeypatch.setattr(node_module.Node, "code_counts", lambda self, *a, **k: read.append(1) or (_ for _ in ()).throw(

@@ -104,7 +104,8 @@ def test_a_simulation_on_two_ray_nodes_runs_clientapps_on_both_and_keeps_one_led
     for partition, tier in ((0, "strong"), (1, "weak"), (2, "weak")):
         assert _one_release_per_phase_and_round(state, key, partition) == EXPECTED[tier]
     report = json.loads((res.run_dir / "privacy_report.json").read_text())
-    assert all(n["source"] == "node ledger" and n["epsilon_spent"] == pytest.approx(8.0) for n in report["nodes"])
+    assert all(n["source"] == "node ledger" and n["epsilon_spent"] == pytest.approx(8.0, abs=2e-3)  # pld: a hair under
+               for n in report["nodes"])
     # The shared state dir, not either Ray node's own temp directory, holds the nodes' state.
     for node_dir in (work / "nodes").iterdir():
         assert not list((node_dir / "tmp").glob("fedsyn-sim*")), node_dir
@@ -149,7 +150,7 @@ def test_clientapp_actors_killed_mid_vote_then_resume_completes_with_one_release
     key = _new_run(state, before)  # one: the resume kept the original run's key and ledgers
     report = json.loads((tmp_path / "killed" / "privacy_report.json").read_text())
     assert len(report["nodes"]) == 3 and all(n["source"] == "node ledger" for n in report["nodes"])
-    assert all(n["epsilon_spent"] == pytest.approx(8.0) for n in report["nodes"])
+    assert all(n["epsilon_spent"] == pytest.approx(8.0, abs=2e-3) for n in report["nodes"])
     for partition, tier in ((0, "strong"), (1, "weak"), (2, "weak")):
         assert _one_release_per_phase_and_round(state, key, partition) == EXPECTED[tier]
     assert (tmp_path / "killed" / "synthetic.jsonl").exists()

@@ -44,13 +44,17 @@ def data(tmp_path) -> str:
 
 def _rc(data: str, **over) -> dict:
     base = RunConfig(model="tiny-gpt2", dataset=data, test_fraction=0.0, epsilon=BUDGET, epsilon_profile=2.0,
-                     num_server_rounds=1, local_steps=2, batch_size=4, max_length=16, voters="weak").to_flower()
+                     num_server_rounds=1, local_steps=2, batch_size=4, max_length=16, voters="weak",
+                     accounting="basic").to_flower()  # the simulated nodes' rule: see _node
     base.update(over)
     return base
 
 
 def _node(data: str, state: Path, rc: dict, run_id: int, tier: str = "weak", **nc):
-    config = {"tier": tier, "data-path": data, "max-records": 100, "state-dir": str(state), "epsilon": BUDGET, **nc}
+    # "basic" (the paper's: a release costs exactly its epsilon), which these tests' arithmetic was
+    # written on; the default "pld" is tested in test_pld_ledger, test_calibration and the neighbours
+    config = {"tier": tier, "data-path": data, "max-records": 100, "state-dir": str(state), "epsilon": BUDGET,
+              "accounting": "basic", **nc}
     return client_node(app, 5, config, rc, run_id=run_id)
 
 
@@ -137,7 +141,8 @@ _WORKER = textwrap.dedent("""
     data, state, run_id, barrier = sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
     rc = RunConfig(model="tiny-gpt2", dataset=data, test_fraction=0.0, epsilon=3.0,
                    epsilon_profile=2.0).to_flower()
-    node = client_node(app, 5, {"tier": "weak", "data-path": data, "max-records": 100, "state-dir": state, "epsilon": 3.0}, rc,
+    node = client_node(app, 5, {"tier": "weak", "data-path": data, "max-records": 100, "state-dir": state, "epsilon": 3.0,
+                                   "accounting": "basic"}, rc,
                        run_id=run_id)
     set_task_identity()
     ask = lambda t: node(Message(content=RecordDict({R.CONFIG: ConfigRecord(
@@ -252,7 +257,8 @@ def test_the_report_does_not_reveal_record_counts(tmp_path):
     strong = entries[1]
     assert [r["phase"] for r in strong["releases"]] == ["profile", "train", "train"]
     assert strong["delta"] == pytest.approx(sum(r["delta"] for r in strong["releases"])) == pytest.approx(2e-5)
-    assert strong["epsilon_spent"] == pytest.approx(8.0) and strong["epsilon_pld"] <= 8.0
+    # the nodes' default pld rule charges the PLD composition: the budget, a hair under
+    assert strong["epsilon_spent"] == pytest.approx(8.0, abs=2e-3) and strong["epsilon_pld"] <= 8.0
 
 
 def test_a_release_whose_reply_was_lost_is_in_the_report(tmp_path):
@@ -265,7 +271,8 @@ def test_a_release_whose_reply_was_lost_is_in_the_report(tmp_path):
     weak = next(n for n in report["nodes"] if n["node_id"] == 2)
     assert (2, "vote") in {(f["node_id"], f["phase"]) for f in res.failures}
     assert weak["source"] == "node ledger"
-    assert [r["phase"] for r in weak["releases"]] == ["profile", "vote"] and weak["epsilon_spent"] == 8.0
+    assert [r["phase"] for r in weak["releases"]] == ["profile", "vote"]
+    assert weak["epsilon_spent"] == pytest.approx(8.0, abs=2e-3)  # pld, the nodes' default: a hair under
 
 
 def test_train_without_phase_1_is_refused_not_an_endless_calibration(data, tmp_path):
@@ -285,7 +292,8 @@ def test_train_without_phase_1_is_refused_not_an_endless_calibration(data, tmp_p
 def test_per_phase_caps_and_a_policy_file(data, tmp_path):
     policy = tmp_path / "policy.toml"
     policy.write_text('tier = "weak"\nepsilon = 3.0\nmax-epsilon-profile = 1.0\n')
-    config = {"data-path": data, "max-records": 100, "state-dir": str(tmp_path / "state"), "policy-file": str(policy)}
+    config = {"data-path": data, "max-records": 100, "state-dir": str(tmp_path / "state"), "policy-file": str(policy),
+              "accounting": "basic"}
     capped = _ask(client_node(app, 5, config, _rc(data), run_id=1), R.MSG_PROFILE)  # the run asks 2 for profile
     assert capped.error.code == ERR_POLICY and capped.error.reason == "refused: policy: phase cap"
     within = _ask(client_node(app, 5, config, _rc(data, **{"epsilon-profile": 1.0}), run_id=2), R.MSG_PROFILE)

@@ -35,8 +35,10 @@ def run_config(dataset: str, **over) -> dict:
                     max_length=32, num_synthetic=24, max_new_tokens=8, strong_fraction=0.34,
                     num_votes=2, test_fraction=0.1,
                     # the paper's tiers (strong nodes train, weak ones vote), which these tests were written
-                    # on; the default "all" runs in test_pld_ledger, the voters="all" cases here and flwr_run
-                    voters="weak").to_flower()
+                    # on; the default "all" runs in test_pld_ledger, the voters="all" cases here and flwr_run;
+                    # and the paper's accounting, whose charges are exactly each phase's epsilon (the
+                    # default "pld" runs in test_pld_ledger, test_calibration, flwr_run and deployment)
+                    voters="weak", accounting="basic").to_flower()
     cfg.update(over)
     return cfg
 

@@ -78,8 +78,12 @@ def test_the_rows_are_the_schemas_and_every_site_spent_exactly_its_epsilon(table
     for nid in (100, 101):
         releases = spent[nid]["releases"]
         assert [r["phase"] for r in releases] == [MARGINALS, MARGINALS]
-        assert sum(r["epsilon"] for r in releases) == pytest.approx(8.0)
+        # the default pld rule: the charges are the two rounds' PLD composition, within the budget
+        assert 8.0 - 2e-3 <= sum(r["epsilon"] for r in releases) <= 8.0 + 1e-9
         assert [r["sensitivity"] for r in releases] == pytest.approx([math.sqrt(28), math.sqrt(5)])
+        # round 2 asks fewer marginals (another sensitivity) at the phase's one noise multiplier
+        z = [r["sigma"] / r["sensitivity"] for r in releases]
+        assert z[0] == pytest.approx(z[1], rel=1e-9)
     assert spent[102]["releases"] == []  # its own ledger: it never released (its ledger answered at the end)
     assert "marginals" in report["mechanisms"] and report["epsilon_split"]["marginals"] == 8.0
 
@@ -151,7 +155,8 @@ def _ask(tmp_path, cliques: str, policy: dict | None = None, **rc_extra) -> tupl
     node_module._open.cache_clear()
     node = client_node(client_app, 9, {"tier": "weak", "data-path": str(path), "max-records": 100, "epsilon": 8.0,
                                        "state-dir": str(tmp_path / "state"), "table-schema": rc["table-schema"],
-                                       "control-columns": "diagnosis", **(policy or {})}, rc, run_id=2)
+                                       "control-columns": "diagnosis", "accounting": "basic", **(policy or {})},
+                            rc, run_id=2)
     set_task_identity()
     conf = {"codes": ["diagnosis=malignant", "diagnosis=benign"], "delta": 1e-5, "cliques": cliques,
             "epsilon-share": 0.5, "server-round": 1}

@@ -24,8 +24,10 @@ ALLOWED = {
 }
 # A release statement: nothing from which the record count follows (no sampling rate, noise
 # multiplier, accountant epsilon or count), no time stamp.
+# "accounting" and "sigma_basic": a pld release (the default) names its rule and the sigma basic
+# composition would have used, both functions of public values (issue 47)
 RELEASE_KEYS = {"phase", "mechanism", "epsilon", "delta", "run_id", "round", "sigma", "sensitivity", "histogram",
-                "steps", "max_grad_norm", "covers", "epsilon-spent", "epsilon-budget"}
+                "steps", "max_grad_norm", "covers", "epsilon-spent", "epsilon-budget", "accounting", "sigma_basic"}
 
 
 @pytest.mark.flwr

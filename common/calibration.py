@@ -73,10 +73,14 @@ class Planned:
         return analytic_gaussian_sigma(self.share / self.rounds, self.delta / self.rounds, self.sensitivity)
 
 
+def _events(planned: Sequence[Planned], noises: Sequence[float]) -> list[Any]:
+    """The ``dp_accounting`` events of ``planned`` at ``noises``, in order."""
+    return [e for p, n in zip(planned, noises) for e in p.events(n)]
+
+
 def composed(planned: Sequence[Planned], noises: Sequence[float]) -> float:
     """Epsilon of ``planned`` at ``noises`` composed by PLD at the sum of their deltas."""
-    events = [e for p, n in zip(planned, noises) for e in p.events(n)]
-    return pld_epsilon(events, sum(p.delta for p in planned))
+    return pld_epsilon(_events(planned, noises), sum(p.delta for p in planned))
 
 
 def solve_noise(before: Sequence[Planned], before_noises: Sequence[float], phase: Planned, target: float) -> float:
@@ -122,7 +126,7 @@ def solve_noise(before: Sequence[Planned], before_noises: Sequence[float], phase
 
 @functools.lru_cache(maxsize=32)
 def _prefix(before: tuple[Planned, ...], noises: tuple[float, ...]) -> Any:
-    return pld_accountant([e for p, n in zip(before, noises) for e in p.events(n)])
+    return pld_accountant(_events(before, noises))
 
 
 def calibrate(planned: Sequence[Planned], rule: str = PLD) -> list[float]:
@@ -250,6 +254,5 @@ def dpsgd_phase_epsilon(history: list[list[float]], delta: float, base: Base | N
     if any(float(h[0]) == 0 for h in history):
         return math.inf
     planned, noises = _base_planned(base)
-    events = [e for p, n in zip(planned, noises) for e in p.events(n)]
-    events += [dpsgd_event(float(nm), float(q), int(n)) for nm, q, n in history]
+    events = _events(planned, noises) + [dpsgd_event(float(nm), float(q), int(n)) for nm, q, n in history]
     return pld_epsilon(events, sum(p.delta for p in planned) + delta) - base_epsilon(base)

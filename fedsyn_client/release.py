@@ -222,8 +222,7 @@ class GaussianHistogram(Mechanism):
                  prepare: Callable[[], object] | None = None) -> None:
         self.histogram, self.compute, self.sensitivity = histogram, compute, float(sensitivity)
         self.prepare = prepare  # loads what the computation needs (an embedder): a public fact
-        self.sigma: float | None = None  # fixed by ``calibrate`` under pld; else per request (basic)
-        self.noise_multiplier: float | None = None  # sigma / sensitivity under pld: the phase's, every round's
+        self.noise_multiplier: float | None = None  # fixed by ``calibrate`` under pld: the phase's, every round's
 
     def check(self, request: Request) -> None:
         """What the computation needs is loaded before the reservation: a model that is not
@@ -259,7 +258,12 @@ class GaussianHistogram(Mechanism):
         # round of the phase gets the same multiplier whatever its vector's sensitivity
         phase = Planned(request.phase, GAUSSIAN, request.epsilon * rounds, request.delta * rounds, 1.0, rounds=rounds)
         self.noise_multiplier = pld_noise(earlier, phase)
-        self.sigma = self.noise_multiplier * self.sensitivity
+
+    @property
+    def sigma(self) -> float | None:
+        """Under pld, this round's sigma (the phase's multiplier times this vector's sensitivity);
+        None under basic, where ``public`` solves it per request."""
+        return None if self.noise_multiplier is None else self.noise_multiplier * self.sensitivity
 
     def charge(self, request: Request, before: list[dict[str, Any]]) -> float | None:  # noqa: D102
         if request.accounting == BASIC or self.sigma is None:

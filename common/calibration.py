@@ -131,7 +131,10 @@ def _prefix(before: tuple[Planned, ...], noises: tuple[float, ...]) -> Any:
 
 def calibrate(planned: Sequence[Planned], rule: str = PLD) -> list[float]:
     """The noise of each planned phase, in the plan's order, under ``rule`` (``basic`` or
-    ``pld``, see the module docstring). An infinite share (no DP) gets 0 noise."""
+    ``pld``, see the module docstring). An infinite share (no DP) gets 0 noise. A DP-SGD phase
+    of unknown q (``sample_rate`` 0: a deployment's plan, where q is the node's) gets NaN, and under
+    pld the phases after it are priced without it and those before: an upper bound on the noise
+    the node solves with its q."""
     return list(_calibrate(tuple(planned), rule))
 
 
@@ -142,16 +145,20 @@ def _calibrate(planned: tuple[Planned, ...], rule: str) -> tuple[float, ...]:
     if any(math.isinf(p.share) for p in planned):
         return (0.0,) * len(planned)
     if rule == BASIC:
-        return tuple(p.basic_noise() for p in planned)
+        return tuple(math.nan if p.mechanism == DPSGD and not p.sample_rate else p.basic_noise() for p in planned)
     # what the nodes do (fedsyn_client.release): each phase on every release of the run before
     # it, so the prediction and the ledger agree
     noises: list[float] = []
     base: Base = ()
     for phase in planned:
+        if phase.mechanism == DPSGD and not phase.sample_rate:
+            noises.append(math.nan)
+            base = ()
+            continue
         noise = pld_noise(base, phase)
         noises.append(noise)
-        if phase.mechanism == DPSGD:  # q unknown (0): the node's own; what follows is priced alone
-            base = base + ((DPSGD, noise, phase.sample_rate, phase.steps, phase.delta),) if phase.sample_rate else ()
+        if phase.mechanism == DPSGD:
+            base = base + ((DPSGD, noise, phase.sample_rate, phase.steps, phase.delta),)
         else:
             base = base + ((noise, phase.sensitivity, phase.delta / phase.rounds),) * phase.rounds
     return tuple(noises)

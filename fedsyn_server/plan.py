@@ -246,17 +246,8 @@ def pld_noises(planned: list[Planned]) -> dict[str, float]:
     """Each planned phase's noise (sigma, or DP-SGD's noise multiplier) under accounting = pld, by
     the nodes' own rule (``common.calibration.calibrate``: a phase composes with every release of
     the run before it). A DP-SGD phase whose sampling rate is unknown here (a deployment: the plan
-    does not know a node's max-records) is left out, and the phases after it are priced without
-    those before it: an upper bound on the noise the node will solve with its q."""
-    out: dict[str, float] = {}
-    segment: list[Planned] = []
-    for phase in [*planned, None]:
-        if phase is None or (phase.mechanism == DPSGD and not phase.sample_rate):
-            out.update(zip((p.phase for p in segment), calibrate(segment)))
-            segment = []
-        else:
-            segment.append(phase)
-    return out
+    does not know a node's max-records) is left out; the phases after it are an upper bound."""
+    return {p.phase: n for p, n in zip(planned, calibrate(planned)) if not math.isnan(n)}
 
 
 def _marginal_lines(cfg: RunConfig, delta: float, z: float) -> list[str]:

@@ -113,3 +113,15 @@ def test_a_plan_without_dp_has_no_noise_and_an_unknown_rule_is_refused():
     assert calibrate(free, PLD) == [0.0, 0.0]
     with pytest.raises(ValueError, match="unknown accounting rule"):
         calibrate(WEAK, "advanced")
+
+
+@pytest.mark.parametrize("rule", [BASIC, PLD])
+def test_a_dpsgd_phase_of_unknown_q_has_no_noise_here_and_what_follows_is_priced_alone(rule):
+    # a deployment's plan: q is B / the node's max-records, which the server's plan may not know
+    unknown = [PROFILE, Planned("train", DPSGD, 3.0, DELTA, steps=6), ALL_VOTERS[2]]
+    noises = calibrate(unknown, rule)
+    assert math.isnan(noises[1])
+    alone = calibrate([ALL_VOTERS[2]], rule)[0]
+    assert noises[2] == pytest.approx(alone, rel=1e-12)
+    if rule == PLD:  # an upper bound: at the node's q the vote composes with both and gets less noise
+        assert calibrate(ALL_VOTERS, PLD)[2] < alone

@@ -59,6 +59,12 @@ class Planned:
     sample_rate: float = 0.0
     steps: int = 0
 
+    @property
+    def q_unknown(self) -> bool:
+        """A DP-SGD phase whose sampling rate the planner does not know (0: a deployment's plan,
+        where q is B / the node's max-records): no noise can be solved for it here."""
+        return self.mechanism == DPSGD and not self.sample_rate
+
     def events(self, noise: float) -> list[Any]:
         """The ``dp_accounting`` events of this phase at ``noise`` (Gaussian: each round's sigma;
         DP-SGD: the noise multiplier)."""
@@ -145,13 +151,13 @@ def _calibrate(planned: tuple[Planned, ...], rule: str) -> tuple[float, ...]:
     if any(math.isinf(p.share) for p in planned):
         return (0.0,) * len(planned)
     if rule == BASIC:
-        return tuple(math.nan if p.mechanism == DPSGD and not p.sample_rate else p.basic_noise() for p in planned)
+        return tuple(math.nan if p.q_unknown else p.basic_noise() for p in planned)
     # what the nodes do (fedsyn_client.release): each phase on every release of the run before
     # it, so the prediction and the ledger agree
     noises: list[float] = []
     base: Base = ()
     for phase in planned:
-        if phase.mechanism == DPSGD and not phase.sample_rate:
+        if phase.q_unknown:
             noises.append(math.nan)
             base = ()
             continue

@@ -7,7 +7,11 @@ before the run; it never comes from counting private records.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
+
+import numpy as np
+import pandas as pd
 
 CODE_FIELD_SEP = "|"
 CODE_KV_SEP = "="
@@ -74,3 +78,30 @@ def _clean(value: object) -> str:
     # Separators inside a value would make the code unparseable; they are replaced,
     # not escaped, because codes are labels, not free text.
     return str(value).strip().replace(CODE_FIELD_SEP, "/").replace(CODE_KV_SEP, "-")
+
+
+def control_value(value: object) -> str | None:
+    """A control value as the text its code carries, from that value alone (None: missing).
+
+    One record's code must never depend on the other rows: pandas infers a column's type from the
+    whole file, so one record ``4.5`` in a column of ``4``s would turn every ``stars=4`` into
+    ``stars=4.0`` and move all of them out of their code at once (a change far beyond the
+    sensitivity the noise is calibrated for). So a node reads control columns as text
+    (``load_table(..., text_columns=...)``), and each value is written by one rule: a string is
+    stripped as it is (``01`` stays ``01``); a number (from JSON or Parquet, where the file types
+    it) is an integer when integral (``4.0`` and ``4`` are ``4``, whatever else the column holds)
+    and Python's shortest repr otherwise (``4.5``); a bool is ``true``/``false``; an empty string,
+    None or NaN is missing.
+    """
+    if value is None or isinstance(value, (bool, np.bool_)):
+        return None if value is None else ("true" if value else "false")
+    if isinstance(value, (int, np.integer)):
+        return str(int(value))
+    if isinstance(value, (float, np.floating)):
+        if math.isnan(value):
+            return None
+        return str(int(value)) if math.isfinite(value) and float(value).is_integer() else repr(float(value))
+    if value is pd.NA or value is pd.NaT:
+        return None
+    text = str(value).strip()
+    return text or None

@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from common.codes import control_value
+
 TYPES = ("categorical", "integer", "float", "date", "text")
 SEP, IS = ", ", " is "
 # A table's free-text column (issue 48: at most one, ``"type": "text"``) is written after the other
@@ -62,20 +64,32 @@ class Column:
     decimals: int = 2  # floats are written with this many decimals
 
     def write(self, value: Any) -> str:
-        """``value`` as the generator sees it; ``RowError`` when it is not in the schema."""
+        """``value`` as the generator sees it; ``RowError`` when it is not in the schema.
+
+        Read from ``value`` alone, whatever type the file gave it (issue 60): a node reads a table's
+        columns as written (a CSV field is its text, a JSON value its JSON type), because a column
+        typed from the whole file would let one record move every other record (one empty ``stars``
+        made ``2`` read ``2.0`` in all of them). So a category is the per-value text of
+        ``common.codes.control_value`` (``2``, ``2.0`` and ``" 2 "`` are ``2``), a number is parsed
+        from its own text or JSON number, a date from its own ISO text or date value.
+        """
         if self.type == "text":
             return _free_text(value, self.name)
         if self.type == "categorical":
-            text = str(value)
+            text = control_value(value)
+            if text is None:
+                raise RowError(MISSING, self.name)
             if text not in self.categories:
                 raise RowError(UNKNOWN_CATEGORY, self.name)
             return text
         if self.type == "date":
+            if isinstance(value, dt.datetime):  # a Parquet timestamp (pandas' Timestamp is one)
+                value = value.date()
             day = value if isinstance(value, dt.date) else _date(str(value), self.name)
             self._check_range(day.isoformat())
             return day.isoformat()
-        number = float(value)
-        if not math.isfinite(number):
+        number = _number(value)
+        if number is None:
             raise RowError(NOT_A_NUMBER, self.name)
         self._check_range(number)
         return str(int(round(number))) if self.type == "integer" else f"{number:.{self.decimals}f}"
@@ -389,6 +403,18 @@ def _reachable(negative: bool, whole: str, frac: str | None, decimals: int, lo: 
         elif a <= hi and (b >= lo if closed else b > lo):
             return True
     return False
+
+
+def _number(value: Any) -> float | None:
+    """A finite number from one value (its own text, or a JSON / Parquet number), else None: a bool,
+    an empty or non-numeric text, an integer beyond a float's range (JSON has no limit), inf or NaN."""
+    if isinstance(value, (bool, np.bool_)):
+        return None
+    try:
+        number = float(value.strip() if isinstance(value, str) else value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return number if math.isfinite(number) else None
 
 
 def _free_text(value: Any, column: str) -> str:

@@ -342,7 +342,7 @@ def _read_local_table_raw(path: Path, text_columns: tuple[str, ...] = ()) -> pd.
         # Only empty fields are missing: pandas' default would turn texts or labels such
         # as "NA" (Namibia) or "None" into NaN and silently drop or merge them.
         return pd.read_csv(path, keep_default_na=False, na_values=[""], dtype=dict.fromkeys(text_columns, str))
-    if text_columns and suffix in (".jsonl", ".json") and path.suffix.lower() not in _COMPRESSION_SUFFIXES:
+    if text_columns and suffix in (".jsonl", ".json"):
         return _read_json_as_written(path)
     # JSON: with text columns, no inference beyond JSON's own types (pandas would turn "01" into 1)
     typing = {"dtype": False, "convert_dates": False} if text_columns else {}
@@ -361,17 +361,68 @@ def _read_local_table_raw(path: Path, text_columns: tuple[str, ...] = ()) -> pd.
 
 
 def _read_json_as_written(path: Path) -> pd.DataFrame:
-    """A JSON Lines file (or a JSON array) parsed by Python's ``json``, each value as JSON gave it
-    (an object column): pandas' parser types columns from the whole file and rejects an integer
-    beyond 64 bits, so one record could change how the others read or make the file unreadable."""
-    text = path.read_text(encoding="utf-8")
+    """A JSON Lines file (or a JSON array), compressed or not, parsed by Python's ``json``, each value
+    as JSON gave it (an object column), so that no record changes how another reads or makes the file
+    unreadable (issue 60): pandas' parser types columns from the whole file and rejects an integer
+    beyond 64 bits; ``str.splitlines`` also breaks lines at U+2028, U+2029 and U+0085, which JSON
+    allows raw inside a string, so lines end at ``\n`` alone; a lone surrogate escape (``"\ud83d"``,
+    valid JSON, no character) becomes U+FFFD in its own value, which every later step can encode."""
+    text = _decompressed(path).decode("utf-8")
     if _json_is_array(path):
         rows = json.loads(text)
     else:
-        rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+        rows = [json.loads(line) for line in text.split("\n") if line.strip()]
     if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
         raise ValueError(f"dataset file {str(path)!r}: each record must be a JSON object")
-    return pd.DataFrame.from_records(rows).astype(object) if rows else pd.DataFrame()
+    rows = [{_no_lone_surrogates(k): _no_lone_surrogates(v) for k, v in r.items()} for r in rows]
+    return pd.DataFrame(rows, dtype=object) if rows else pd.DataFrame()
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _no_lone_surrogates(value: object) -> object:
+    """``value`` with each lone surrogate in its strings replaced by U+FFFD (a pair escaped in JSON
+    is already one character when ``json`` returns it, so any surrogate left is lone)."""
+    if isinstance(value, str):
+        return _LONE_SURROGATE.sub("\ufffd", value)
+    if isinstance(value, list):
+        return [_no_lone_surrogates(v) for v in value]
+    if isinstance(value, dict):
+        return {_no_lone_surrogates(k): _no_lone_surrogates(v) for k, v in value.items()}
+    return value
+
+
+def _decompressed(path: Path) -> bytes:
+    """The bytes of ``path``, decompressed by its last suffix (.gz, .bz2, .xz, .zip with one member,
+    .zst where ``zstandard`` is installed), as pandas infers it for the other readers."""
+    import bz2
+    import gzip
+    import lzma
+    import zipfile
+
+    suffix = path.suffix.lower()
+    if suffix == ".gz":
+        return gzip.decompress(path.read_bytes())
+    if suffix == ".bz2":
+        return bz2.decompress(path.read_bytes())
+    if suffix == ".xz":
+        return lzma.decompress(path.read_bytes())
+    if suffix == ".zip":
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+            if len(names) != 1:
+                raise ValueError(f"dataset file {str(path)!r} is a zip of {len(names)} files; it must hold exactly one")
+            return archive.read(names[0])
+    if suffix == ".zst":
+        try:
+            import zstandard
+        except ImportError:
+            raise ValueError(f"dataset file {str(path)!r} is zstd-compressed: pip install zstandard, or "
+                             "decompress it") from None
+        with path.open("rb") as handle:
+            return zstandard.ZstdDecompressor().stream_reader(handle).read()
+    return path.read_bytes()
 
 
 def _json_is_array(path: Path) -> bool:

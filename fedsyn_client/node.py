@@ -34,7 +34,7 @@ from fedsyn_client.policy import NodePolicy, PolicyError, is_simulated, policy_f
 from fedsyn_client.refusals import NodeSetupError
 from fedsyn_client.replies import ReplyStore
 from fedsyn_client.fixed_work import row_bytes
-from fedsyn_client.view import bounded, cut_view, read_snapshot, view_seed, write_snapshot
+from fedsyn_client.view import bounded, cut_view, read_snapshot, view_retention, view_seed, write_snapshot
 
 log = get_logger(__name__)
 # A record is kept to the bytes of the longer of the policy's max-length and the vote window of
@@ -157,10 +157,13 @@ def check_node(node_config: dict[str, Any]) -> str:
                              "and control-columns")
     _check_requirements(policy, node_config)
     node = _open(policy, None)
-    bound = (f"max-records={policy.max_records}: every release does the work of {policy.max_records} records"
-             + (f"; the file holds {len(data)}, so each release uses the same uniform subsample of {policy.max_records}"
-                if len(data) > policy.max_records else ""))
-    return (f"node ready: tier={policy.tier} records={len(node.data)} budget epsilon={policy.epsilon:g} "
+    kept = len(node.data)
+    bound = (f"max-records={policy.max_records}: every release does the work of {policy.max_records} records; the "
+             f"file holds {len(data)}, of which each release uses the same {kept} (one of each odd slot of "
+             f"{policy.max_records}: {100 * kept / len(data):.0f}% kept, expected "
+             f"{100 * view_retention(len(data), policy.max_records):.0f}%"
+             + ("; raise max-records to keep more, at more work per release" if kept < 0.9 * len(data) else "") + ")")
+    return (f"node ready: tier={policy.tier} records={kept} budget epsilon={policy.epsilon:g} "
             f"ledger={node.ledger.path} (spent {node.ledger.spent():.4g}); {bound}{_measurable(policy)}")
 
 
@@ -274,12 +277,11 @@ def _view(policy: NodePolicy, state_dir: str) -> tuple[TextData, str]:
     # the node's own log only: this one request's time depends on the file (node-check builds it first)
     log.warning("reading data-path %r into the node's view %s (no view yet, or the file changed): this request's "
                 "time depends on the file; run `fedsyn node-check` after changing the data", policy.data_path, path)
-    data = _data(policy, None)
-    if len(data) > policy.max_records:  # the node's own log only: the count never leaves
-        log.warning("data-path %r holds %d records, above max-records = %d: every release uses the same uniform "
-                    "subsample of %d (fedsyn_client.view)", policy.data_path, len(data), policy.max_records,
-                    policy.max_records)
-        data = bounded(data, policy.max_records, seed)
+    whole = _data(policy, None)
+    data = bounded(whole, policy.max_records, seed)
+    # the node's own log only: the counts never leave
+    log.info("data-path %r: %d records, %d of them (one of each odd slot of max-records = %d) serve every release "
+             "(fedsyn_client.view.bounded)", policy.data_path, len(whole), len(data), policy.max_records)
     write_snapshot(path, cut_view(data, text_bytes), policy.max_records, text_bytes, stamp)
     found = read_snapshot(path, stamp)
     if found is None:

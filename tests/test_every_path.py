@@ -117,3 +117,46 @@ def test_finding4_a_row_inserted_anywhere_leaves_every_other_rows_text(tmp_path,
     large = load_node_data(str(tmp_path / "with.csv"), "", ["stars"], STARS)
     _assert_one_record_apart(small, large)
     assert len({t.split(" is ")[0] for t in small.texts}) > 1  # the order still varies between records
+
+
+@pytest.mark.parametrize("size,bound", [(40, 100), (100, 100), (100, 99), (300, 100), (2000, 100)])
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_finding3_one_record_added_changes_the_view_by_at_most_one_record(size, bound, where):
+    """Above ``max-records`` the view was a uniform subsample of exactly the bound: with a record
+    added, another left the view with probability about 1 - M/(N + 1), a substitution, while every
+    release is calibrated for add/remove. Over 200 node secrets, at sizes below, at and above the
+    bound and the record added anywhere: the view gains it, or loses one record, or stays; and the
+    profile (counts per code) moves by at most 1 in L2, the sensitivity it states."""
+    import numpy as np
+
+    from fedsyn_client.view import bounded
+
+    codes = ("topic=x", "topic=y")
+    base = TextData([f"record {i}" for i in range(size)], [codes[i % 2] for i in range(size)])
+    at = {"first": 0, "middle": size // 2, "last": size}[where]
+    added = TextData([*base.texts[:at], "the added record", *base.texts[at:]],
+                     [*base.codes[:at], "topic=y", *base.codes[at:]])
+    changes = Counter()
+    for secret in range(200):
+        small, large = _records(bounded(base, bound, secret)), _records(bounded(added, bound, secret))
+        assert sum(small.values()) <= bound and sum(large.values()) <= bound
+        gained, lost = large - small, small - large
+        assert sum(gained.values()) + sum(lost.values()) <= 1, (secret, gained, lost)
+        profile = [np.array([sum(n for (_, c), n in view.items() if c == code) for code in codes])
+                   for view in (small, large)]
+        assert np.linalg.norm(profile[1] - profile[0]) <= 1.0
+        changes["gained" if gained else "lost" if lost else "same"] += 1
+    assert changes["gained"] > 0  # the added record does join some views
+
+
+def test_finding3_a_view_keeps_a_share_of_a_file_set_by_its_bound():
+    """What the per-record rule costs, for the operator's node-check line: M (1 - (1 - 2/M)^N) / 2N."""
+    from fedsyn_client.view import bounded, view_retention
+
+    data = TextData([f"r{i}" for i in range(500)], ["topic=x"] * 500)
+    kept = [len(bounded(data, 5000, s)) / 500 for s in range(20)]
+    assert abs(sum(kept) / len(kept) - view_retention(500, 5000)) < 0.02
+    assert view_retention(1, 100) == pytest.approx(1.0) and 0.43 < view_retention(100, 100) < 0.44
+    assert abs(view_retention(10**5, 10**4) * 10**5 - 5000) < 1  # far above the bound: half of it
+    assert bounded(data, 5000, 1) == bounded(data, 5000, 1)  # one secret, one view, run after run
+    assert bounded(data, 5000, 1) != bounded(data, 5000, 2)

@@ -15,7 +15,7 @@ import pytest
 from common.data import TextData
 from fedsyn_client import node as node_module
 from fedsyn_client.policy import policy_from_node_config
-from fedsyn_client.view import CODE_BYTES, cut_view, read_snapshot, write_snapshot
+from fedsyn_client.view import CODE_BYTES, bounded, cut_view, read_snapshot, view_seed, write_snapshot
 
 STAMP = {"data-path": "/data/x.csv", "size": 10, "mtime-ns": 1}
 
@@ -53,7 +53,9 @@ def test_a_node_reads_its_file_once_and_again_only_when_it_changes(tmp_path, mon
     monkeypatch.setattr(node_module, "load_node_data", lambda *a, **k: reads.append(1) or real(*a, **k))
     first = node_module._view(policy, str(tmp_path / "s"))[0]
     again = node_module._view(policy, str(tmp_path / "s"))[0]
-    assert len(reads) == 1 and first == again and len(first) == 20  # the subsample of 20, kept
+    assert len(reads) == 1 and first == again and 0 < len(first) <= 20  # one record of each odd slot of 20, kept
+    whole = TextData([f"record {i}" for i in range(30)], ["topic=x"] * 30)
+    assert first == bounded(whole, 20, view_seed(tmp_path / "s"))
     assert len(list((tmp_path / "s").glob("view-*.bin"))) == 1
     pd.DataFrame({"text": ["a new one"], "topic": ["x"]}).to_csv(path, index=False)
     os.utime(path, ns=(1, 1))

@@ -19,13 +19,14 @@
 # What it does, in order, and stops at the first problem with one line:
 #  1. writes the gate WORK/gate/: one launcher per task process Flower's SuperExec starts
 #     (flwr-clientapp gated, flwr-agentapp refusing every FAB, the others exiting before they
-#     connect; fedsyn_client/fab_gate.py, the allow-list's path fixed in each) and makes them and
+#     connect) and flower-supernode (Flower's, reading no FAB that is not approved or over the
+#     bounds; fedsyn_client/fab_gate.py, the allow-list's path fixed in each) and makes them and
 #     the allow-list writable by their owner only. The allow-list's approved trees
 #     (FILE.apps/, written by `fedsyn node approve`) are the only app code a ClientApp imports;
 #  2. runs `fedsyn node-check` with the gate first in PATH (as USER with --run-as): the policy,
 #     the data, the models it allows, the ledger, every launcher, the allow-list and its trees,
 #     Flower's exact version, and that the ClientApp user can change none of them nor the venv;
-#  3. starts flower-supernode with that PATH; with --run-as in process isolation, and
+#  3. starts flower-supernode through the gate's launcher, with that PATH; with --run-as in process isolation, and
 #     flower-superexec as USER, so ClientApps run as USER and pass through the gate.
 # Writes WORK/pids ("PID ROLE NAME"); deploy/stop_local_deployment.sh WORK stops exactly those.
 # Flower's and fedsyn's binaries come from FLWR_BIN (a folder) or PATH.
@@ -99,7 +100,8 @@ if [[ -n "$ca" ]]; then args+=(--root-certificates "$ca"); else args+=(--insecur
 [[ -n "$auth_key" ]] && args+=(--auth-supernode-private-key "$auth_key")
 [[ -n "$run_as" ]] && args+=(--isolation process)
 mkdir -p "$work/flwr-home"
-FLWR_HOME="$work/flwr-home" nohup "$bin_dir/flower-supernode" "${args[@]}" > "$work/supernode.log" 2>&1 < /dev/null &
+# the gate's flower-supernode: Flower's own, with its FAB reads behind the gate (bounds, allow-list)
+FLWR_HOME="$work/flwr-home" nohup "$work/gate/flower-supernode" "${args[@]}" > "$work/supernode.log" 2>&1 < /dev/null &
 echo "$! supernode node" >> "$pidfile"
 echo "SuperNode  PID $!  runtime API 127.0.0.1:$port  log $work/supernode.log"
 if [[ -n "$run_as" ]]; then

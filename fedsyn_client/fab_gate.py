@@ -9,8 +9,8 @@ process *by name from PATH* for every task type (``flwr.supercore.constant.TASK_
 and imports a folder named from the *server-stated* ``fab_id``/``fab_version``. The review of
 every call that imports app code, and where this gate covers it, is in ``docs/privacy.md``.
 
-``fedsyn node install-launcher DIR --allow-list FILE`` writes one launcher per task-process name
-into ``DIR``: this file, run by the node venv's Python in isolated mode (``-I``: no current
+``fedsyn node install-launcher DIR --allow-list FILE`` writes one launcher per task-process name,
+and one for ``flower-supernode``, into ``DIR``: this file, run by the node venv's Python in isolated mode (``-I``: no current
 directory, no ``PYTHON*`` variables), with its role, the allow-list and the folder of approved
 trees fixed in it. With ``DIR`` first in the SuperExec's PATH, every task process starts here:
 
@@ -29,21 +29,39 @@ trees fixed in it. With ``DIR`` first in the SuperExec's PATH, every task proces
    neither a name that walks out of it nor a folder planted there is ever imported;
 4. ``flwr-agentapp``: Flower's runner, with an installer that approves nothing: the server gets
    the same fixed refusal (``REFUSAL``) before a byte is unpacked. fedsyn ships no agent app;
-5. every other name: exits (``EXIT_REFUSED``) before it connects anywhere.
+5. every other name: exits (``EXIT_REFUSED``) before it connects anywhere;
+6. ``flower-supernode`` (the operator starts it, ``deploy/start_node.sh``): Flower's SuperNode
+   reads every run's FAB *itself* before any task process starts
+   (``flwr/supernode/start_client_internal.py:_pull_and_store_message`` →
+   ``flwr/common/config.py:get_fused_config_from_fab``, which inflates ``pyproject.toml`` whole:
+   a 525 KB zip made it allocate 1,073 MiB). That name is replaced in the SuperNode's module by
+   :class:`SuperNodeGate`: a FAB over the bounds, or not approved, is never read (its run config is
+   empty, and the ClientApp's gate refuses it with ``REFUSAL``).
+
+Bounds (``fab_bounds``), checked before anything of a FAB is inflated, from the zip's end record
+and central directory only: its size (``MAX_FAB_BYTES``), its entries (``MAX_ENTRIES``, and the
+central directory's bytes, ``MAX_CENTRAL_DIRECTORY``, which is what ``zipfile`` parses), the
+declared unpacked total (``MAX_UNPACKED_BYTES``), the compression ratio of each member and of the
+whole (``MAX_RATIO`` above ``RATIO_FLOOR`` bytes), and the methods (stored or deflated). Declared
+sizes can lie, so a member the gate reads is read by ``read_member``, in chunks, refused the
+moment it inflates past its declared size.
 
 It imports nothing of fedsyn (stdlib and Flower only): the ClientApp's packages must come from the
 approved tree, and a fedsyn module already imported here would be used instead.
 """
 
+import copy
 import hashlib
 import importlib
 import io
 import os
 import re
 import stat
+import struct
 import sys
 import tomllib
 import zipfile
+import zlib
 from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
@@ -54,7 +72,9 @@ from typing import Any
 FLOWER = ("1.42.0",)
 # Every task-process name Flower 1.42.0's SuperExec starts by name (TASK_TYPE_TO_COMMAND).
 CLIENTAPP, AGENTAPP = "flwr-clientapp", "flwr-agentapp"
-LAUNCHERS = (CLIENTAPP, AGENTAPP, "flwr-model", "flwr-connector", "flwr-serverapp", "flwr-simulation")
+# ... and the SuperNode itself, which reads every FAB before any task process sees it.
+SUPERNODE = "flower-supernode"
+LAUNCHERS = (CLIENTAPP, AGENTAPP, "flwr-model", "flwr-connector", "flwr-serverapp", "flwr-simulation", SUPERNODE)
 # The flags a SuperExec passes a task process (flwr.common.args.add_args_flwr_app_common); value-taking ones True.
 ARGS = {"--runtime-api-address": True, "--token": True, "--token-file": True, "--token-stdin": False,
         "--insecure": False, "--root-certificates": True, "--parent-pid": True,
@@ -63,10 +83,26 @@ EXIT_NO_HOOK = 3
 EXIT_REFUSED = 4
 REFUSAL = "fab not approved on this node"
 MARKER = "# fedsyn FAB gate"
-_HASH = re.compile(r"^[0-9a-f]{64}$")
+# \Z, not $: `$` also matches before a trailing newline, so "1.0.0\n" would pass as plain.
+_HASH = re.compile(r"\A[0-9a-f]{64}\Z")
 # A plain FAB id and version (what Flower's own pyproject validation produces): no "/" beyond the
 # id's one, no "..", nothing that can walk a path.
-_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+_NAME = re.compile(r"\A[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}\Z")
+# What a node accepts of a FAB before anything inflates it (fab_bounds). fedsyn's own FAB is
+# 1.4 MB, 196 entries, 1.4 MB unpacked, stored (ratio 1): each bound is far above an app and far
+# below what hurts a node.
+MAX_FAB_BYTES = 50 * 2**20
+MAX_ENTRIES = 10_000
+# zipfile reads the whole central directory and parses every entry into an object before anyone
+# can count them (89,000 minimal entries in 4 MiB: 31 MiB, 5 s), so the gate counts the headers
+# itself first, and caps the bytes zipfile then reads (10,000 entries of ~400 bytes).
+MAX_CENTRAL_DIRECTORY = 4 * 2**20
+MAX_UNPACKED_BYTES = 200 * 2**20
+MAX_RATIO = 100
+# Below this many unpacked bytes no ratio is a bomb (an empty __init__.py "inflates" 0 from 2).
+RATIO_FLOOR = 2**20
+# What one read of a member inflates at most: zipfile's read() asks zlib for up to 1 GiB at once.
+_CHUNK = 2**16
 
 
 class FabNotApproved(Exception):
@@ -102,13 +138,123 @@ def read_allow_list(path: str | Path) -> frozenset[str]:
     return frozenset(hashes)
 
 
+def fab_bounds(fab: bytes) -> str:
+    """Why the FAB ``fab`` is more than a node unpacks (size, entries, declared unpacked size,
+    ratio, method), or "" when it is within every bound. Reads the zip's end record and central
+    directory only: nothing is inflated."""
+    if len(fab) > MAX_FAB_BYTES:
+        return f"the FAB is {len(fab):,} bytes, over the bound of {MAX_FAB_BYTES:,}"
+    try:
+        # the very record ZipFile reads next, found by its own search (a private helper: the gate
+        # runs on the node venv's Python, and fails closed if it is gone)
+        end = zipfile._EndRecData(io.BytesIO(fab))  # type: ignore[attr-defined]
+        if end is None:
+            return "the FAB is not a zip archive"
+        entries, directory = end[zipfile._ECD_ENTRIES_TOTAL], end[zipfile._ECD_SIZE]  # type: ignore[attr-defined]
+    except (AttributeError, TypeError, OSError, ValueError) as err:
+        return f"the FAB's end record cannot be read ({type(err).__name__})"
+    if end[0] != zipfile.stringEndArchive:
+        return "the FAB is a zip64 archive (no FAB within the bounds needs one)"
+    if entries > MAX_ENTRIES or directory > MAX_CENTRAL_DIRECTORY:
+        return (f"the FAB states {entries:,} entries in {directory:,} bytes of central directory, over the bounds "
+                f"of {MAX_ENTRIES:,} and {MAX_CENTRAL_DIRECTORY:,}")
+    # the stated count is not what zipfile walks: it walks the directory's bytes, header by header
+    counted = _directory_entries(fab, end[zipfile._ECD_LOCATION] - directory, directory)  # type: ignore[attr-defined]
+    if counted < 0:
+        return "the FAB's central directory is not a zip's"
+    if counted > MAX_ENTRIES:
+        return f"the FAB has over {MAX_ENTRIES:,} entries, the bound"
+    try:
+        with zipfile.ZipFile(io.BytesIO(fab)) as archive:
+            members = archive.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as err:
+        return f"the FAB is not a readable zip ({err})"
+    if len(members) > MAX_ENTRIES:
+        return f"the FAB has {len(members):,} entries, over the bound of {MAX_ENTRIES:,}"
+    for member in members:
+        why = _member_bounds(member)
+        if why:
+            return why
+    total = sum(m.file_size for m in members)
+    if total > MAX_UNPACKED_BYTES:
+        return f"the FAB declares {total:,} bytes unpacked, over the bound of {MAX_UNPACKED_BYTES:,}"
+    if total > RATIO_FLOOR and total > MAX_RATIO * len(fab):
+        return f"the FAB declares {total:,} bytes unpacked from {len(fab):,}: a ratio over {MAX_RATIO}"
+    return ""
+
+
+def _directory_entries(fab: bytes, start: int, size: int) -> int:
+    """How many central-directory headers ``fab[start:start + size]`` holds, walked as zipfile walks
+    them and counted to at most ``MAX_ENTRIES + 1`` (nothing is parsed beyond); -1 when the walk
+    meets something that is not a header."""
+    pos, count = start, 0
+    while pos < start + size and count <= MAX_ENTRIES:
+        if pos < 0 or pos + 46 > len(fab) or fab[pos:pos + 4] != zipfile.stringCentralDir:
+            return -1
+        names, extra, comment = struct.unpack_from("<3H", fab, pos + 28)
+        pos += 46 + names + extra + comment
+        count += 1
+    return count
+
+
+def _member_bounds(member: zipfile.ZipInfo) -> str:
+    """Why one central-directory entry is not one a node inflates, or ""."""
+    name = member.filename[:80]
+    if member.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED) or member.flag_bits & 0x1:
+        return (f"the FAB's {name!r} is encrypted or compressed by method {member.compress_type} "
+                "(a FAB is stored or deflated)")
+    if member.compress_type == zipfile.ZIP_STORED and member.file_size != member.compress_size:
+        return f"the FAB's stored {name!r} declares {member.file_size:,} bytes in {member.compress_size:,}"
+    if member.file_size > RATIO_FLOOR and member.file_size > MAX_RATIO * member.compress_size:
+        return (f"the FAB's {name!r} declares {member.file_size:,} bytes from {member.compress_size:,}: "
+                f"a ratio over {MAX_RATIO}")
+    return ""
+
+
+def read_member(archive: zipfile.ZipFile, name: str) -> bytes:
+    """The bytes of the member ``name`` of ``archive`` (a FAB that passed ``fab_bounds``), inflated
+    ``_CHUNK`` at a time. Raises ``ValueError`` the moment it inflates past its declared size, or when
+    it ends short of it; ``KeyError`` when there is no such member. Memory: its declared size plus a chunk."""
+    member = archive.getinfo(name)
+    # zipfile stops a member at its declared size, but only after inflating what one read asks for;
+    # a probe that declares one byte more lets the stream show that it goes on (its CRC is checked
+    # here, on the bytes as declared)
+    probe = copy.copy(member)
+    probe.file_size, probe.CRC = member.file_size + 1, None
+    data = bytearray()
+    with archive.open(probe) as stream:
+        while chunk := stream.read(_CHUNK):
+            data += chunk
+            if len(data) > member.file_size:
+                raise ValueError(f"the FAB's {name[:80]!r} inflates past its declared {member.file_size:,} bytes")
+    if len(data) != member.file_size:
+        raise ValueError(f"the FAB's {name[:80]!r} inflates to {len(data):,} bytes, "
+                         f"not its declared {member.file_size:,}")
+    if zlib.crc32(data) != member.CRC:
+        raise ValueError(f"the FAB's {name[:80]!r} does not match its CRC-32")
+    return bytes(data)
+
+
+def read_fab(fab_file: Any) -> bytes:
+    """The bytes of a FAB as Flower hands it over (bytes, or a path), a path read to at most one
+    byte over ``MAX_FAB_BYTES`` (``fab_bounds`` refuses it then)."""
+    if isinstance(fab_file, bytes):
+        return fab_file
+    with open(fab_file, "rb") as handle:
+        return handle.read(MAX_FAB_BYTES + 1)
+
+
 def fab_manifest(fab: bytes) -> dict[str, str]:
     """{relative path: SHA-256} of the files a FAB installs (its ``.info/CONTENT``). Raises
-    ``ValueError`` when the archive's members and its manifest differ, or a path is not plain."""
+    ``ValueError`` when the FAB is over a bound (``fab_bounds``), its members and its manifest differ,
+    or a path is not plain."""
+    why = fab_bounds(fab)
+    if why:
+        raise ValueError(why)
     with zipfile.ZipFile(io.BytesIO(fab)) as archive:
         members = {m.filename for m in archive.infolist() if not m.is_dir()}
         try:
-            listing = archive.read(".info/CONTENT").decode("utf-8")
+            listing = read_member(archive, ".info/CONTENT").decode("utf-8")
         except KeyError:
             raise ValueError("the FAB has no .info/CONTENT") from None
     manifest = {}
@@ -171,9 +317,13 @@ class ClientAppGate:
 
     def install(self, fab_file: Any, *args: Any, **kwargs: Any) -> Path:
         """Flower's ``install_from_fab``: returns the approved tree of these bytes, or raises
-        ``FabNotApproved`` before anything is unpacked (nothing is ever unpacked here)."""
-        content = fab_file if isinstance(fab_file, bytes) else Path(fab_file).read_bytes()
+        ``FabNotApproved`` before anything is unpacked (nothing is ever unpacked here; of an
+        approved FAB within the bounds, only ``.info/CONTENT`` is inflated, by ``read_member``)."""
+        content = read_fab(fab_file)
         digest = fab_sha256(content)
+        why = fab_bounds(content)
+        if why:
+            return self._refuse(f"FAB {digest}: {why}; refused before anything was unpacked")
         try:
             approved = read_allow_list(self.allow_list)
         except (OSError, ValueError) as err:
@@ -185,7 +335,7 @@ class ClientAppGate:
         tree = apps_dir(self.allow_list) / digest
         try:
             why = tree_differs(tree, fab_manifest(content))
-        except (OSError, ValueError, zipfile.BadZipFile) as err:
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as err:
             why = str(err)
         if why:
             return self._refuse(f"FAB {digest} is approved but its installed tree is not its bytes ({why}); "
@@ -237,6 +387,80 @@ def imported_outside(tree: Path) -> str:
             if not Path(file).resolve().is_relative_to(root):
                 return f"{name} ({file})"
     return ""
+
+
+class SuperNodeGate:
+    """Flower's ``get_fused_config_from_fab`` in the SuperNode process (``original``), behind the
+    bounds and the allow-list at ``allow_list``: the SuperNode reads the FAB of every run a server
+    starts, before any task process (and so the ClientApp's gate) sees it."""
+
+    def __init__(self, allow_list: str | Path, log: Callable[[str], None], original: Callable[..., Any]) -> None:
+        self.allow_list = Path(allow_list)
+        self.log = log
+        self.original = original
+
+    def fused_config(self, fab_file: Any, run: Any) -> Any:
+        """The run config Flower fuses from an approved FAB within the bounds (Flower reads it);
+        ``{}`` for any other, whose bytes are never inflated: its task process is refused by the
+        ClientApp's gate (``REFUSAL``), so its config is never used. Raising instead would stop the
+        SuperNode: Flower does not catch an error here."""
+        content = read_fab(fab_file)
+        digest = fab_sha256(content)
+        why = fab_bounds(content) or self._unapproved(digest)
+        if not why:
+            try:
+                with zipfile.ZipFile(io.BytesIO(content)) as archive:
+                    read_member(archive, "pyproject.toml")  # its true size: Flower inflates it in one call
+            except (KeyError, ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error) as err:
+                why = f"its pyproject.toml cannot be read within its declared size ({err})"
+        if why:
+            self.log(f"fedsyn FAB gate: SuperNode: FAB {digest}: {why}; Flower does not read it, and its "
+                     f"ClientApp is refused")
+            return {}
+        return self.original(content, run)
+
+    def _unapproved(self, digest: str) -> str:
+        """Why ``digest`` is not approved now (the allow-list is read afresh), or ""."""
+        try:
+            approved = read_allow_list(self.allow_list)
+        except (OSError, ValueError) as err:
+            return f"the allow-list {self.allow_list} cannot be read ({err})"
+        return "" if digest in approved else f"not in {self.allow_list}"
+
+
+def supernode_hook(allow_list: str | Path, log: Callable[[str], None], flower_version: str) -> Any:
+    """Put a :class:`SuperNodeGate` in place of ``get_fused_config_from_fab`` in Flower's SuperNode
+    loop (``flwr.supernode.start_client_internal``) and in every loaded module that holds the name;
+    returns that module. Raises ``RuntimeError`` unless Flower is one of ``FLOWER`` and its loop
+    still reads the FAB through that name (and through nothing else that unzips)."""
+    if flower_version not in FLOWER:
+        raise RuntimeError(f"Flower {flower_version} is not one this FAB gate was read against "
+                           f"({', '.join(FLOWER)}); pin the node's Flower to it")
+    internal = importlib.import_module("flwr.supernode.start_client_internal")
+    original = getattr(internal, "get_fused_config_from_fab", None)
+    reads = internal._pull_and_store_message.__code__.co_names
+    if not callable(original) or "get_fused_config_from_fab" not in reads:
+        raise RuntimeError(f"Flower {flower_version}: the SuperNode no longer reads a FAB through "
+                           "get_fused_config_from_fab; this gate cannot bound it")
+    gate = SuperNodeGate(allow_list, log, original)
+    _rebind(original, gate.fused_config)
+    internal.get_fused_config_from_fab = gate.fused_config
+    return internal
+
+
+def run_supernode(allow_list: str, argv: list[str], log: Callable[[str], None]) -> int:
+    """Flower's ``flower-supernode`` with ``argv`` (the operator's own flags, passed as they are),
+    its FAB reads behind :class:`SuperNodeGate`; returns an exit code."""
+    try:
+        supernode_hook(allow_list, log, version("flwr"))
+    except (ImportError, RuntimeError, AttributeError) as err:
+        log(f"fedsyn FAB gate: {err}; the SuperNode does not start until it is fixed")
+        return EXIT_NO_HOOK
+    from flwr.supernode.cli.flower_supernode import flower_supernode
+
+    sys.argv = [SUPERNODE, *argv]
+    flower_supernode()
+    return 0
 
 
 def refuse_every_fab(*args: Any, **kwargs: Any) -> Any:
@@ -305,6 +529,8 @@ def main(role: str, allow_list: str, argv: list[str] | None = None) -> int:
     def log(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
+    if role == SUPERNODE:  # started by the operator, not by a SuperExec: its flags are the operator's
+        return run_supernode(allow_list, argv, log)
     try:
         args = task_args(argv)
     except ValueError as err:

@@ -168,20 +168,32 @@ def check_node(node_config: dict[str, Any]) -> str:
 
 
 def _measurable(policy: NodePolicy) -> str:
-    """For a table node: which columns a marginals run may count (issue 48), and which it cannot
-    (a number or date column without a declared range has no bins)."""
+    """For a table node: which columns a marginals run may count (issue 48), which other releases
+    its ``measurable-columns`` allows (issue 60: the list binds every release), and which columns
+    no marginals run can use (a number or date column without a declared range has no bins)."""
+    from common.dp import PROFILE, TRAIN
     from common.marginals import has_domain
 
     if not policy.table_schema:
         return ""
     schema = load_schema(policy.table_schema)
     counted = schema.structured()
-    named = policy.measurable_columns or counted.names
+    named = [c for c in policy.measurable_columns or counted.names if c in counted.names]
     unranged = [c.name for c in counted.columns if not has_domain(c, 2)]
     free = schema.text_column
+
+    def verdict(phase: str) -> str:
+        outside = policy.unmeasurable(policy.reads(phase))
+        return "allowed" if not outside else f"refused ({', '.join(outside)} outside measurable-columns)"
+
+    text_phases = (f"DP finetuning and votes of a run with its free-text column {free!r} (they read it and the code's "
+                   f"columns): {verdict(TRAIN)}" if free else
+                   f"a table-method 'rows' run's profile (the code's columns): {verdict(PROFILE)}, its DP finetuning "
+                   f"and votes (each record's text writes every column): {verdict(TRAIN)}")
     return (f"; a marginals run may count {', '.join(named)}"
             + (" (every column of its schema; node-config measurable-columns narrows it)"
                if not policy.measurable_columns else " (node-config measurable-columns)")
+            + f"; {text_phases}"
             + (f"; {', '.join(unranged)} declare no min and max, so no marginals run can use this schema"
                if unranged else "")
             + (f"; free-text column {free!r} is never counted: only the language model's phases (DP finetuning, "

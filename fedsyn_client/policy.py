@@ -15,7 +15,7 @@ a node's records can lose, and what runs on them, comes from here, never from th
 | total epsilon     | ``epsilon`` (**required**)              | run config ``epsilon``           |
 | largest delta     | ``delta`` (default 1e-5)                | the run's resolved ``delta``     |
 | per-phase caps    | ``max-epsilon-train``/``-profile``/``-vote``/``-marginals`` (optional; across all runs in the window) | none |
-| measurable columns | ``measurable-columns`` (a table; default: every column of its schema): the columns a marginals request may count | every column |
+| measurable columns | ``measurable-columns`` (a table; default: every column of its schema): the columns any release may read (``NodePolicy.reads``): a marginals request's cliques, a profile's code, and the text DP finetuning and votes read (under ``table-method = "rows"`` every column; with a free-text column that column and the code's) | every column |
 | cap window        | ``cap-window-days`` (default 0: the ledger's whole life) | none               |
 | generators        | ``model`` (default ``smollm2-135m,tiny-gpt2``) | run config ``model``      |
 | embedders         | ``embedder`` (default ``all-MiniLM-L6-v2``) | run config ``embedder``       |
@@ -40,6 +40,7 @@ release alike, so a new message type cannot skip it. A refusal is a ``PolicyRefu
 
 from __future__ import annotations
 
+import functools
 import math
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -48,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from common.config import ACCOUNTING
-from common.dp import PHASES, TIERS, TRAIN, VOTE
+from common.dp import MARGINALS, PHASES, PROFILE, TIERS, TRAIN, VOTE
 from common.records import ERR_POLICY
 from common.plugins import FINETUNE_MODES
 from fedsyn_client.refusals import (RULE_CAP, RULE_COLUMNS, RULE_DELTA, RULE_EMBEDDER, RULE_EPSILON,
@@ -104,7 +105,7 @@ class Ask:
     finetune: str = ""
     table_schema: str = ""  # common.rows.canonical of the run's table schema; "" = a text column
     max_length: int = 0  # the tokens a record is cut to (training; the vote window is twice it)
-    measured: tuple[str, ...] = ()  # a marginals request: the columns its marginals count
+    measured: tuple[str, ...] = ()  # a marginals request: the columns it counts (other phases: NodePolicy.reads)
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,7 @@ class NodePolicy:
     max_length: int = DEFAULT_MAX_LENGTH  # the longest max-length a request may ask
     max_records: int = 0  # the public size bound (0 in simulation: the partition's size, public there)
     accounting: str = "pld"  # how this node composes its releases (common.config.ACCOUNTING)
-    measurable_columns: tuple[str, ...] = ()  # the columns a marginals request may count; () = all of the schema's
+    measurable_columns: tuple[str, ...] = ()  # the columns any release may read; () = all of the schema's
     simulated: bool = False
     partition: tuple[int, ...] = ()  # simulation: (partition id, number of partitions)
     warnings: tuple[str, ...] = field(default=(), compare=False)
@@ -167,18 +168,47 @@ class NodePolicy:
                                                  f"cap max-length = {self.max_length} (node-config max-length)")
         if ask.delta is not None:
             self._check_delta(ask.delta)
-        unmeasurable = [c for c in ask.measured if self.measurable_columns and c not in self.measurable_columns]
-        if unmeasurable:
-            raise PolicyRefused(RULE_COLUMNS, f"the request counts marginals of columns {unmeasurable}, which this "
-                                              "node's policy does not let be measured (node-config measurable-columns = "
-                                              f"{','.join(self.measurable_columns)!r})")
         for phase, eps in ask.phases:
             self._check_phase(phase, eps)
+            self._check_columns(phase, ask.measured if phase == MARGINALS else self.reads(phase))
             if phase == TRAIN:
                 _allowed(RULE_MODEL, "model", ask.model, self.models)
                 _allowed(RULE_FINETUNE, "finetune", ask.finetune, self.finetune_modes)
             if phase == VOTE:
                 _allowed(RULE_EMBEDDER, "embedder", ask.embedder, self.embedders)
+
+    def reads(self, phase: str) -> tuple[str, ...]:
+        """The table columns a release of ``phase`` reads of each record on this node, in the
+        schema's order (``()`` on a text node, which has no column policy).
+
+        A profile counts records by their code: the control columns. DP finetuning and votes read
+        each record's text and code: with a free-text column that column and the code's (the
+        node gives them the free text alone); without one (``table-method = "rows"``) every column,
+        since a record's text writes all the others. A marginals release reads its cliques' columns,
+        which only the request says (``Ask.measured``): ``()`` here. Public: the policy alone."""
+        if not self.table_schema or phase not in (PROFILE, TRAIN, VOTE):
+            return ()
+        schema = _schema(self.table_schema)
+        read = set(self.control_columns)
+        if phase != PROFILE:
+            read |= {schema.text_column} if schema.text_column else set(schema.names)
+        return tuple(n for n in schema.names if n in read)
+
+    def unmeasurable(self, columns: Sequence[str]) -> list[str]:
+        """Those of ``columns`` that ``measurable-columns`` leaves out (none when it is not set)."""
+        return [c for c in columns if self.measurable_columns and c not in self.measurable_columns]
+
+    def _check_columns(self, phase: str, columns: Sequence[str]) -> None:
+        """Refuse a release of ``phase`` that reads a column outside ``measurable-columns``: the
+        column policy binds every release, not only marginals (issue 60)."""
+        outside = self.unmeasurable(columns)
+        if not outside:
+            return
+        why, fix = _COLUMN_NOTES[phase if phase in (MARGINALS, PROFILE) else
+                                 "free-text" if _schema(self.table_schema).text_column else "rows"]
+        raise PolicyRefused(RULE_COLUMNS, (
+            f"a {phase} release reads columns {outside}, which this node's policy does not let be read "
+            f"(node-config measurable-columns = {','.join(self.measurable_columns)!r}): {why}. Fix: {fix}"))
 
     def _check_vocabulary(self, codes: Sequence[str]) -> None:
         if not codes:
@@ -201,6 +231,33 @@ class NodePolicy:
         if cap is not None and epsilon_this_run > cap + 1e-9:
             raise PolicyRefused(RULE_CAP, f"the run asks for epsilon = {epsilon_this_run:.4g} for {phase}, above "
                                           f"this node's cap max-epsilon-{phase} = {cap:g}")
+
+
+# (what the release reads, what the institution or the server can do) for a refused column, by path
+_COLUMN_NOTES = {
+    MARGINALS: ("its marginals count them",
+                "the server may ask marginals of the measurable columns only; or add these to measurable-columns if "
+                "the institution lets them be counted"),
+    PROFILE: ("the profile counts the records by their code, read from the control columns",
+              "add the control columns to measurable-columns if the institution lets them be counted; else this "
+              "node can take part in a table-method 'marginals' run without a free-text column only"),
+    "rows": ("under table-method 'rows' each record's text writes every column of the schema, and DP finetuning "
+             "and votes read that text",
+             "ask the server for table-method 'marginals' (the default with a table-schema), which counts only "
+             "marginals of the measurable columns; or add every column to measurable-columns"),
+    "free-text": ("DP finetuning and votes read the free-text column and the record's code (its control columns)",
+                  "add the free-text column and the control columns to measurable-columns if the institution lets "
+                  "the language model's phases read them; else this node cannot take part in a run with that "
+                  "free-text column"),
+}
+
+
+@functools.lru_cache(maxsize=8)
+def _schema(table_schema: str) -> Any:
+    """The schema of a policy's canonical ``table-schema`` (parsed once)."""
+    from common.rows import load_schema
+
+    return load_schema(table_schema)
 
 
 def _allowed(rule: str, key: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -295,14 +352,14 @@ def policy_from_node_config(node_config: Mapping[str, Any]) -> NodePolicy:
                               "table-schema")
         table_schema = canonical(schema)
         measurable = _names(values.get("measurable-columns", ""))
-        counted = schema.structured().names
-        outside = [c for c in measurable if c not in counted]
+        # a free-text column may be named: it lets DP finetuning and votes read it (marginals never count it)
+        outside = [c for c in measurable if c not in schema.names]
         if outside:
-            raise PolicyError(f"node-config measurable-columns {outside} are not counted columns of its table-schema "
-                              f"({', '.join(counted)}; a free-text column never is)")
+            raise PolicyError(f"node-config measurable-columns {outside} are not columns of its table-schema "
+                              f"({', '.join(schema.names)})")
     elif _names(values.get("measurable-columns", "")):
-        raise PolicyError("node-config measurable-columns needs a table-schema: it names the table columns whose "
-                          "marginals this node lets be counted")
+        raise PolicyError("node-config measurable-columns needs a table-schema: it names the table columns this "
+                          "node's releases may read")
     max_length = _float("max-length", values.get("max-length", DEFAULT_MAX_LENGTH))
     if not (8 <= max_length <= 8192 and max_length == int(max_length)):
         raise PolicyError(f"node-config max-length = {max_length:g} must be an integer in [8, 8192] (default "

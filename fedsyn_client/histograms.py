@@ -22,7 +22,7 @@ from common.data import TextData, dataset_fingerprint
 from common.histograms import num_votes, sensitivity
 from common.logs import get_logger
 from fedsyn_client import fixed_work
-from fedsyn_client.voting import contrastive_votes, finite_rows, knn_votes, similarity_scores
+from fedsyn_client.voting import contrastive_votes, finite_rows, knn_votes, padded, similarity_scores
 
 Compute = Callable[[], np.ndarray]
 log = get_logger(__name__)
@@ -32,7 +32,7 @@ def knn_vote_histogram(records: TextData, texts: list[str], codes: list[str], pa
                        cfg: RunConfig, bound: int | None = None) -> tuple[Compute, float]:
     """Paper A.2: each record gives +1 to its K nearest same-code candidates; sensitivity sqrt(K)."""
     k = num_votes(params)
-    return (_on_embeddings(records, texts, codes, cfg, bound, lambda *emb: knn_votes(*emb, k)),
+    return (_on_embeddings(records, texts, codes, cfg, bound, functools.partial(knn_votes, k=k)),
             sensitivity("knn-vote", params))
 
 
@@ -41,14 +41,14 @@ def contrastive_vote_histogram(records: TextData, texts: list[str], codes: list[
     """Issue 34: each record +1 to its K nearest same-code candidates and -1 to its K nearest
     other-code candidates; sensitivity sqrt(2K)."""
     k = num_votes(params)
-    return (_on_embeddings(records, texts, codes, cfg, bound, lambda *emb: contrastive_votes(*emb, k)),
+    return (_on_embeddings(records, texts, codes, cfg, bound, functools.partial(contrastive_votes, k=k)),
             sensitivity("contrastive-vote", params))
 
 
 def nearest_neighbour_histogram(records: TextData, texts: list[str], codes: list[str], params: Mapping[str, Any],
                                 cfg: RunConfig, bound: int | None = None) -> tuple[Compute, float]:
     """Private Evolution's histogram: each record +1 to its nearest same-code candidate; sensitivity 1."""
-    return (_on_embeddings(records, texts, codes, cfg, bound, lambda *emb: knn_votes(*emb, 1)),
+    return (_on_embeddings(records, texts, codes, cfg, bound, functools.partial(knn_votes, k=1)),
             sensitivity("nearest-neighbour", params))
 
 
@@ -60,9 +60,11 @@ def similarity_histogram(records: TextData, texts: list[str], codes: list[str], 
 
 
 def _on_embeddings(records: TextData, texts: list[str], codes: list[str], cfg: RunConfig, bound: int | None,
-                   fn: Callable[[np.ndarray, list[str], np.ndarray, list[str]], np.ndarray]) -> Compute:
-    """``fn(local embeddings, local codes, candidate embeddings, candidate codes)``, computed lazily
-    (after the ledger reservation); the records are embedded as ``bound`` rows (``local_embeddings``)."""
+                   fn: Callable[..., np.ndarray]) -> Compute:
+    """``fn(local embeddings, local codes, candidate embeddings, candidate codes, bound=bound)``,
+    computed lazily (after the ledger reservation). Under ``bound`` the records are embedded as
+    ``bound`` rows (``local_embeddings``) and scored as ``bound`` rows: their vectors, then zero
+    rows (``voting.padded``), which ``fn`` scores like the records' and masks out of the counts."""
 
     def compute() -> np.ndarray:
         # Records and candidates are compared within a window around what the generator learned
@@ -70,8 +72,9 @@ def _on_embeddings(records: TextData, texts: list[str], codes: list[str], cfg: R
         # which also halves the vote's time at BBC's 256-token articles. Non-finite rows become
         # zero rows before any statistic is computed from them.
         window = cfg.vote_window
-        return fn(finite_rows(local_embeddings(records, cfg.embedder, window, bound)), records.codes,
-                  finite_rows(candidate_embeddings(texts, cfg.embedder, window)), codes)
+        local = padded(local_embeddings(records, cfg.embedder, window, bound), bound)
+        return fn(finite_rows(local), records.codes, finite_rows(candidate_embeddings(texts, cfg.embedder, window)),
+                  codes, bound=bound)
 
     return compute
 
@@ -168,57 +171,107 @@ _CANDIDATES: dict[str, Any] = {}
 def marginals_histogram(records: TextData, cliques: list[tuple[str, ...]], schema: Any, control_columns: tuple[str, ...],
                         bins: int, bound: int | None = None) -> tuple[Compute, float]:
     """The node's counts of each clique's marginal over the schema's bins, joined in the request's
-    order (``common.marginals.joined_marginals``); L2 sensitivity sqrt(number of cliques), since
+    order (as ``common.marginals.joined_marginals``); L2 sensitivity sqrt(number of cliques), since
     one record adds 1 to one cell of each. The records' rows are read back from their texts and
-    codes (``common.rows.record_row``); under ``bound`` as many filler rows are read beside them
-    and dropped before counting, so the time is the bound's, not |D|'s."""
-    from common.marginals import column_sizes, joined_marginals
+    codes (``common.rows.record_row``); under ``bound`` as many filler rows are read, discretised
+    and counted beside them at weight 0 (``slot_codes``), so the time is the bound's, not |D|'s."""
+    from common.marginals import column_sizes
 
     sizes = column_sizes(schema, bins)
 
     def compute() -> np.ndarray:
-        return joined_marginals(node_codes(records, schema, control_columns, bins, bound), cliques, sizes)
+        codes, counted = slot_codes(records, schema, control_columns, bins, bound)
+        return counted_marginals(codes, counted, cliques, sizes)
 
     return compute, float(np.sqrt(len(cliques)))
 
 
+def counted_marginals(codes: Any, counted: np.ndarray, cliques: list[tuple[str, ...]],
+                      sizes: Mapping[str, int]) -> np.ndarray:
+    """``common.marginals.joined_marginals`` of the rows ``counted`` marks, with the work of every
+    row: in the rows' bin indices (``slot_codes``), a bool per row, the cliques and the columns'
+    domain sizes; out the joined float64 counts. Every row's cell is computed and added at weight
+    1 (counted) or 0 (filler, or a record that is not a row of the schema): the same whole numbers
+    as counting the marked rows alone, bit for bit."""
+    weights = np.asarray(counted, dtype=np.float64)
+    parts = []
+    for clique in cliques:
+        shape = tuple(int(sizes[a]) for a in clique)
+        if not clique:
+            parts.append(np.array([weights.sum()]))
+            continue
+        cells = np.ravel_multi_index(tuple(codes[a].to_numpy(dtype=np.int64) for a in clique), shape)
+        parts.append(np.bincount(cells, weights=weights, minlength=int(np.prod(shape))).astype(np.float64, copy=False))
+    return np.concatenate(parts) if parts else np.zeros(0)
+
+
 def node_codes(records: TextData, schema: Any, control_columns: tuple[str, ...], bins: int,
                bound: int | None = None) -> Any:
-    """The records as bin indices (``common.marginals.discretise``): each record's row read from its
-    text and code. A record that is not a row of the schema (its file changed under the node) is
-    counted nowhere, like a row with a value outside the schema."""
+    """The records as bin indices (``common.marginals.discretise``), each record's row read from its
+    text and code: the rows ``slot_codes`` counts. A record that is not a row of the schema (its
+    file changed under the node) is counted nowhere, like a row with a value outside the schema."""
+    codes, counted = slot_codes(records, schema, control_columns, bins, bound)
+    return codes[counted].reset_index(drop=True)
+
+
+def slot_codes(records: TextData, schema: Any, control_columns: tuple[str, ...], bins: int,
+               bound: int | None = None) -> tuple[Any, np.ndarray]:
+    """(bin indices of every row, which rows are counted): the rows are the records, then public
+    filler rows up to ``bound`` (None: the records alone), each read from its text and code
+    (``common.rows.record_row``) and discretised the same way. A filler row, and a record that is
+    not a row of the schema (its file changed under the node; the public filler row stands in for
+    it), are computed like any other and not counted: the work is the bound's, whatever |D|."""
     import pandas as pd
 
-    from common.codes import make_code, parse_code
     from common.marginals import discretise
-    from common.rows import RowError, canonical, generated_part, record_row, serialise, split_record
+    from common.rows import RowError, canonical, split_record
 
-    key = (dataset_fingerprint(records), canonical(schema), tuple(control_columns), bins, bound)
-    if key in _CODES:
-        return _CODES[key]
+    key = (canonical(schema), tuple(control_columns), bins, bound, len(records))
+    # one node's view at a time, recognised by the object (a node's records are one TextData for
+    # its life): a fingerprint would hash every record, work that follows |D|
+    if _CODES.get("records") is records and _CODES.get("key") == key:
+        return _CODES["out"]
     # A free-text column is not counted: each record's row is read from the text before it
     # (``split_record``), so the free text is never parsed.
     schema = schema.structured()
-    texts, codes = [split_record(t)[0] for t in records.texts], list(records.codes)
-    if bound is not None and bound > len(texts):
-        # one public filler row (each column's first value), read like a record and dropped below
-        first = {c.name: (c.categories[0] if c.type == "categorical" else c.min) for c in schema.columns}
-        filler_text = serialise(first, generated_part(schema, control_columns), np.random.default_rng(0))
-        filler_code = make_code({c: schema.column(c).write(first[c]) for c in control_columns}, control_columns)
-        texts += [filler_text] * (bound - len(texts))
-        codes += [filler_code] * (bound - len(codes))
-    rows, real = [], len(records)
+    filler_text, filler_code = _filler(schema, control_columns)
+    filler_row = record_row_of(filler_text, filler_code, schema)
+    n = len(records)
+    rows = max(n, bound or 0)
+    texts = list(records.texts) + [filler_text] * (rows - n)
+    codes = list(records.codes) + [filler_code] * (rows - n)
+    typed, counted = [], np.zeros(rows, dtype=bool)
     for i, (text, code) in enumerate(zip(texts, codes)):
         try:
-            row = record_row(text, parse_code(code), schema)
+            typed.append(record_row_of(split_record(text)[0], code, schema))
+            counted[i] = i < n
         except (RowError, KeyError, ValueError):
-            continue
-        if i < real:
-            rows.append(row)
-    out = discretise(pd.DataFrame(rows, columns=list(schema.names)), schema, bins)
-    _CODES.clear()  # one node's view at a time: a worker serves its nodes' requests one by one
-    _CODES[key] = out
-    return out
+            typed.append(filler_row)  # computed like a row, counted nowhere
+    out = discretise(pd.DataFrame(typed, columns=list(schema.names)), schema, bins)
+    if len(out) != rows:  # record_row reads only values inside the schema, which discretise keeps all of
+        raise RuntimeError(f"discretise left out {rows - len(out)} rows that record_row read: the two disagree")
+    _CODES.clear()
+    _CODES.update(records=records, key=key, out=(out, counted))
+    return out, counted
 
 
-_CODES: dict[tuple[Any, ...], Any] = {}
+def record_row_of(text: str, code: str, schema: Any) -> dict[str, Any]:
+    """``common.rows.record_row`` of a record's row text and its code string."""
+    from common.codes import parse_code
+    from common.rows import record_row
+
+    return record_row(text, parse_code(code), schema)
+
+
+def _filler(schema: Any, control_columns: tuple[str, ...]) -> tuple[str, str]:
+    """(text, code) of the public filler row: each column's first value (a category's first, a
+    number's or date's min), written as a record is."""
+    from common.codes import make_code
+    from common.rows import generated_part, serialise
+
+    first = {c.name: (c.categories[0] if c.type == "categorical" else c.min) for c in schema.columns}
+    text = serialise(first, generated_part(schema, control_columns), np.random.default_rng(0))
+    return text, make_code({c: schema.column(c).write(first[c]) for c in control_columns}, control_columns)
+
+
+_CODES: dict[str, Any] = {}

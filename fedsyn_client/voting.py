@@ -1,4 +1,12 @@
-"""Stage 4 on a node: kNN votes of local records for synthetic texts (paper Algorithm A.2)."""
+"""Stage 4 on a node: kNN votes of local records for synthetic texts (paper Algorithm A.2).
+
+Every histogram here does the work of ``bound`` rows, whatever |D| (issue 60): the records are
+followed by zero filler rows up to the node's public bound, every row is scored against every
+candidate in fixed-shape blocks, and which candidates a row may pick (its own code's, or the other
+codes') is a mask, as is whether the row counts at all (a record, or filler). Nothing loops over
+the records or their codes, so neither the time nor the memory of a vote follows |D| or how the
+records spread over the codes. Without a bound (a simulated node) the rows are the records alone.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +14,11 @@ from collections.abc import Iterator
 
 import numpy as np
 
-# Similarities are computed for at most this many (record, text) pairs at a time: memory stays
-# O(texts) per block instead of O(records x texts), so a node of 10^5 records voting on 10^4
-# texts of one code needs ~100 MB, not 16 GB (docs/scale.md). Every pair is still scored once.
+# Similarities are computed for at most this many (row, text) pairs at a time: memory stays
+# O(texts) per block instead of O(rows x texts), so a node of 10^5 rows voting on 10^4 texts
+# needs a few hundred MB, not 16 GB (docs/scale.md). Every pair is still scored once.
 BLOCK_PAIRS = 1 << 22
+FILLER = -2  # a filler row's code: no candidate's (a record's code no candidate has is -1)
 
 
 def _blocks(n_rows: int, n_cols: int) -> Iterator[slice]:
@@ -34,45 +43,87 @@ def finite_rows(emb: np.ndarray) -> np.ndarray:
     return emb
 
 
-def knn_votes(
-    local_emb: np.ndarray, local_codes: list[str], syn_emb: np.ndarray, syn_codes: list[str], k: int
-) -> np.ndarray:
+def padded(emb: np.ndarray, bound: int | None) -> np.ndarray:
+    """``emb`` (one row per record) followed by zero rows up to ``bound`` rows: the filler a vote
+    scores and masks out. None, or a bound the rows already reach: ``emb`` as it is."""
+    emb = np.asarray(emb, dtype=np.float64)
+    if bound is None or len(emb) >= bound:
+        return emb
+    out = np.zeros((bound, emb.shape[1] if emb.ndim == 2 else 0), dtype=np.float64)
+    out[:len(emb)] = emb
+    return out
+
+
+def _scored(local_emb: np.ndarray, local_codes: list[str], syn_emb: np.ndarray, syn_codes: list[str],
+            bound: int | None) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """(cosine similarities, own-code mask, counts mask) for each block of the rows.
+
+    The rows are the records (one per code of ``local_codes``, the first rows of ``local_emb``) and
+    filler up to ``bound`` (zero rows, code ``FILLER``): each block is rows x every candidate, the
+    own-code mask says which candidates share the row's code, and the counts mask is True for a
+    record's row, False for filler. Every row is scored the same way, record or filler."""
+    n, n_syn = len(local_codes), len(syn_codes)
+    syn_t = np.asarray(syn_emb, dtype=np.float64).T
+    local = np.asarray(local_emb, dtype=np.float64)
+    if local.size == 0:  # no record: the rows are filler alone, of the candidates' width
+        local = np.zeros((0, syn_t.shape[0]))
+    rows = max(n, len(local), bound or 0)
+    loc = padded(local, rows)
+    position = {code: j for j, code in enumerate(dict.fromkeys(syn_codes))}
+    syn_code = np.fromiter((position[c] for c in syn_codes), dtype=np.int64, count=n_syn)
+    # one lookup per row, record or filler: the same work for every |D| under the bound
+    slots = list(local_codes) + [None] * (rows - n)
+    row_code = np.fromiter((FILLER if c is None else position.get(c, -1) for c in slots), dtype=np.int64, count=rows)
+    real = np.arange(rows) < n
+    for block in _blocks(rows, n_syn):
+        yield _similarities(loc[block], syn_t), row_code[block, None] == syn_code[None, :], real[block]
+
+
+def _similarities(loc: np.ndarray, syn_t: np.ndarray) -> np.ndarray:
+    """``loc @ syn_t``, each row's values the same bits whatever block it is in: numpy multiplies a
+    single row by BLAS' gemv, whose sums round differently from gemm's, so a one-row block is
+    multiplied as two rows (it and a zero row) and the first kept."""
+    if len(loc) != 1:
+        return loc @ syn_t
+    return (np.vstack([loc, np.zeros_like(loc)]) @ syn_t)[:1]
+
+
+def _nearest(sims: np.ndarray, allowed: np.ndarray, counts: np.ndarray, k: int) -> np.ndarray:
+    """How many counted rows have each candidate among their ``k`` nearest *allowed* candidates
+    (fewer when a row has fewer allowed), as a float vector of whole numbers, one per candidate.
+
+    Each row takes its ``min(k, candidates)`` best of the row with the disallowed ones at -inf,
+    then keeps those that are allowed and counted: a mask over a fixed shape, never a subset of
+    the rows. A row counts each candidate at most once: argpartition picks distinct columns."""
+    kk = min(k, sims.shape[1])
+    top = np.argpartition(np.where(allowed, -sims, np.inf), kk - 1, axis=1)[:, :kk]
+    hit = np.take_along_axis(allowed, top, axis=1) & counts[:, None]
+    return np.bincount(top.ravel(), weights=hit.ravel().astype(np.float64), minlength=sims.shape[1])
+
+
+def knn_votes(local_emb: np.ndarray, local_codes: list[str], syn_emb: np.ndarray, syn_codes: list[str], k: int,
+              bound: int | None = None) -> np.ndarray:
     """Un-noised vote vector v_i over the synthetic texts (one int count per text).
 
     Input: L2-normalised embeddings of the local records and of the synthetic texts,
-    each with its control code, and K. For every code, each local record votes +1 for
-    its K nearest synthetic texts *of the same code* by cosine similarity (fewer when
-    that code has fewer than K texts). Each record therefore adds at most K distinct
-    +1s, so adding or removing one record changes v by at most sqrt(K) in L2: the
-    sensitivity the vote mechanism is calibrated for. Records whose code has no
-    synthetic text cast no vote.
+    each with its control code, K, and the node's public ``bound`` (the rows the work is; None:
+    the records). For every code, each local record votes +1 for its K nearest synthetic texts
+    *of the same code* by cosine similarity (fewer when that code has fewer than K texts). Each
+    record therefore adds at most K distinct +1s, so adding or removing one record changes v by
+    at most sqrt(K) in L2: the sensitivity the vote mechanism is calibrated for. Records whose
+    code has no synthetic text cast no vote; filler rows are scored and cast none.
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
-    votes = np.zeros(len(syn_codes), dtype=np.int64)
-    local_codes_arr, syn_codes_arr = np.asarray(local_codes), np.asarray(syn_codes)
-    for code in set(local_codes) & set(syn_codes):
-        own = np.flatnonzero(syn_codes_arr == code)
-        votes += _nearest_counts(local_emb[local_codes_arr == code], syn_emb, own, k)
-    return votes
+    votes = np.zeros(len(syn_codes), dtype=np.float64)
+    if len(syn_codes):
+        for sims, own, counts in _scored(local_emb, local_codes, syn_emb, syn_codes, bound):
+            votes += _nearest(sims, own, counts, k)
+    return votes.astype(np.int64)  # whole numbers far below 2^53: exact
 
 
-def _nearest_counts(loc: np.ndarray, syn_emb: np.ndarray, candidates: np.ndarray, k: int) -> np.ndarray:
-    """How many rows of ``loc`` have each synthetic text among their ``min(k, len(candidates))``
-    nearest of ``candidates`` (indices into ``syn_emb``), as one count per synthetic text. A row
-    counts each text at most once: argpartition picks distinct columns."""
-    counts = np.zeros(len(syn_emb), dtype=np.int64)
-    kk, syn = min(k, candidates.size), syn_emb[candidates]
-    for rows in _blocks(len(loc), candidates.size):
-        sims = loc[rows] @ syn.T  # cosine: rows are unit vectors
-        top = np.argpartition(-sims, kk - 1, axis=1)[:, :kk]
-        counts += np.bincount(candidates[top.ravel()], minlength=counts.size)
-    return counts
-
-
-def contrastive_votes(
-    local_emb: np.ndarray, local_codes: list[str], syn_emb: np.ndarray, syn_codes: list[str], k: int
-) -> np.ndarray:
+def contrastive_votes(local_emb: np.ndarray, local_codes: list[str], syn_emb: np.ndarray, syn_codes: list[str],
+                      k: int, bound: int | None = None) -> np.ndarray:
     """Un-noised contrastive vote vector over the synthetic texts (issue 34).
 
     Input as for ``knn_votes``. Each local record gives +1 to its K nearest synthetic texts *of
@@ -87,18 +138,17 @@ def contrastive_votes(
     sqrt(2K) in L2: the sensitivity the node calibrates for. A record whose code has no text
     still gives its -1s (it says where its code's records are, and no text of its code is there).
     """
-    votes = knn_votes(local_emb, local_codes, syn_emb, syn_codes, k)
-    local_codes_arr, syn_codes_arr = np.asarray(local_codes), np.asarray(syn_codes)
-    for code in set(local_codes):
-        other = np.flatnonzero(syn_codes_arr != code)
-        if other.size:
-            votes -= _nearest_counts(local_emb[local_codes_arr == code], syn_emb, other, k)
-    return votes
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    votes = np.zeros(len(syn_codes), dtype=np.float64)
+    if len(syn_codes):
+        for sims, own, counts in _scored(local_emb, local_codes, syn_emb, syn_codes, bound):
+            votes += _nearest(sims, own, counts, k) - _nearest(sims, ~own, counts, k)
+    return votes.astype(np.int64)
 
 
-def similarity_scores(
-    local_emb: np.ndarray, local_codes: list[str], syn_emb: np.ndarray, syn_codes: list[str]
-) -> np.ndarray:
+def similarity_scores(local_emb: np.ndarray, local_codes: list[str], syn_emb: np.ndarray, syn_codes: list[str],
+                      bound: int | None = None) -> np.ndarray:
     """Un-noised POPri scores over the synthetic texts (POPri's SIMILARITY, per record).
 
     Input as for ``knn_votes``. Each local record's vector holds its cosine similarity to
@@ -106,14 +156,13 @@ def similarity_scores(
     are the sum of these vectors. Adding or removing one record therefore changes the
     scores by at most 1 in L2. (POPri clips each *client's* mean vector: its privacy unit is
     the client; ours is a record, and a mean would divide by the private record count.)
+    Filler rows are scored and weighted 0.
     """
     scores = np.zeros(len(syn_codes), dtype=np.float64)
-    local_codes_arr, syn_codes_arr = np.asarray(local_codes), np.asarray(syn_codes)
-    for code in set(local_codes) & set(syn_codes):
-        syn_idx = np.flatnonzero(syn_codes_arr == code)
-        loc, syn = local_emb[local_codes_arr == code], syn_emb[syn_idx]
-        for rows in _blocks(len(loc), syn_idx.size):
-            sims = loc[rows] @ syn.T
-            norms = np.linalg.norm(sims, axis=1, keepdims=True)
-            scores[syn_idx] += (sims / np.maximum(1.0, norms)).sum(axis=0)
+    if len(syn_codes):
+        for sims, own, counts in _scored(local_emb, local_codes, syn_emb, syn_codes, bound):
+            mine = np.where(own, sims, 0.0)
+            norms = np.linalg.norm(mine, axis=1, keepdims=True)
+            # row by row (axis 0 is reduced in row order): a filler row adds 0.0, which changes no sum
+            scores += np.where(counts[:, None], mine / np.maximum(1.0, norms), 0.0).sum(axis=0)
     return scores

@@ -99,3 +99,23 @@ def test_a_histogram_gets_the_bound_and_a_plug_in_without_it_still_works():
     finally:
         del histograms.VOTE_HISTOGRAMS["old-style"]
     assert seen == {"called": True}
+
+
+def test_finding7_a_votes_counting_scores_the_bounds_rows_for_any_records(monkeypatch):
+    """Issue 60: after the embedding, the vote's kernel scores ``bound`` rows (the records' vectors,
+    then zero rows) against every candidate, for 2 records or 6 of one code (that the result is the
+    records' alone, bit for bit: ``tests/test_bound_work.py``)."""
+    from fedsyn_client import voting
+
+    seen: list[tuple[int, ...]] = []
+    nearest = voting._nearest
+    monkeypatch.setattr(voting, "_nearest", lambda sims, *a: seen.append(sims.shape) or nearest(sims, *a))
+    cfg = RunConfig(max_length=16)
+    cands, codes = ["cand a", "cand b", "cand c"], ["topic=a", "topic=b", "topic=a"]
+    for records in (TextData(["note one", "note two"], ["topic=a", "topic=b"]),
+                    TextData([f"note {i}" for i in range(6)], ["topic=a"] * 6)):
+        seen.clear()
+        compute, _ = histograms.vote_histogram("contrastive-vote", records, cands, codes, {"num-votes": 1}, cfg,
+                                               bound=7)
+        assert compute().shape == (3,)
+        assert seen == [(7, 3), (7, 3)]  # own and other codes, every row against every candidate

@@ -192,6 +192,10 @@ class Schema:
         """The name of the free-text column (``"type": "text"``), or None for a table without one."""
         return next((c.name for c in self.columns if c.type == "text"), None)
 
+    def only(self, names: Sequence[str]) -> Schema:
+        """The schema of the columns in ``names`` alone, in the schema's order (``names`` empty: all)."""
+        return Schema(tuple(c for c in self.columns if not names or c.name in names))
+
     def structured(self) -> Schema:
         """The schema without its free-text column: the columns a marginal counts, a graphical
         model fits and the table metrics score."""

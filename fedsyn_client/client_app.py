@@ -30,7 +30,7 @@ from fedsyn_client import refusals
 from fedsyn_client.audit import audit_dir, audit_mod, check_audit_dir
 from common.models import load_embedder
 from fedsyn_client.histograms import marginals_histogram, vote_histogram
-from fedsyn_client.node import Node, node_policy, open_node
+from fedsyn_client.node import Node, node_policy, open_node, readable_schema
 from fedsyn_client.placement import record_placement
 from fedsyn_client.refusals import NodeSetupError, Refusal, public_reason
 from fedsyn_client.release import LEDGER, TIER, GaussianHistogram, ReleaseFailed, Request, authorise, release, run_key
@@ -165,7 +165,7 @@ def marginals(msg: Message, node: Node, cfg: RunConfig, req: Request) -> RecordD
     """A marginals round (issue 48): the counts of the requested cliques' marginals over the public
     schema's bins + Gaussian noise at L2 sensitivity sqrt(number of cliques). ``authorise`` has
     checked the cliques against the schema and the policy's measurable columns."""
-    schema = cfg.schema()
+    schema = readable_schema(cfg.schema(), node.policy)  # the columns the node's view was read with
     cliques = R.read_cliques(req.params)
     compute, sensitivity = marginals_histogram(node.records(req.vocabulary), cliques, schema, cfg.control_columns,
                                                cfg.marginal_bins, bound=node.bound)

@@ -27,7 +27,7 @@ import numpy as np
 from common.config import RunConfig
 from common.data import TextData, dataset_fingerprint, load_node_data
 from common.logs import get_logger
-from common.rows import canonical, load_schema, split_record
+from common.rows import Schema, canonical, load_schema, split_record
 from fedsyn_client import refusals
 from fedsyn_client.ledger import PrivacyLedger
 from fedsyn_client.policy import NodePolicy, PolicyError, is_simulated, policy_from_node_config, simulation_policy
@@ -279,6 +279,7 @@ def _view(policy: NodePolicy, state_dir: str) -> tuple[TextData, str]:
     seed = view_seed(state_dir)
     terms = {"data-path": str(Path(policy.data_path).resolve()), "text-column": policy.text_column,
              "control-columns": list(policy.control_columns), "table-schema": policy.table_schema,
+             "measurable-columns": list(policy.measurable_columns),
              "max-records": policy.max_records, "text-bytes": text_bytes,
              "seed": hashlib.sha256(str(seed).encode()).hexdigest()[:16]}
     path = Path(state_dir) / f"view-{hashlib.sha256(json.dumps(terms, sort_keys=True).encode()).hexdigest()[:16]}.bin"
@@ -302,6 +303,17 @@ def _view(policy: NodePolicy, state_dir: str) -> tuple[TextData, str]:
     return found
 
 
+def readable_schema(schema: Schema, policy: NodePolicy) -> Schema:
+    """The columns of a table node's ``schema`` its records are read with: ``measurable-columns`` and the
+    code's columns (a record needs its code), or every column when the policy lists none. A value outside
+    the schema leaves its row out, so a row read with a column the policy does not let be read would be
+    in or out of every release by that column's value (issue 60); a release reading it is refused anyway
+    (``NodePolicy.reads``)."""
+    if not policy.measurable_columns:
+        return schema
+    return schema.only((*policy.measurable_columns, *policy.control_columns))
+
+
 def _data(policy: NodePolicy, sim_cfg: RunConfig | None) -> TextData:
     """The node's records under ``policy`` (a simulated node: its partition of the run's data)."""
     if sim_cfg is not None:
@@ -309,7 +321,7 @@ def _data(policy: NodePolicy, sim_cfg: RunConfig | None) -> TextData:
 
         return simulation_node_data(sim_cfg, *policy.partition)[1]
     try:
-        schema = load_schema(policy.table_schema) if policy.table_schema else None
+        schema = readable_schema(load_schema(policy.table_schema), policy) if policy.table_schema else None
         return load_node_data(policy.data_path, policy.text_column, list(policy.control_columns), schema)
     except (OSError, ValueError, KeyError) as err:
         # The detail (file, line, field counts) is for the node's log; the server gets DATA.

@@ -13,6 +13,7 @@ import json
 import tomllib
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 
@@ -202,3 +203,32 @@ def test_finding6_node_check_says_which_releases_the_list_allows(tmp_path):
     assert "its DP finetuning and votes (each record's text writes every column): refused (mean texture" in line
     line = check_node({**config, "measurable-columns": "", "state-dir": str(tmp_path / "all")})
     assert "profile (the code's columns): allowed" in line and "every column): allowed" in line
+
+
+def test_finding6_a_column_outside_the_list_decides_no_records_place_in_a_release(tmp_path):
+    """A row with a value outside the schema in a column the policy does not let be read (``mean area``
+    out of its range) was left out of every release, the marginals of the listed columns included:
+    whether a record counted followed a column no release may read. The view is read with the listed
+    columns and the code's alone, and a marginal of a listed column counts the row."""
+    import numpy as np
+
+    from common.rows import load_schema
+    from fedsyn_client import node as node_module
+    from fedsyn_client.histograms import marginals_histogram
+    from fedsyn_client.policy import policy_from_node_config
+
+    path = _rows_csv(tmp_path)
+    frame = pd.read_csv(path)
+    frame.loc[0, "mean area"] = 10 ** 9  # far outside the schema's range: in no bin
+    frame.to_csv(path, index=False)
+    base = {"tier": "weak", "data-path": str(path), "max-records": 50, "epsilon": 8.0, "accounting": "basic",
+            "table-schema": ROWS_PRESET["table-schema"], "control-columns": "diagnosis"}
+    every = node_module._data(policy_from_node_config({**base, "state-dir": str(tmp_path / "a")}), None)
+    listed_policy = policy_from_node_config({**base, "state-dir": str(tmp_path / "b"),
+                                             "measurable-columns": "diagnosis,mean radius"})
+    listed = node_module._data(listed_policy, None)
+    assert len(every) == 39 and len(listed) == 40  # only the policy that reads mean area leaves the row out
+    schema = node_module.readable_schema(load_schema(ROWS_PRESET["table-schema"]), listed_policy)
+    assert schema.names == ("diagnosis", "mean radius")
+    compute, _ = marginals_histogram(listed, [("mean radius",)], schema, ("diagnosis",), 8, bound=50)
+    assert np.sum(compute()) == 40

@@ -1,20 +1,31 @@
-"""Noise for a node's planned releases, by the rule its ledger composes them with (issue 47).
+"""Noise for a node's planned releases, by the rule its ledger composes them with (issues 47, 60).
 
-A node's run releases, in the plan's order, its profile (one Gaussian, sensitivity 1), its
-DP-SGD phase (Poisson-subsampled Gaussian steps) and/or its vote rounds (T Gaussians of one
-sigma), each phase with its appendix-B share of the node's epsilon and its own delta. Two rules:
+A node's budget is (epsilon, delta): its policy's. A run releases, in the plan's order, its
+profile (one Gaussian, sensitivity 1), its DP-SGD phase (Poisson-subsampled Gaussian steps)
+and/or its vote rounds (T Gaussians of one sigma), each phase with its appendix-B share of the
+node's epsilon. Two rules:
 
-- ``basic`` (the paper's, and this project's before issue 47): each phase meets its share on its
-  own, a Gaussian round by the analytic Gaussian mechanism at (share / T, delta / T), DP-SGD by
-  Opacus' RDP accountant; the node is charged the sum of the shares. Composed by a PLD
-  accountant, such a node has spent well under its budget (60–80% in the default run).
-- ``pld``: the phases are solved in the plan's order, each for the noise that brings the PLD
-  composition of it and the run's releases before it (DP-SGD included) to their epsilon plus its
-  share, at their summed delta. The profile, first, has the same sigma as under ``basic`` (one
-  Gaussian is exact either way). A node's ledger prices each release by the growth of the PLD
-  epsilon it causes (``pld_charge``), so a run's charges add up to its PLD composition.
+- ``basic`` (the paper's): each phase meets its share on its own, a Gaussian round by the
+  analytic Gaussian mechanism at (share / T, delta / T), DP-SGD by Opacus' RDP accountant; the
+  node adds epsilons *and* deltas, and budgets both: a release's delta is its declared split of
+  the policy's delta (``basic_delta``: the policy's delta times the release's part of the
+  node's epsilon, or less if the request asks less), so the deltas of a spent budget sum to at
+  most the policy's.
+- ``pld``: every release of the node, across every run in its ledger, is composed by a
+  privacy-loss distribution at the policy's delta, never at a delta that grows with the
+  releases (``ledger_epsilon``). A phase's noise is solved so that the composition of
+  everything the ledger holds and the whole phase stays within the composition before it plus
+  the phase's share; a release is charged the growth of that composition (``pld_charge``), so a
+  ledger's charges add up to its composition at the policy's delta, and admission checks the
+  composition itself.
 
-Everything here reads public inputs only (shares, deltas, sensitivities, T, steps, and DP-SGD's
+Gaussian releases compose exactly into one Gaussian (their noise multipliers' inverse squares
+add), so the composition is one Gaussian and one event per DP-SGD phase, however long the ledger.
+A release whose terms the ledger cannot read (a legacy entry, a DP-SGD phase none of whose rounds
+has its noise multiplier) is counted by its statement, (epsilon, delta), by basic composition
+with the rest: its delta is taken from the policy's before the PLD is read.
+
+Everything here reads public inputs only (shares, delta, sensitivities, T, steps, and DP-SGD's
 q = B / max-records with the noise multiplier solved from it): never a record count. A deployed
 node's q is its public bound's (``max-records`` is required and the server may learn it); a
 simulated node's is its partition's, which the server chose. So a vote after DP-SGD may compose
@@ -25,6 +36,7 @@ of several mechanisms (Brent's method from scipy on a bracket, kept on the side 
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 from collections.abc import Sequence
@@ -32,21 +44,24 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.dp import (DPSGD, GAUSSIAN, analytic_gaussian_sigma, dpsgd_epsilon, dpsgd_event, dpsgd_noise_multiplier,
-                       gaussian_event, pld_accountant, pld_epsilon)
+                       pld_accountant)
 
 BASIC, PLD = "basic", "pld"
 RULES = (BASIC, PLD)
 # The search stops when the noise is known to this relative width; it keeps the side whose
 # composition is within the target, so a node never spends more than its share.
 NOISE_TOLERANCE = 1e-4
+# A release the ledger counts by its statement (see ``release_base``).
+OPAQUE = "opaque"
 
 
 @dataclass(frozen=True)
 class Planned:
     """One phase a node plans to release in a run, on public inputs only.
 
-    ``share``: the phase's epsilon (appendix B); ``delta``: the phase's delta (all its rounds
-    together). A Gaussian phase is ``rounds`` releases of one sigma at L2 ``sensitivity``; a
+    ``share``: the phase's epsilon (appendix B); ``delta``: the phase's delta under ``basic``
+    (all its rounds together; under ``pld`` every phase is composed at the policy's delta
+    instead). A Gaussian phase is ``rounds`` releases of one sigma at L2 ``sensitivity``; a
     DP-SGD phase is ``steps`` steps at Poisson rate ``sample_rate``.
     """
 
@@ -65,48 +80,141 @@ class Planned:
         where q is B / the node's max-records): no noise can be solved for it here."""
         return self.mechanism == DPSGD and not self.sample_rate
 
-    def events(self, noise: float) -> list[Any]:
-        """The ``dp_accounting`` events of this phase at ``noise`` (Gaussian: each round's sigma;
-        DP-SGD: the noise multiplier)."""
+    def terms(self, noise: float) -> Base:
+        """This phase at ``noise`` (Gaussian: each round's sigma; DP-SGD: the noise multiplier) as
+        ``Base`` terms, the form a ledger's releases take."""
         if self.mechanism == DPSGD:
-            return [dpsgd_event(noise, self.sample_rate, self.steps)]
-        return [gaussian_event(noise, self.sensitivity)] * self.rounds
+            return ((DPSGD, float(noise), float(self.sample_rate), int(self.steps), float(self.delta)),)
+        return ((float(noise), float(self.sensitivity), float(self.delta) / self.rounds),) * self.rounds
 
     def basic_noise(self) -> float:
-        """The noise that meets ``share`` on its own (the ``basic`` rule)."""
+        """The noise that meets ``share`` at ``delta`` on its own (the ``basic`` rule)."""
         if self.mechanism == DPSGD:
             return dpsgd_noise_multiplier(self.share, self.delta, self.sample_rate, self.steps)
         return analytic_gaussian_sigma(self.share / self.rounds, self.delta / self.rounds, self.sensitivity)
 
 
-def _events(planned: Sequence[Planned], noises: Sequence[float]) -> list[Any]:
-    """The ``dp_accounting`` events of ``planned`` at ``noises``, in order."""
-    return [e for p, n in zip(planned, noises) for e in p.events(n)]
+# ----------------------------------------------------------------- what a ledger composes
+# A node's releases, oldest first, as the PLD sees them: a Gaussian release as (sigma,
+# sensitivity, delta), from its statement; a DP-SGD phase as ("dp-sgd", noise multiplier, q, all
+# R x tau steps, delta): the whole phase, as its first round reserved it, whatever number of
+# rounds ran; a release whose terms are unknown as ("opaque", epsilon, delta), its statement.
+# The deltas of the first two kinds are what the requests asked (informational: the PLD is read
+# at the policy's delta); an opaque release's delta is spent. A DP-SGD state stored before issue 60
+# holds Gaussian and DP-SGD terms only, which still read.
+Base = tuple[tuple[Any, ...], ...]
 
 
-def composed(planned: Sequence[Planned], noises: Sequence[float]) -> float:
-    """Epsilon of ``planned`` at ``noises`` composed by PLD at the sum of their deltas."""
-    return pld_epsilon(_events(planned, noises), sum(p.delta for p in planned))
+@dataclass(frozen=True)
+class _Parts:
+    """A ``Base`` reduced to what its composition needs: the Gaussians' summed squared inverse
+    noise multipliers (they compose exactly into one Gaussian), the DP-SGD phases (noise
+    multiplier, q, steps), and the opaque releases' summed epsilon and delta."""
+
+    mu2: float = 0.0
+    dpsgd: tuple[tuple[float, float, int], ...] = ()
+    epsilon: float = 0.0
+    delta: float = 0.0
 
 
-def solve_noise(before: Sequence[Planned], before_noises: Sequence[float], phase: Planned, target: float) -> float:
-    """The least noise (within ``NOISE_TOLERANCE``) for ``phase`` such that the PLD composition of
-    ``before`` at ``before_noises`` and ``phase`` stays within ``target`` epsilon; inf if even an
-    unbounded noise cannot (``before`` alone exceeds it)."""
-    # the earlier phases composed once; each noise tried composes the phase onto a copy (the same
-    # events in the same order as ``composed``, so the same figure)
-    prefix = _prefix(tuple(before), tuple(before_noises))
-    delta = sum(p.delta for p in before) + phase.delta
+def _parts(base: Base) -> _Parts:
+    mu2, dpsgd, eps, delta = 0.0, [], 0.0, 0.0
+    for b in base:
+        if b[0] == DPSGD:
+            dpsgd.append((float(b[1]), float(b[2]), int(b[3])))
+        elif b[0] == OPAQUE:
+            eps, delta = eps + float(b[1]), delta + float(b[2])
+        else:
+            mu2 += (float(b[1]) / float(b[0])) ** 2
+    return _Parts(mu2, tuple(dpsgd), eps, delta)
 
-    def epsilon(noise: float) -> float:
-        return float(pld_accountant(phase.events(noise), start=prefix).get_epsilon(delta))
+
+def _gaussian(mu2: float) -> Any:
+    from dp_accounting import dp_event
+
+    return dp_event.GaussianDpEvent(1.0 / math.sqrt(mu2))
+
+
+@functools.lru_cache(maxsize=64)
+def _prefix(mu2: float, dpsgd: tuple[tuple[float, float, int], ...]) -> Any:
+    """A PLD accountant with the Gaussian (``mu2``: its squared inverse multiplier; 0: none) and
+    the DP-SGD phases composed, for a noise search to copy (a DP-SGD phase takes about a second)."""
+    return pld_accountant(([_gaussian(mu2)] if mu2 > 0 else []) + [dpsgd_event(*d) for d in dpsgd])
+
+
+def _compose(parts: _Parts, delta: float) -> float:
+    """Epsilon of ``parts`` at ``delta``: the PLD of the composable releases at what the opaque
+    ones leave of ``delta``, plus the opaque epsilons (basic composition of the two); inf when
+    nothing is left of ``delta``."""
+    if parts.mu2 == 0 and not parts.dpsgd:
+        return parts.epsilon if parts.delta <= delta else math.inf
+    left = delta - parts.delta
+    if not left > 0:
+        return math.inf
+    acc = _prefix(0.0, parts.dpsgd)  # the DP-SGD phases composed once; the Gaussian onto a copy
+    if parts.mu2 > 0:
+        acc = copy.deepcopy(acc)
+        acc.compose(_gaussian(parts.mu2))
+    return float(acc.get_epsilon(left)) + parts.epsilon
+
+
+def composition_delta(base: Base, delta: float) -> float:
+    """The delta a composition of ``base`` is read at: ``delta``, the policy's, however many
+    releases asked for their own (issue 60: the sum of their deltas grows with the releases, and a
+    node's budget is one (epsilon, delta)). One home for the rule: ``tests/test_delta_budget.py``
+    plants the summed one here and sees its harness catch it."""
+    return delta
+
+
+def clear_caches() -> None:
+    """Forget every memoised composition and noise (a test that plants another rule)."""
+    for cached in (base_epsilon, pld_noise, pld_charge, _calibrate, _prefix):
+        cached.cache_clear()
+
+
+@functools.lru_cache(maxsize=512)
+def base_epsilon(base: Base, delta: float) -> float:
+    """Epsilon of ``base`` composed at ``delta`` (the policy's; 0 for no release)."""
+    return _compose(_parts(base), composition_delta(base, delta))
+
+
+def composed(planned: Sequence[Planned], noises: Sequence[float], delta: float) -> float:
+    """Epsilon of ``planned`` at ``noises`` composed by PLD at ``delta`` (the policy's)."""
+    return base_epsilon(tuple(t for p, n in zip(planned, noises) for t in p.terms(n)), delta)
+
+
+def solve_noise(base: Base, phase: Planned, target: float, delta: float) -> float:
+    """The least noise (within ``NOISE_TOLERANCE``) for ``phase`` such that ``base`` and the whole
+    phase compose at ``delta`` to at most ``target`` epsilon; inf if even an unbounded noise
+    cannot (``base`` alone exceeds it)."""
+    parts = _parts(base)
+    left, room = composition_delta(base + phase.terms(1.0), delta) - parts.delta, target - parts.epsilon
+    if not left > 0 or room < 0:
+        return math.inf
+    if phase.mechanism == DPSGD:
+        prefix = _prefix(parts.mu2, parts.dpsgd)
+
+        def event(noise: float) -> Any:
+            return dpsgd_event(noise, phase.sample_rate, phase.steps)
+    else:
+        # the phase's T rounds join the earlier Gaussians in one Gaussian; DP-SGD composed once
+        prefix = _prefix(0.0, parts.dpsgd)
+
+        def event(noise: float) -> Any:
+            return _gaussian(parts.mu2 + phase.rounds * (phase.sensitivity / noise) ** 2)
+
+    def excess(noise: float) -> float:  # the composition's epsilon over the target (<= 0 fits)
+        acc = copy.deepcopy(prefix)
+        acc.compose(event(noise))
+        return float(acc.get_epsilon(left)) - room
 
     def fits(noise: float) -> bool:
-        return epsilon(noise) <= target
+        return excess(noise) <= 0
 
     # a Gaussian phase starts from the noise that meets its own share (near the answer, and
     # instant); DP-SGD from 1, since Opacus' RDP calibration takes seconds where a PLD takes 0.3
-    hi = phase.basic_noise() if phase.mechanism != DPSGD else 1.0
+    hi = (analytic_gaussian_sigma(phase.share / phase.rounds, delta / phase.rounds, phase.sensitivity)
+          if phase.mechanism != DPSGD and math.isfinite(phase.share) and phase.share > 0 else 1.0)
     if not fits(hi):
         lo = hi
         while not fits(hi):
@@ -124,36 +232,33 @@ def solve_noise(before: Sequence[Planned], before_noises: Sequence[float], phase
     from scipy.optimize import brentq
 
     width = NOISE_TOLERANCE * hi
-    noise = brentq(lambda x: epsilon(x) - target, lo, hi, xtol=width)
+    noise = brentq(excess, lo, hi, xtol=width)
     while not fits(noise):
         noise = min(noise + width, hi)
     return noise
 
 
-@functools.lru_cache(maxsize=32)
-def _prefix(before: tuple[Planned, ...], noises: tuple[float, ...]) -> Any:
-    return pld_accountant(_events(before, noises))
-
-
-def calibrate(planned: Sequence[Planned], rule: str = PLD) -> list[float]:
+def calibrate(planned: Sequence[Planned], rule: str = PLD, delta: float | None = None) -> list[float]:
     """The noise of each planned phase, in the plan's order, under ``rule`` (``basic`` or
-    ``pld``, see the module docstring). An infinite share (no DP) gets 0 noise. A DP-SGD phase
-    of unknown q (``sample_rate`` 0: a deployment's plan, where q is the node's) gets NaN, and under
-    pld the phases after it are priced without it and those before: an upper bound on the noise
-    the node solves with its q."""
-    return list(_calibrate(tuple(planned), rule))
+    ``pld``, see the module docstring). ``delta``: the policy's, at which ``pld`` composes the
+    plan (None: the largest phase delta, a run's per-release delta, which in simulation is the
+    policy's). An infinite share (no DP) gets 0 noise. A DP-SGD phase of unknown q
+    (``sample_rate`` 0: a deployment's plan, where q is the node's) gets NaN, and under pld the
+    phases after it are priced without it and those before: an upper bound on the noise the node
+    solves with its q."""
+    at = float(delta) if delta is not None else max((p.delta for p in planned), default=0.0)
+    return list(_calibrate(tuple(planned), rule, at))
 
 
 @functools.lru_cache(maxsize=64)  # a node solves the same plan at every release of a run
-def _calibrate(planned: tuple[Planned, ...], rule: str) -> tuple[float, ...]:
+def _calibrate(planned: tuple[Planned, ...], rule: str, delta: float) -> tuple[float, ...]:
     if rule not in RULES:
         raise ValueError(f"unknown accounting rule {rule!r}; one of {RULES}")
     if any(math.isinf(p.share) for p in planned):
         return (0.0,) * len(planned)
     if rule == BASIC:
         return tuple(math.nan if p.q_unknown else p.basic_noise() for p in planned)
-    # what the nodes do (fedsyn_client.release): each phase on every release of the run before
-    # it, so the prediction and the ledger agree
+    # what the nodes do (fedsyn_client.release): each phase on every release before it
     noises: list[float] = []
     base: Base = ()
     for phase in planned:
@@ -161,96 +266,97 @@ def _calibrate(planned: tuple[Planned, ...], rule: str) -> tuple[float, ...]:
             noises.append(math.nan)
             base = ()
             continue
-        noise = pld_noise(base, phase)
+        noise = pld_noise(base, phase, delta)
         noises.append(noise)
-        if phase.mechanism == DPSGD:
-            base = base + ((DPSGD, noise, phase.sample_rate, phase.steps, phase.delta),)
-        else:
-            base = base + ((noise, phase.sensitivity, phase.delta / phase.rounds),) * phase.rounds
+        base = base + phase.terms(noise)
     return tuple(noises)
 
 
 # ----------------------------------------------------------------- a node's ledger under ``pld``
-# What a node's ledger knows of a run's earlier releases, for pricing the next one, oldest first:
-# a Gaussian release as (sigma, sensitivity, delta), from its statement; a DP-SGD phase as
-# ("dp-sgd", noise multiplier, q, all R x tau steps, delta): the whole phase, as its first round
-# reserved it, whatever number of rounds ran. A ledger written before DP-SGD composed with what
-# follows stores a DP-SGD phase's base of 3-tuples only, which still reads.
-Base = tuple[tuple[Any, ...], ...]
-
-
 def release_base(entries: Sequence[dict[str, Any]]) -> Base:
-    """The public terms of the run's counted ledger ``entries`` (oldest first) as a ``Base``.
-    Entries without a sigma (no DP) are skipped. A DP-SGD phase whose terms the entries do not
-    hold (no round confirmed yet, or a ledger from before the first round stored its binding)
-    cannot be composed: what came before it is dropped too, and what follows is priced on its
-    own (basic composition with it, a valid bound, as before issue 47's joint rule)."""
+    """The terms of counted ledger ``entries`` (oldest first, any number of runs) as a ``Base``.
+
+    A Gaussian release with a sigma composes by it; a DP-SGD phase (one per run and phase) by its
+    noise multiplier and q (stored at its reservation, or by a confirmed round) over all the R x
+    tau steps its first reservation bound. What has no such terms is opaque, counted by its
+    statement: a legacy entry; a DP-SGD phase without a noise multiplier at (epsilon, delta) if a
+    round of it was released, at (epsilon, 0) if none was (nothing of it left the node: the charge
+    stays, a margin against a failure that were free); a release without DP at epsilon inf.
+    """
     base: list[tuple[Any, ...]] = []
-    done: set[str] = set()
+    done: set[tuple[str, str]] = set()
     for e in entries:
         if e.get("mechanism") == DPSGD:
-            if e["phase"] not in done:
-                done.add(e["phase"])
-                terms = _dpsgd_terms([x for x in entries if x.get("mechanism") == DPSGD and x["phase"] == e["phase"]])
-                base = [*base, terms] if terms is not None else []
-        elif e.get("mechanism") == GAUSSIAN:
-            public = e.get("public", {})
-            sigma = float(public.get("sigma", e.get("sigma", 0.0)) or 0.0)
-            if sigma > 0:
-                base.append((sigma, float(public.get("sensitivity", e.get("sensitivity", 1.0))), float(e["delta"])))
+            key = (str(e.get("run_id", "")), str(e["phase"]))
+            if key not in done:
+                done.add(key)
+                base.append(_dpsgd_terms([x for x in entries if x.get("mechanism") == DPSGD
+                                          and (str(x.get("run_id", "")), str(x["phase"])) == key]))
+            continue
+        epsilon = float(e["epsilon"])
+        public = e.get("public", {})
+        sigma = float(public.get("sigma", e.get("sigma", 0.0)) or 0.0)
+        if not math.isfinite(epsilon):
+            base.append((OPAQUE, math.inf, 0.0))
+        elif e.get("mechanism") == GAUSSIAN and sigma > 0:
+            base.append((sigma, float(public.get("sensitivity", e.get("sensitivity", 1.0))), float(e["delta"])))
+        else:
+            base.append((OPAQUE, epsilon, float(e["delta"])))
     return tuple(base)
 
 
-def _dpsgd_terms(entries: Sequence[dict[str, Any]]) -> tuple[Any, ...] | None:
-    """A DP-SGD phase's ("dp-sgd", noise multiplier, q, R x tau, delta) from its ledger entries:
-    the first reservation's binding (rounds, steps) and delta, a confirmed round's multiplier and q
-    (every round of a run uses the first round's)."""
+def _dpsgd_terms(entries: Sequence[dict[str, Any]]) -> tuple[Any, ...]:
+    """A DP-SGD phase's ("dp-sgd", noise multiplier, q, steps, delta) from its ledger entries: the
+    noise multiplier and q of any entry holding them (every round uses the first round's), over
+    the first reservation's binding (rounds x local steps), or over the steps taken where a ledger
+    from before the binding was stored has none. Opaque when no entry holds a noise multiplier."""
+    epsilon = sum(float(e["epsilon"]) for e in entries)
+    if not math.isfinite(epsilon):
+        return (OPAQUE, math.inf, 0.0)
     first = next((e for e in entries if e.get("binding")), None)
-    terms = next((e["private"] for e in entries if (e.get("private") or {}).get("noise_multiplier")), None)
-    if first is None or terms is None or not terms.get("sample_rate"):
-        return None
-    steps = int(first["binding"]["rounds"]) * int(first["binding"]["local_steps"])
-    return (DPSGD, float(terms["noise_multiplier"]), float(terms["sample_rate"]), steps, float(first["delta"]))
+    terms = next((e["private"] for e in entries if (e.get("private") or {}).get("noise_multiplier")
+                  and (e.get("private") or {}).get("sample_rate")), None)
+    if terms is None:
+        released = any(e.get("status") == "confirmed" for e in entries)
+        return (OPAQUE, epsilon, sum(float(e["delta"]) for e in entries) if released else 0.0)
+    if first is not None:
+        steps = int(first["binding"]["rounds"]) * int(first["binding"]["local_steps"])
+    else:
+        steps = sum(int((e.get("private") or {}).get("steps", e.get("public", {}).get("steps", 0))) for e in entries)
+    delta = float((first or entries[0])["delta"])
+    return (DPSGD, float(terms["noise_multiplier"]), float(terms["sample_rate"]), steps, delta)
 
 
-def _base_planned(base: Base) -> tuple[list[Planned], list[float]]:
-    planned, noises = [], []
-    for b in base:
-        if b[0] == DPSGD:
-            _, noise, q, steps, delta = b
-            planned.append(Planned("before", DPSGD, 0.0, float(delta), sample_rate=float(q), steps=int(steps)))
-        else:
-            noise, sensitivity, delta = b
-            planned.append(Planned("before", GAUSSIAN, 0.0, float(delta), float(sensitivity)))
-        noises.append(float(noise))
-    return planned, noises
-
-
-@functools.lru_cache(maxsize=256)
-def base_epsilon(base: Base) -> float:
-    """PLD epsilon of ``base`` at the sum of its deltas (0 for none)."""
-    planned, noises = _base_planned(base)
-    return composed(planned, noises) if planned else 0.0
+def ledger_epsilon(entries: Sequence[dict[str, Any]], delta: float) -> float:
+    """Epsilon of every counted ledger entry composed at ``delta`` (the policy's): what a node
+    under ``pld`` has spent."""
+    return base_epsilon(release_base(entries), float(delta))
 
 
 @functools.lru_cache(maxsize=64)
-def pld_noise(base: Base, phase: Planned) -> float:
-    """The noise of ``phase`` (its sigma, or DP-SGD's noise multiplier) such that the PLD
-    composition of ``base`` and the whole phase is within ``base_epsilon(base) + phase.share``:
-    the phase spends its share on top of what the run's earlier releases already cost."""
+def pld_noise(base: Base, phase: Planned, delta: float | None = None) -> float:
+    """The noise of ``phase`` (its sigma, or DP-SGD's noise multiplier) such that ``base`` and
+    the whole phase compose at ``delta`` (the policy's; None: the phase's own) within
+    ``base_epsilon(base, delta) + phase.share``: the phase spends its share on top of what the
+    ledger's releases already cost. A base that alone is unbounded (a release without DP in an
+    unlimited ledger) is left out."""
     if math.isinf(phase.share):
         return 0.0
-    planned, noises = _base_planned(base)
-    return solve_noise(planned, noises, phase, base_epsilon(base) + phase.share)
+    delta = phase.delta if delta is None else float(delta)
+    spent = base_epsilon(base, delta)
+    if not math.isfinite(spent):
+        base, spent = (), 0.0
+    return solve_noise(base, phase, spent + phase.share, delta)
 
 
 @functools.lru_cache(maxsize=256)
-def pld_charge(base: Base, sigma: float, sensitivity: float, delta: float) -> float:
-    """What a Gaussian release of ``sigma`` costs after ``base``: the growth of the run's PLD
-    epsilon (never below 0). A run's charges then add up to its PLD composition (or more), so
-    a ledger that adds charges stays a valid bound while spending by the tighter rule."""
-    after = base + ((sigma, sensitivity, delta),)
-    return max(0.0, base_epsilon(after) - base_epsilon(base))
+def pld_charge(base: Base, sigma: float, sensitivity: float, delta: float, asked: float = 0.0) -> float:
+    """What a Gaussian release of ``sigma`` costs after ``base``: the growth of its composition
+    at ``delta`` (the policy's; never below 0). A ledger's charges then add up to its composition
+    (or more), while admission checks the composition itself. ``asked``: the delta the release's
+    request asked, kept with its terms like a ledger entry's (the composition does not read it)."""
+    after = base + ((sigma, sensitivity, asked),)
+    return max(0.0, base_epsilon(after, delta) - base_epsilon(base, delta))
 
 
 def rounds_of(share: float) -> int:
@@ -258,14 +364,23 @@ def rounds_of(share: float) -> int:
     return max(1, round(1.0 / share))
 
 
+def basic_delta(requested: float, epsilon: float, budget: float, policy_delta: float) -> float:
+    """A release's delta under ``basic``: the policy's delta times the release's part of the
+    node's epsilon ``budget``, or the ``requested`` delta where that is less. So the deltas of
+    releases whose epsilons fit the budget fit the policy's delta, across every run (issue 60).
+    An unlimited budget, or a release without DP, keeps the requested delta."""
+    if not (math.isfinite(budget) and math.isfinite(epsilon)) or budget <= 0:
+        return float(requested)
+    return min(float(requested), float(policy_delta) * float(epsilon) / float(budget))
+
+
 def dpsgd_phase_epsilon(history: list[list[float]], delta: float, base: Base | None) -> float:
     """Phase 1's epsilon after ``history`` [(noise multiplier, q, steps), ...]: Opacus' RDP accountant
-    (basic), or under pld the growth of the PLD composition of ``base`` and the steps so far, at
-    the base's deltas plus the phase's ``delta`` (what the noise was solved for)."""
+    at the phase's ``delta`` (basic), or under pld the growth of the composition of ``base`` and
+    the steps so far at ``delta``, the policy's (what the noise was solved for)."""
     if base is None:
         return dpsgd_epsilon(history, delta)
     if any(float(h[0]) == 0 for h in history):
         return math.inf
-    planned, noises = _base_planned(base)
-    events = _events(planned, noises) + [dpsgd_event(float(nm), float(q), int(n)) for nm, q, n in history]
-    return pld_epsilon(events, sum(p.delta for p in planned) + delta) - base_epsilon(base)
+    steps = tuple((DPSGD, float(nm), float(q), int(n), 0.0) for nm, q, n in history)
+    return base_epsilon(tuple(base) + steps, delta) - base_epsilon(tuple(base), delta)

@@ -5,7 +5,7 @@
 - ``dpsgd_noise_multiplier``: calibrate DP-SGD's noise once for the whole of phase 1.
 - ``split_budget`` / ``phase_epsilon``: the paper's appendix-B split of a node's epsilon.
 - ``pld_epsilon``: compose releases with a PLD accountant (tighter than basic
-  composition, which is what the paper reports).
+  composition, which is what the paper reports); ``composed_epsilon`` over statements.
 """
 
 from __future__ import annotations
@@ -217,31 +217,39 @@ def pld_accountant(events: Sequence[Any], start: Any = None):
     return accountant
 
 
-def composed_epsilon(releases: Sequence[dict[str, Any]]) -> float:
-    """Epsilon of ``releases`` together, at the sum of their deltas: the one composition of
-    the node's ledger and the run's privacy report.
+def composed_epsilon(releases: Sequence[dict[str, Any]], delta: float | None = None) -> float:
+    """Epsilon of ``releases`` together: the one composition of the node's ledger summary and the
+    run's privacy report.
 
     Each release is a dict with ``mechanism``, ``epsilon`` and ``delta``, and the details a PLD
     needs where they are known: ``sigma`` and ``sensitivity`` (Gaussian), or
     ``noise_multiplier``, ``sample_rate`` and ``steps`` (DP-SGD: only the node's own ledger
-    has them, since the sampling rate reveals |D|). Those are composed by a PLD accountant at
-    the sum of their deltas; the rest are added by basic composition (with their own deltas).
-    Never more than basic composition.
+    has them, since the sampling rate reveals |D|). Those are composed by a PLD accountant; the
+    rest are added by basic composition, their deltas with them. ``delta`` None: the PLD is read at
+    the sum of the composed releases' deltas (each release's statement a bound on its own, as
+    under ``basic``); else at ``delta`` (a ``pld`` node's policy delta) less the rest's deltas, inf
+    when nothing is left of it. Never more than the sum of the stated epsilons (a ``pld`` node's
+    charges add up to its own composition at its delta).
     """
     if any(not math.isfinite(float(r["epsilon"])) for r in releases):
         return math.inf
-    events, pld_delta, rest = [], 0.0, 0.0
+    events, pld_delta, rest, rest_delta = [], 0.0, 0.0, 0.0
     for r in releases:
         if r["mechanism"] == GAUSSIAN and r.get("sigma"):
             events.append(gaussian_event(r["sigma"], r["sensitivity"]))
         elif r["mechanism"] == DPSGD and r.get("noise_multiplier"):
             events.append(dpsgd_event(r["noise_multiplier"], r["sample_rate"], r["steps"]))
         else:
-            rest += float(r["epsilon"])
+            rest, rest_delta = rest + float(r["epsilon"]), rest_delta + float(r["delta"])
             continue
         pld_delta += float(r["delta"])
     basic = float(sum(float(r["epsilon"]) for r in releases))
-    return min(basic, (pld_epsilon(events, pld_delta) if events else 0.0) + rest)
+    if delta is None:
+        return min(basic, (pld_epsilon(events, pld_delta) if events else 0.0) + rest)
+    left = float(delta) - rest_delta
+    if not events:
+        return min(basic, rest if left >= 0 else math.inf)
+    return min(basic, pld_epsilon(events, left) + rest if left > 0 else math.inf)
 
 
 def dpsgd_epsilon(history: Sequence[Sequence[float]], delta: float) -> float:

@@ -4,7 +4,9 @@ Every rule reads only the ledger's own data (what was spent, what is held, what 
 policy caps): a refusal says which rule and by how much, and nothing in it depends on the
 records. The rules, in the order they are tried:
 
-1. the node's total budget, less what other live runs hold (``check``);
+1. the node's total budget (epsilon, delta), less what other live runs hold (``check``): under
+   ``pld`` the composition of every counted release and this one at the policy's delta, under
+   ``basic`` the sums of their epsilons and of their deltas (issue 60);
 2. the policy's cap on the phase across runs, over its window (``cap``);
 3. the terms the run's phase was calibrated for at its first reservation (``binding``);
 4. one release per run, phase and round, ever;
@@ -19,8 +21,10 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from typing import Any
 
+from common.calibration import BASIC, ledger_epsilon
 from fedsyn_client import holds, refusals
 from fedsyn_client.refusals import BudgetExceeded
 
@@ -29,6 +33,17 @@ from fedsyn_client.refusals import BudgetExceeded
 RESERVED, CONFIRMED, FAILED, CANCELLED = "reserved", "confirmed", "failed", "cancelled"
 # Float slack so that a budget spent exactly (e.g. 6 + 2 = 8) is not refused by rounding.
 TOLERANCE = 1e-6
+# The same for deltas, relative to the policy's (a split of 1e-5 in thirds adds up to a hair more).
+DELTA_TOLERANCE = 1e-9
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How the node's policy budgets a release: its ``accounting`` (``pld`` or ``basic``) and its
+    ``delta``, the node's (with the ledger's epsilon budget, the node's (epsilon, delta))."""
+
+    accounting: str
+    delta: float
 
 
 def counted(releases: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -53,33 +68,65 @@ def remaining(data: dict[str, Any], run_id: str | None = None) -> float:
     return budget - spent(data["releases"]) - held(data, run_id) if math.isfinite(budget) else math.inf
 
 
-def check(data: dict[str, Any], epsilon: float, what: str, run_id: str | None = None) -> None:
-    """Raise ``BudgetExceeded`` (saying how much is left) if ``epsilon`` does not fit the budget."""
+def delta_spent(releases: list[dict[str, Any]]) -> float:
+    """Delta of the counted entries (basic composition)."""
+    return float(sum(float(r["delta"]) for r in counted(releases)))
+
+
+def check(data: dict[str, Any], epsilon: float, what: str, run_id: str | None = None, rule: Rule | None = None,
+          candidate: dict[str, Any] | None = None) -> None:
+    """Raise ``BudgetExceeded`` (saying how much is left) if a release does not fit the budget.
+
+    ``rule`` None (a caller that knows no policy) or ``basic``: ``epsilon`` against what the
+    stated epsilons leave, and under ``basic`` the ``candidate`` entry's delta against what the
+    stated deltas leave of the policy's. ``pld``: the composition of every counted entry and the
+    ``candidate`` (the entry the release would make) at the policy's delta.
+    """
     budget = float(data["budget"])
     if math.isinf(epsilon) and math.isfinite(budget):
         raise BudgetExceeded(refusals.BUDGET, f"{what}: refused, a non-private release (epsilon = inf) exceeds this "
                              f"node's budget epsilon = {budget:g}")
+    if not math.isfinite(budget):
+        return
+    other = held(data, run_id)
+    if rule is not None and rule.accounting != BASIC and candidate is not None:
+        entries = counted(data["releases"])
+        now, after = ledger_epsilon(entries, rule.delta), ledger_epsilon([*entries, candidate], rule.delta)
+        if after > budget - other + TOLERANCE:
+            raise BudgetExceeded(refusals.BUDGET, (
+                f"{what}: refused, every release of this node composed with it at the policy's delta = {rule.delta:g} "
+                f"would reach epsilon = {after:.4g}, above its budget {budget:g} (composed now: {now:.4g} in "
+                f"{len(entries)} releases" + (f", {other:.4g} held for other runs under way" if other else "") + ")"))
+        return
     left = remaining(data, run_id)
     if epsilon > left + TOLERANCE:
-        other = held(data, run_id)
         raise BudgetExceeded(refusals.BUDGET,
             f"{what}: refused, needs epsilon = {epsilon:.4g} but this node has {max(left, 0.0):.4g} left of its "
             f"budget {budget:g} (spent {spent(data['releases']):.4g} in {len(counted(data['releases']))} releases"
             + (f", {other:.4g} held for other runs under way" if other else "") + ")")
+    if rule is not None and candidate is not None:
+        used, delta = delta_spent(data["releases"]), float(candidate["delta"])
+        if used + delta > rule.delta * (1 + DELTA_TOLERANCE):
+            raise BudgetExceeded(refusals.BUDGET, (
+                f"{what}: refused, needs delta = {delta:.4g} but the releases of this node have spent {used:.4g} of "
+                f"the policy's delta = {rule.delta:g} (under accounting = basic deltas add up)"))
 
 
 def admit(data: dict[str, Any], phase: str, epsilon: float, run_id: str, rnd: int, run_phase_budget: float,
           steps: tuple[int, int] | None = None, cap: tuple[float, float] | None = None,
-          binding: dict[str, Any] | None = None) -> dict[str, Any] | None:
+          binding: dict[str, Any] | None = None, rule: Rule | None = None,
+          candidate: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """Try the rules above on a release of ``epsilon`` for ``phase``, round ``rnd`` of run ``run_id``.
 
     ``run_phase_budget``: what this run may spend on the phase. ``steps`` = (steps of this
     release, steps the run's phase may take). ``cap`` = (the policy's epsilon cap for the phase,
     its window in days; 0 = the ledger's life). ``binding``: the terms this release's noise was
-    calibrated for. Returns the terms the run's phase is already bound to (None: this is its
-    first reservation, which binds it); raises ``BudgetExceeded`` naming the rule that refused.
+    calibrated for. ``rule`` and ``candidate``: the node's policy and the entry the release would
+    make, for the budget's rule (``check``). Returns the terms the run's phase is already bound to
+    (None: this is its first reservation, which binds it); raises ``BudgetExceeded`` naming the
+    rule that refused.
     """
-    check(data, epsilon, phase, run_id)
+    check(data, epsilon, phase, run_id, rule, candidate)
     if cap is not None:
         since = time.time() - cap[1] * 86400.0 if cap[1] > 0 else -math.inf
         used = sum(float(r["epsilon"]) for r in counted(data["releases"])

@@ -29,7 +29,10 @@ a budget changes only by ``fedsyn ledger STATE_DIR --set-budget EPS --reason ...
 Each entry: ``id``, ``status`` (reserved | confirmed | failed | cancelled: legacy), ``run_id``, ``phase``,
 ``round``, ``mechanism``, ``epsilon``, ``delta``, ``time``; ``public`` (data-independent
 parameters the server also sees: sigma, sensitivity, histogram) and ``private`` (details
-that may depend on the records, e.g. DP-SGD's sampling rate: they never leave the node).
+that may depend on the records, e.g. DP-SGD's sampling rate: they never leave the node; a
+DP-SGD reservation holds its noise multiplier and q from before its first step, so the ledger
+composes it from then on). ``policy`` (issue 60): the rule and delta the node's last release was
+budgeted by, for ``summary``.
 
 This module keeps the file, its lock and the operator's acts. The rules a release must pass
 before it is reserved are ``fedsyn_client.admission``; pre-flight holds ``fedsyn_client.holds``;
@@ -39,19 +42,21 @@ takeovers of a dead process's reservation ``fedsyn_client.claims``.
 from __future__ import annotations
 
 import fcntl
+import math
 import os
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from common.calibration import ledger_epsilon
 from common.dp import GAUSSIAN, composed_epsilon, preflight
 from common.io import atomic_write_json, read_json
 from fedsyn_client import admission, holds, refusals
-from fedsyn_client.admission import CONFIRMED, FAILED, RESERVED
+from fedsyn_client.admission import CONFIRMED, FAILED, RESERVED, Rule
 from fedsyn_client.claims import claim, cut_off
 from fedsyn_client.holds import MAX_UNCONFIRMED_HOLDS
 from fedsyn_client.refusals import BudgetExceeded, NodeSetupError
@@ -76,6 +81,7 @@ class Release:
     run_id: str = ""
     round: int = 0
     public: dict[str, Any] = field(default_factory=dict)  # data-independent: may be sent to the server
+    private: dict[str, Any] = field(default_factory=dict)  # the terms the ledger composes it by; never sent
 
     def statement(self) -> dict[str, Any]:
         """What the node tells the server about this release: no field depends on the records."""
@@ -204,7 +210,12 @@ class PrivacyLedger:
 
     def delta_spent(self) -> float:
         """Sum of the deltas of every counted release (basic composition)."""
-        return float(sum(float(r["delta"]) for r in admission.counted(self._load()["releases"])))
+        return admission.delta_spent(self._load()["releases"])
+
+    def composed(self, delta: float) -> float:
+        """Epsilon of every counted release composed by PLD at ``delta`` (the policy's): what the
+        node has spent under ``pld`` (``common.calibration.ledger_epsilon``)."""
+        return ledger_epsilon(admission.counted(self._load()["releases"]), delta)
 
     def remaining(self, run_id: str | None = None) -> float:
         """Budget left (may be inf) for ``run_id``: not spent, and not held for another run."""
@@ -219,6 +230,16 @@ class PrivacyLedger:
         """This run's counted entries, oldest first, less the one for ``phase`` round ``rnd`` (the
         release being priced: a retried round is priced on what came before it)."""
         return _run_entries(self._load(), run_id, phase, rnd)
+
+    def entries_before(self, run_id: str, phase: str, rnd: int) -> list[dict[str, Any]]:
+        """Every counted entry of every run, oldest first, made before this run's ``phase`` round
+        ``rnd`` (all of them if it has none): what the release is priced on under ``pld``, the
+        same for a retry of a round whose process died as for the round itself."""
+        return _entries_before(self._load(), run_id, phase, rnd)
+
+    def charged(self, entry_id: str) -> float:
+        """The epsilon entry ``entry_id`` is charged (as priced under the lock)."""
+        return float(_entry(self._load(), entry_id)["epsilon"])
 
     def accountant_state(self, key: str) -> dict[str, Any]:
         """The DP-SGD accountant state stored under ``key`` (one per run), or {}."""
@@ -262,7 +283,8 @@ class PrivacyLedger:
 
     def reserve(self, release: Release, run_phase_budget: float, steps: tuple[int, int] | None = None,
                 cap: tuple[float, float] | None = None, binding: dict[str, Any] | None = None,
-                digest: str = "", charge: Callable[[list[dict[str, Any]]], float] | None = None) -> str:
+                digest: str = "", charge: Callable[[list[dict[str, Any]]], float] | None = None,
+                rule: Rule | None = None) -> str:
         """Under the lock: try ``release`` on ``fedsyn_client.admission``'s rules (the total budget,
         this run's budget for its phase, the policy's cap for the phase, the run's terms, one release
         per round), then record it as reserved and let it confirm its run's hold. Returns the entry id.
@@ -276,32 +298,53 @@ class PrivacyLedger:
         ``digest``: the request's digest; a Gaussian reservation of this run, phase and round made
         for the same digest and terms by a process that died before confirming is taken over (its
         id returned, nothing charged again).
-        ``charge``: how the release is priced from this run's earlier entries (the ``pld`` rule,
-        ``common.calibration.pld_charge``); priced again under the lock, a price that changed
-        since ``release.epsilon`` was set (another release of the run came in between) is refused.
+        ``charge``: how the release is priced from the ledger's earlier entries (the ``pld`` rule,
+        ``common.calibration.pld_charge``); priced again under the lock, on what the ledger holds
+        then (``charged`` reads the price). ``rule``: the node's policy (accounting, delta) the
+        budget is checked by (``admission.check``); None: epsilons add up, deltas unchecked.
         Raises ``BudgetExceeded`` (nothing recorded) when it does not fit.
         """
         with self._locked() as data:
             if charge is not None:
-                now = charge(_run_entries(data, release.run_id, release.phase, release.round))
-                if abs(now - float(release.epsilon)) > admission.TOLERANCE:
-                    raise BudgetExceeded(refusals.BUDGET_BOUND, (
-                        f"{release.phase}: refused, this run's ledger changed while round {release.round} was priced "
-                        f"(epsilon {float(release.epsilon):.6g}, now {now:.6g}); ask again"))
+                release = replace(release, epsilon=charge(_entries_before(data, release.run_id, release.phase,
+                                                                          release.round)))
             orphan = next((r for r in data["releases"] if r["status"] == RESERVED and r["run_id"] == release.run_id
                            and r["phase"] == release.phase and int(r.get("round", 0)) == int(release.round)), None)
             if (orphan is not None and digest and release.mechanism == GAUSSIAN and cut_off(orphan, digest)
                     and _statement(orphan) == release.statement()):
                 orphan.update(claim=claim(digest), takeovers=int(orphan.get("takeovers", 0)) + 1)
                 return str(orphan["id"])
+            entry = {"id": uuid.uuid4().hex, "status": RESERVED, "time": time.time(), **release.statement(),
+                     "public": dict(release.public), **({"private": dict(release.private)} if release.private else {}),
+                     **({"claim": claim(digest)} if digest else {})}
             bound = admission.admit(data, release.phase, release.epsilon, release.run_id, release.round,
-                                    run_phase_budget, steps, cap, binding)
+                                    run_phase_budget, steps, cap, binding, rule,
+                                    {**entry, **({"binding": dict(binding)} if binding is not None else {})})
+            if binding is not None and bound is None:
+                entry["binding"] = dict(binding)
             holds.confirm(data, release.run_id, time.time())
-            entry_id = uuid.uuid4().hex
-            data["releases"].append({"id": entry_id, "status": RESERVED, "time": time.time(), **release.statement(),
-                                     "public": dict(release.public), **({"claim": claim(digest)} if digest else {}),
-                                     **({"binding": dict(binding)} if binding is not None and bound is None else {})})
-        return entry_id
+            if rule is not None:
+                data["policy"] = {"accounting": rule.accounting, "delta": rule.delta}
+            data["releases"].append(entry)
+        return str(entry["id"])
+
+    def note(self, entry_id: str, private: dict[str, Any], rule: Rule | None = None) -> None:
+        """Store the terms a reservation is composed by, learnt after it (a simulated node's DP-SGD
+        q, from its partition), before anything of the release is computed; under ``pld`` the
+        ledger's composition with them is checked against the budget again (a release reserved in
+        the meantime may have taken the room): ``BudgetExceeded`` if it no longer fits, and the
+        caller fails the reservation (it stays charged)."""
+        with self._locked() as data:
+            entry = _entry(data, entry_id)
+            entry["private"] = {**(entry.get("private") or {}), **private}
+            budget = float(data["budget"])
+            if rule is None or rule.accounting == admission.BASIC or not math.isfinite(budget):
+                return
+            after = ledger_epsilon(admission.counted(data["releases"]), rule.delta)
+            if after > budget + admission.TOLERANCE:
+                raise BudgetExceeded(refusals.BUDGET, (
+                    f"{entry['phase']}: refused after the reservation, every release of this node composed with its "
+                    f"terms at delta = {rule.delta:g} reaches epsilon = {after:.4g}, above its budget {budget:g}"))
 
     def confirm(self, entry_id: str, private: dict[str, Any] | None = None,
                 accountant: tuple[str, dict[str, Any]] | None = None) -> None:
@@ -312,7 +355,7 @@ class PrivacyLedger:
         """
         with self._locked() as data:
             entry = _entry(data, entry_id)
-            entry.update(status=CONFIRMED, private=dict(private or {}))
+            entry.update(status=CONFIRMED, private={**(entry.get("private") or {}), **(private or {})})
             if accountant is not None:
                 data["accountants"][accountant[0]] = accountant[1]
 
@@ -323,15 +366,19 @@ class PrivacyLedger:
 
     # ----------------------------------------------------------------- reading
     def summary(self) -> dict[str, Any]:
-        """Budget, spent (basic and PLD at the cumulative delta), delta spent, every entry."""
+        """Budget, spent (basic; and by PLD: at the policy's delta the node last released under,
+        ``epsilon_composed``, else at the cumulative delta), delta spent, every entry."""
         data = self._load()
         entries = admission.counted(data["releases"])
-        delta = float(sum(float(r["delta"]) for r in entries))
+        delta = admission.delta_spent(data["releases"])
         basic = admission.spent(data["releases"])
+        policy = data.get("policy") or {}
         return {
             "ledger": str(self.path), "budget": data["budget"], "epsilon_spent": basic,
             "epsilon_pld": composed_epsilon([{**r.get("public", {}), **(r.get("private", {}) if r["status"] == CONFIRMED
                                                                           else {}), **r} for r in entries]),
+            **({"policy": policy, "epsilon_composed": ledger_epsilon(entries, float(policy["delta"]))}
+               if policy.get("delta") else {}),
             "delta_spent": delta, "epsilon_remaining": admission.remaining(data), "epsilon_held": admission.held(data),
             "holds": data.get("holds", {}),
             "budget_changes": data["budget_changes"], "resets": data["resets"], "data": data["data"],
@@ -408,6 +455,13 @@ def set_budget(state_dir: str | Path, budget: float, reason: str, ledger_id: str
 def _run_entries(data: dict[str, Any], run_id: str, phase: str, rnd: int) -> list[dict[str, Any]]:
     return [r for r in admission.counted(data["releases"]) if r["run_id"] == run_id
             and not (r["phase"] == phase and int(r.get("round", 0)) == int(rnd))]
+
+
+def _entries_before(data: dict[str, Any], run_id: str, phase: str, rnd: int) -> list[dict[str, Any]]:
+    entries = admission.counted(data["releases"])
+    at = next((i for i, r in enumerate(entries) if r["run_id"] == run_id and r["phase"] == phase
+               and int(r.get("round", 0)) == int(rnd)), len(entries))
+    return entries[:at]
 
 
 def _entry(data: dict[str, Any], entry_id: str) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -37,10 +37,11 @@ from flwr.app import ConfigRecord, Context, Message
 
 from common import records as R
 from common.config import ConfigError, RunConfig
-from common.calibration import BASIC, Planned, pld_charge, pld_noise, release_base, rounds_of
+from common.calibration import BASIC, Planned, basic_delta, pld_charge, pld_noise, release_base, rounds_of
 from common.dp import GAUSSIAN, MARGINALS, PHASES, analytic_gaussian_sigma, gaussian_release
 from common.logs import get_logger
 from common.rows import canonical
+from fedsyn_client.admission import Rule
 from fedsyn_client.ledger import Release
 from fedsyn_client.node import Node
 from fedsyn_client.policy import Ask, NodePolicy
@@ -67,6 +68,10 @@ class Request:
     needs: dict[str, float] = field(default_factory=dict)  # TIER: this run's epsilon per planned phase
     cap: tuple[float, float] | None = None  # the policy's cap for the phase and its window (days)
     accounting: str = BASIC  # the node's rule (policy accounting): how the release is priced and noised
+    # the node's budget (policy epsilon, delta), set by ``release``: under pld every release is
+    # composed at this delta, under basic a release's delta is its split of it (``under_policy``)
+    policy_epsilon: float = math.inf
+    policy_delta: float = 0.0
 
 
 def run_key(msg: Message, context: Context) -> str:
@@ -208,6 +213,13 @@ class Mechanism(ABC):
         it again under its lock), or None when ``cost`` prices it."""
         return None
 
+    def terms(self, request: Request, reserved: bool) -> dict[str, Any]:
+        """The private terms the ledger composes this release by, where ``public`` does not hold
+        them (DP-SGD's noise multiplier and q): before the reservation (``reserved`` False) what
+        needs no record, stored with it; after it, what does (read before anything is computed).
+        {} by default (a Gaussian's sigma is public)."""
+        return {}
+
     @abstractmethod
     def release(self, request: Request) -> Output:
         """Compute on the records and noise the result (called after the reservation)."""
@@ -246,18 +258,25 @@ class GaussianHistogram(Mechanism):
         return {**bound, "accounting": request.accounting, "noise_multiplier": self.noise_multiplier}
 
     def calibrate(self, request: Request, before: list[dict[str, Any]]) -> None:
-        """Under pld, the phase's T = 1 / epsilon-share rounds share one sigma, solved so that
-        they and the run's earlier releases (its DP-SGD phase included, at its public q) compose
-        to the earlier ones' epsilon plus the phase's (epsilon, delta): exact composition instead
-        of epsilon / T per round and of a vote priced apart from the DP-SGD before it."""
+        """Under pld, the phase's T = 1 / epsilon-share rounds share one sigma, solved at its first
+        round so that they and every earlier release of the node (other runs' too, a DP-SGD phase
+        at its q) compose at the policy's delta to the earlier ones' epsilon plus the phase's:
+        exact composition instead of epsilon / T per round, and never at a delta that grows with
+        the releases (issue 60). Later rounds keep the multiplier the first one bound."""
         if request.accounting == BASIC or not math.isfinite(request.epsilon):
             return  # no DP: no noise, priced inf as under basic
+        mine = [e for e in before if e["run_id"] == request.run_id and e["phase"] == request.phase]
+        bound = next((e["binding"] for e in mine if (e.get("binding") or {}).get("noise_multiplier")), None)
+        if bound is not None:  # other runs' releases since round 1 do not move the phase's noise
+            self.noise_multiplier = float(bound["noise_multiplier"])
+            return
         rounds = rounds_of(request.epsilon / request.phase_budget) if request.phase_budget > 0 else 1
-        earlier = release_base([e for e in before if e["phase"] != request.phase])
+        earlier = release_base([e for e in before if not (e["run_id"] == request.run_id
+                                                          and e["phase"] == request.phase)])
         # solved at sensitivity 1: the composition depends on sigma / sensitivity alone, so every
         # round of the phase gets the same multiplier whatever its vector's sensitivity
         phase = Planned(request.phase, GAUSSIAN, request.epsilon * rounds, request.delta * rounds, 1.0, rounds=rounds)
-        self.noise_multiplier = pld_noise(earlier, phase)
+        self.noise_multiplier = pld_noise(earlier, phase, request.policy_delta)
 
     @property
     def sigma(self) -> float | None:
@@ -270,15 +289,19 @@ class GaussianHistogram(Mechanism):
             return None
         if self.sigma == 0:
             return float("inf")
-        return pld_charge(release_base(before), self.sigma, self.sensitivity, request.delta)
+        return pld_charge(release_base(before), self.sigma, self.sensitivity, request.policy_delta, request.delta)
 
     def public(self, request: Request) -> dict[str, Any]:  # noqa: D102
-        basic = analytic_gaussian_sigma(request.epsilon, request.delta, self.sensitivity)
-        if self.sigma is None:
+        if self.sigma is None:  # basic: ``release`` has split delta already
+            basic = analytic_gaussian_sigma(request.epsilon, request.delta, self.sensitivity)
             return {"histogram": self.histogram, "sensitivity": self.sensitivity, "sigma": basic}
-        # the report shows each release's sigma under both rules (issue 47): both are public
+        # the report shows each release's sigma under both rules (issue 47): both are public, and
+        # so is the delta the node composes at (its policy's, issue 60)
+        split = basic_delta(request.delta, request.epsilon, request.policy_epsilon, request.policy_delta)
         return {"histogram": self.histogram, "sensitivity": self.sensitivity, "sigma": self.sigma,
-                "accounting": request.accounting, "sigma_basic": basic}
+                "accounting": request.accounting,
+                "sigma_basic": analytic_gaussian_sigma(request.epsilon, split, self.sensitivity),
+                "composed_delta": request.policy_delta}
 
     def release(self, request: Request) -> Output:  # noqa: D102
         sigma = self.public(request)["sigma"]
@@ -295,19 +318,29 @@ def release(node: Node, request: Request, mechanism: Mechanism) -> tuple[Any, Co
         log.info("%s round %d of run %s was released before: replaying the same reply (no privacy cost)",
                  request.phase, request.round, request.run_id)
         return stored[0], ConfigRecord(stored[1])
+    request = under_policy(request, node.policy.epsilon, node.policy.delta)
     mechanism.check(request)
     epsilon, delta = mechanism.cost(request)
-    priced = None
-    if request.accounting != BASIC:  # the run's earlier releases price this one (public values), again under the lock
-        before = node.ledger.run_entries(request.run_id, request.phase, request.round)
+    priced, early = None, {}
+    if request.accounting != BASIC:  # the ledger's earlier releases price it (public values), again under the lock
+        before = node.ledger.entries_before(request.run_id, request.phase, request.round)
         mechanism.calibrate(request, before)
         priced = mechanism.charge(request, before)
+        early = mechanism.terms(request, reserved=False)
     rel = Release(phase=request.phase, mechanism=mechanism.name, epsilon=epsilon if priced is None else priced,
-                  delta=delta, run_id=request.run_id, round=request.round, public=mechanism.public(request))
+                  delta=delta, run_id=request.run_id, round=request.round, public=mechanism.public(request),
+                  private=early)
+    rule = Rule(request.accounting, request.policy_delta)
     entry = node.ledger.reserve(rel, request.phase_budget, steps=mechanism.steps(request), cap=request.cap,
                                 binding=mechanism.binding(request), digest=request.digest,
-                                charge=None if priced is None else (lambda entries: mechanism.charge(request, entries)))
+                                charge=None if priced is None else (lambda entries: mechanism.charge(request, entries)),
+                                rule=rule)
+    if priced is not None:
+        rel = replace(rel, epsilon=node.ledger.charged(entry))
     try:
+        late = mechanism.terms(request, reserved=True) if request.accounting != BASIC and not early else {}
+        if late:  # composed before anything is computed: a budget this no longer fits fails the round
+            node.ledger.note(entry, late, rule)
         out = mechanism.release(request)
         if not _finite(out.payload):  # never computed from a non-finite value, never released as one
             raise FloatingPointError("the noised release is not finite")
@@ -321,6 +354,16 @@ def release(node: Node, request: Request, mechanism: Mechanism) -> tuple[Any, Co
     statement = statement_record(node, rel)
     node.replies.put(request.run_id, request.phase, request.round, request.digest, out.payload, dict(statement))
     return out.payload, statement
+
+
+def under_policy(request: Request, epsilon: float, delta: float) -> Request:
+    """``request`` under the node's budget (``epsilon``, ``delta``, its policy's): under basic its
+    delta becomes its declared split of the policy's (``common.calibration.basic_delta``), so the
+    deltas of the node's releases add up within it as their epsilons do; under pld the request's
+    delta stays what it asked (stated), and every release is composed at the policy's."""
+    split = (request.delta if request.accounting != BASIC
+             else basic_delta(request.delta, request.epsilon, epsilon, delta))
+    return replace(request, delta=split, policy_epsilon=float(epsilon), policy_delta=float(delta))
 
 
 class ReleaseFailed(RuntimeError):

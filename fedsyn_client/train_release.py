@@ -77,7 +77,9 @@ class DpSgdRound(Mechanism):
         # the ledger never lets the run take more.
         self.phase_reserved = phase_reserved
         self.model = self.tokenizer = None
-        self.base: Base = ()  # under pld: the run's earlier releases the phase's noise is solved on
+        self.base: Base = ()  # under pld: the ledger's earlier releases the phase's noise is solved on
+        self._view: TextData | None = None
+        self._fixed: tuple[float, float, float] | None = None
 
     def binding(self, request: Request) -> dict[str, Any]:  # noqa: D102
         cfg = self.cfg
@@ -93,11 +95,34 @@ class DpSgdRound(Mechanism):
 
     def calibrate(self, request: Request, before: list[dict[str, Any]]) -> None:
         """Under pld, the phase's noise multiplier is solved (at the first round, on the node: it
-        depends on q) so that the run's earlier releases and all R x tau steps compose to the
-        earlier ones' epsilon plus epsilon_train; later rounds keep the first round's base."""
+        depends on q) so that every earlier release of the node (other runs' too) and all R x tau
+        steps compose at the policy's delta to the earlier ones' epsilon plus epsilon_train; later
+        rounds keep the first round's base."""
         stored = self.state.get("pld_base")
         self.base = (tuple(tuple(b) for b in stored) if stored is not None
-                     else release_base([e for e in before if e["phase"] != request.phase]))
+                     else release_base([e for e in before if not (e["run_id"] == request.run_id
+                                                                  and e["phase"] == request.phase)]))
+
+    def terms(self, request: Request, reserved: bool) -> dict[str, Any]:
+        """Under pld, the phase's noise multiplier and q, which the ledger composes it by: before
+        the reservation where q needs no record (a deployed node's public bound, or a later round's
+        stored q), after it on a simulated node (q from its partition, the server's choice)."""
+        if request.accounting == BASIC or not self.cfg.private:
+            return {}
+        if self.bound or self.state.get("sample_rate") or self.state.get("history"):
+            size = self.bound or 0  # q is the bound's, or the first round's stored: no record is read
+        elif reserved:
+            size = len(self._records())
+        else:
+            return {}
+        q, nm, _ = self._fixed_terms(request, size)
+        return {"noise_multiplier": nm, "sample_rate": q}
+
+    def _records(self) -> TextData:
+        """The node's records for this round, read once (only after the reservation)."""
+        if self._view is None:
+            self._view = self.records()
+        return self._view
 
     def check(self, request: Request) -> None:
         """Public checks, before the reservation: epsilon_train reachable in R x tau steps at any
@@ -140,7 +165,8 @@ class DpSgdRound(Mechanism):
     def public(self, request: Request) -> dict[str, Any]:  # noqa: D102
         return {"steps": self.cfg.local_steps, "max_grad_norm": self.cfg.max_grad_norm,
                 "covers": f"phase 1: {self.cfg.num_server_rounds} rounds x {self.cfg.local_steps} steps",
-                **({"accounting": request.accounting} if request.accounting != BASIC else {})}
+                **({"accounting": request.accounting, "composed_delta": request.policy_delta}
+                   if request.accounting != BASIC else {})}
 
     def steps(self, request: Request) -> tuple[int, int]:  # noqa: D102
         return self.cfg.local_steps, self.total_steps
@@ -150,7 +176,7 @@ class DpSgdRound(Mechanism):
 
         cfg = self.cfg
         history = [list(h) for h in self.state.get("history", [])]
-        records = self.records()
+        records = self._records()
         bound = self.bound or len(records)
         q, nm, delta = self._fixed_terms(request, bound)
         pld = request.accounting != BASIC
@@ -190,7 +216,13 @@ class DpSgdRound(Mechanism):
         return Output(result.state, private=private, accountant=(accountant_key(request.run_id), state))
 
     def _fixed_terms(self, request: Request, num_records: int) -> tuple[float, float, float]:
-        """(q, noise multiplier, delta): the first round's, stored with the accountant, for every round."""
+        """(q, noise multiplier, delta): the first round's, stored with the accountant, for every
+        round. The delta is the phase's under basic, the policy's under pld (what it composes at)."""
+        if self._fixed is None:
+            self._fixed = self._solve_terms(request, num_records)
+        return self._fixed
+
+    def _solve_terms(self, request: Request, num_records: int) -> tuple[float, float, float]:
         stored = self.state
         history = stored.get("history") or []
         if stored.get("sample_rate"):
@@ -199,13 +231,14 @@ class DpSgdRound(Mechanism):
             q = float(history[0][1])
         else:  # the first round: from the public bound (a deployed node's max-records)
             q = poisson_sample_rate(self.cfg.batch_size, num_records)
-        delta = float(stored.get("delta", request.delta))
+        pld = request.accounting != BASIC
+        delta = float(stored.get("delta", request.policy_delta if pld else request.delta))
         if not self.cfg.private:
             return q, 0.0, delta
         nm = stored.get("noise_multiplier")
-        if not nm and request.accounting != BASIC:
+        if not nm and pld:
             nm = pld_noise(self.base, Planned(TRAIN, DPSGD, request.phase_budget, delta, sample_rate=q,
-                                              steps=self.total_steps))
+                                              steps=self.total_steps), delta)
         return q, float(nm or _calibrate(request.phase_budget, delta, q, self.total_steps)), delta
 
 

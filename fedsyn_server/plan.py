@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from common.config import ConfigError, RunConfig
-from common.calibration import Planned, calibrate
+from common.calibration import PLD, Planned, basic_delta, calibrate
 from common.dp import DPSGD, GAUSSIAN, MARGINALS, PROFILE, STRONG, TRAIN, VOTE, analytic_gaussian_sigma, dpsgd_noise_multiplier
 
 if TYPE_CHECKING:
@@ -163,7 +163,8 @@ def deployment_lines(cfg: RunConfig, answered: dict[int, str], result: FedSynRes
         lines.append(f"node {nid} ({tier}, epsilon budget {result.budgets.get(nid, float('nan')):g}"
                      + (f", max-records {bound}: every release does the work of {bound} records" if bound else "")
                      + "):")
-        lines += ["  " + line for line in _phase_lines(cfg, tier, bound, delta, _speeds() if bound else {})]
+        lines += ["  " + line for line in _phase_lines(cfg, tier, bound, delta, _speeds() if bound else {},
+                                                        result.budgets.get(nid))]
     lines += [f"node {f['node_id']} cannot take part: {f['reason']}" for f in result.failures
               if f["phase"] == "tiers" and f["node_id"] not in answered]
     if cfg.writes_text:
@@ -189,12 +190,19 @@ def writers_line(cfg: RunConfig, tiers: list[str]) -> str:
     return f"writers: {why} [{who}]"
 
 
-def _phase_lines(cfg: RunConfig, tier: str, records: int | None, delta: float, speed: dict[str, Any]) -> list[str]:
+def _phase_lines(cfg: RunConfig, tier: str, records: int | None, delta: float, speed: dict[str, Any],
+                 budget: float | None = None) -> list[str]:
     from strategies.refinement import planned_votes
 
     # the phases a node of this tier releases, in the node's order (a table's marginals, the
     # profile, DP-SGD, the votes: strategies.fedsyn asks the profile first), as the node prices
-    # each under accounting = pld
+    # each under accounting = pld: all composed at the node's delta (taken to be the run's:
+    # in simulation it is); under basic each at its split of it (``basic_delta``, issue 60)
+    budget = cfg.epsilon if budget is None or not math.isfinite(budget) else float(budget)
+
+    def split(epsilon: float) -> float:
+        return basic_delta(delta, epsilon, budget, delta)
+
     eps_profile, eps_train, eps_vote = (cfg.phase_epsilon(tier, p) for p in (PROFILE, TRAIN, VOTE))
     steps = cfg.num_server_rounds * cfg.local_steps
     q = min(1.0, cfg.batch_size / records) if records else 0.0
@@ -207,21 +215,22 @@ def _phase_lines(cfg: RunConfig, tier: str, records: int | None, delta: float, s
         else None,
         Planned(VOTE, GAUSSIAN, eps_vote, delta, terms[1], rounds=terms[0]) if eps_vote and terms is not None else None,
     ]
-    pld = pld_noises([p for p in planned if p is not None])
+    pld = pld_noises([p for p in planned if p is not None], delta)
 
-    lines = _marginal_lines(cfg, delta, pld[MARGINALS]) if cfg.marginals else []
+    lines = (_marginal_lines(cfg, split(cfg.phase_epsilon(STRONG, MARGINALS)), pld[MARGINALS]) if cfg.marginals
+             else [])
     if not cfg.writes_text:
         return lines
     if eps_profile:  # a table's free text has none: its sampled rows allocate the texts
         lines.append(f"profile: epsilon {eps_profile:g}, delta {delta:g}, Gaussian sigma "
-                     f"{analytic_gaussian_sigma(eps_profile, delta, 1.0):.3g} (sensitivity 1; basic; "
+                     f"{analytic_gaussian_sigma(eps_profile, split(eps_profile), 1.0):.3g} (sensitivity 1; basic; "
                      f"{pld[PROFILE]:.3g} under accounting = pld)")
     if eps_train and cfg.trains and records is None:
         lines.append(f"train: epsilon {eps_train:g}, delta {delta:g} (or the node's cap), {steps} DP-SGD steps of "
                      f"batch {cfg.batch_size}, C = {cfg.max_grad_norm:g}; the noise multiplier is set on the node "
                      "from q = B / max-records (its public bound; its record count is never sent)")
     elif eps_train and cfg.trains:
-        nm = dpsgd_noise_multiplier(eps_train, delta, q, steps)
+        nm = dpsgd_noise_multiplier(eps_train, split(eps_train), q, steps)
         tokens = steps * cfg.batch_size * cfg.max_length * (2 if cfg.contrastive_weight > 0 else 1)  # pairs: two rows
         rate = speed.get(f"train_{cfg.finetune}_dp_tokens_per_s")
         lines.append(f"train: epsilon {eps_train:g}, delta {delta:g}, DP-SGD noise multiplier {nm:.3g} "
@@ -233,7 +242,7 @@ def _phase_lines(cfg: RunConfig, tier: str, records: int | None, delta: float, s
         rate = speed.get("embedding_vote_window_texts_per_s") or speed.get("embedding_texts_per_s")
         after_unknown_q = bool(eps_train and cfg.trains and records is None)  # composed with DP-SGD on the node
         lines.append(f"vote: epsilon {eps_vote:g} in {rounds} round(s), delta {delta:g}, Gaussian sigma "
-                     f"{analytic_gaussian_sigma(eps_vote / rounds, delta / rounds, sens):.3g} per round (sensitivity "
+                     f"{analytic_gaussian_sigma(eps_vote / rounds, split(eps_vote) / rounds, sens):.3g} per round (sensitivity "
                      f"{formula} = {sens:.3g}; basic; {'at most ' if after_unknown_q else ''}{pld[VOTE]:.3g} under "
                      "accounting = pld" + (", less composed with DP-SGD at the node's q" if after_unknown_q else "") + ")"
                      + (f"; embedding {records} rows, about {records / rate:.0f} s" if rate and records else ""))
@@ -242,17 +251,19 @@ def _phase_lines(cfg: RunConfig, tier: str, records: int | None, delta: float, s
     return lines
 
 
-def pld_noises(planned: list[Planned]) -> dict[str, float]:
+def pld_noises(planned: list[Planned], delta: float | None = None) -> dict[str, float]:
     """Each planned phase's noise (sigma, or DP-SGD's noise multiplier) under accounting = pld, by
-    the nodes' own rule (``common.calibration.calibrate``: a phase composes with every release of
-    the run before it). A DP-SGD phase whose sampling rate is unknown here (a deployment: the plan
-    does not know a node's max-records) is left out; the phases after it are an upper bound."""
-    return {p.phase: n for p, n in zip(planned, calibrate(planned)) if not math.isnan(n)}
+    the nodes' own rule (``common.calibration.calibrate``: a phase composes with every release
+    before it, at the node's ``delta``; None: the phases' own). A DP-SGD phase whose sampling rate
+    is unknown here (a deployment: the plan does not know a node's max-records) is left out; the
+    phases after it are an upper bound."""
+    return {p.phase: n for p, n in zip(planned, calibrate(planned, PLD, delta)) if not math.isnan(n)}
 
 
 def _marginal_lines(cfg: RunConfig, delta: float, z: float) -> list[str]:
-    """A marginals run's phase: per round, how many marginals, their sensitivity and sigma (``z``:
-    the pld noise multiplier, sigma / sensitivity, every round's)."""
+    """A marginals run's phase: per round, how many marginals, their sensitivity and sigma (under
+    basic at ``delta``, the phase's; ``z``: the pld noise multiplier, sigma / sensitivity, every
+    round's)."""
     from strategies.marginals import planned_marginals
 
     rounds, total = cfg.marginal_rounds, cfg.phase_epsilon(STRONG, MARGINALS)  # every tier's is the same

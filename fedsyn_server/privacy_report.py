@@ -29,7 +29,10 @@ def privacy_report(cfg: RunConfig, res: FedSynResult) -> dict[str, Any]:
     stated epsilons (as the paper), delta sums the stated deltas. The PLD total composes
     the Gaussian releases (their sigma and sensitivity are data-independent) with a PLD
     accountant and adds DP-SGD's stated epsilon by basic composition: a node never tells
-    the server DP-SGD's sampling rate, which would reveal its record count.
+    the server DP-SGD's sampling rate, which would reveal its record count. A ``pld`` node
+    states the delta it composes every release at (its policy's, ``composed_delta``): the PLD
+    total is read there, and is never above the node's charges, which add up to its own
+    composition at that delta (issue 60).
     """
     nodes = []
     ids = sorted(set(res.tiers) | set(res.releases) | set(res.ledgers))
@@ -41,6 +44,8 @@ def privacy_report(cfg: RunConfig, res: FedSynResult) -> dict[str, Any]:
             statements += unknown_releases(cfg, res.tiers.get(nid, ""), statements, failures)
         basic = float(sum(float(r["epsilon"]) for r in statements))
         total_delta = float(sum(float(r["delta"]) for r in statements))
+        # a pld node composes every release at its policy's delta and states it (issue 60)
+        at = max((float(r.get("composed_delta") or 0.0) for r in statements), default=0.0) or None
         last = res.releases.get(nid, [{}])[-1]
         budget = (book or {}).get("epsilon-budget", res.budgets.get(nid, last.get("epsilon-budget", math.nan)))
         nodes.append({
@@ -51,8 +56,8 @@ def privacy_report(cfg: RunConfig, res: FedSynResult) -> dict[str, Any]:
             "epsilon_budget": float(budget),
             "epsilon_spent": basic,
             "epsilon_spent_all_runs": float((book or {}).get("epsilon-spent", last.get("epsilon-spent", basic))),
-            "delta": total_delta,
-            "epsilon_basic_composition": basic, "epsilon_pld": composed_epsilon(statements),
+            "delta": total_delta, "composed_delta": at,
+            "epsilon_basic_composition": basic, "epsilon_pld": composed_epsilon(statements, at),
             "releases": statements,
             "failures": failures,
         })

@@ -1,7 +1,9 @@
 """Issue 47's calibration (common.calibration) against dp_accounting, composed here by hand.
 
 Each expected value is computed in the test with dp_accounting's own PLD accountant and events,
-not through the project's composition helpers, so a mistake in those cannot hide here.
+not through the project's composition helpers, so a mistake in those cannot hide here. Since
+issue 60 every composition is read at the node's policy delta (``DELTA``), never at the sum of the
+phases' deltas.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ ALL_VOTERS = [PROFILE, Planned("train", DPSGD, 3.0, DELTA, sample_rate=32 / 1000
               Planned("vote", GAUSSIAN, 3.0, DELTA, sensitivity=math.sqrt(8))]
 
 
-def independent_epsilon(plan: list[Planned], noises: list[float]) -> float:
-    """The plan's PLD epsilon at the sum of its deltas, built from dp_accounting alone (its
+def independent_epsilon(plan: list[Planned], noises: list[float], delta: float = DELTA) -> float:
+    """The plan's PLD epsilon at the policy's ``delta``, built from dp_accounting alone (its
     default discretisation, finer than the project's)."""
     acc = pld_privacy_accountant.PLDAccountant()
     for phase, noise in zip(plan, noises):
@@ -34,7 +36,7 @@ def independent_epsilon(plan: list[Planned], noises: list[float]) -> float:
             acc.compose(dp_event.SelfComposedDpEvent(step, phase.steps))
         else:
             acc.compose(dp_event.GaussianDpEvent(noise / phase.sensitivity), phase.rounds)
-    return acc.get_epsilon(sum(p.delta for p in plan))
+    return acc.get_epsilon(delta)
 
 
 @pytest.mark.parametrize("plan", [WEAK, STRONG, PE, ALL_VOTERS], ids=["weak", "strong", "pe-3-rounds", "voters-all"])
@@ -47,7 +49,7 @@ def test_the_pld_rule_spends_between_97_and_100_percent_of_the_budget(plan):
 
 def test_a_strong_voters_sigma_composes_with_its_dpsgd():
     # the issue's default split with voters = "all": priced apart from DP-SGD, the vote's sigma
-    # was 3.93 and the node's ledger composed to 5.5 of 8
+    # was 3.93 and the node's ledger composed to 5.5 of 8 (at 3 delta; 4.0 at the policy's)
     pld, basic = calibrate(ALL_VOTERS, PLD), calibrate(ALL_VOTERS, BASIC)
     assert basic[2] == pytest.approx(3.93, abs=0.01)
     assert pld[2] < 0.5 * basic[2]
@@ -57,26 +59,35 @@ def test_a_strong_voters_sigma_composes_with_its_dpsgd():
 def test_charges_add_up_to_the_runs_pld_composition_and_a_dpsgd_phase_composes_by_its_terms():
     from common.calibration import base_epsilon, pld_charge, release_base
 
-    train = [{"mechanism": DPSGD, "phase": "train", "public": {"steps": 3}, "delta": DELTA, "round": 1,
-              "binding": {"rounds": 2, "local_steps": 3}},
-             {"mechanism": DPSGD, "phase": "train", "public": {"steps": 3}, "delta": 0.0, "round": 2,
-              "private": {"noise_multiplier": 0.6, "sample_rate": 0.032, "steps": 3}}]
-    entries = [{"mechanism": GAUSSIAN, "phase": "profile", "public": {"sigma": 2.0, "sensitivity": 1.0}, "delta": DELTA},
+    from common.calibration import OPAQUE
+
+    train = [{"mechanism": DPSGD, "phase": "train", "public": {"steps": 3}, "delta": DELTA, "round": 1, "epsilon": 3.0,
+              "status": "confirmed", "binding": {"rounds": 2, "local_steps": 3}},
+             {"mechanism": DPSGD, "phase": "train", "public": {"steps": 3}, "delta": 0.0, "round": 2, "epsilon": 0.0,
+              "status": "confirmed", "private": {"noise_multiplier": 0.6, "sample_rate": 0.032, "steps": 3}}]
+    entries = [{"mechanism": GAUSSIAN, "phase": "profile", "public": {"sigma": 2.0, "sensitivity": 1.0}, "delta": DELTA,
+                "epsilon": 2.0},
                *train,
-               {"mechanism": GAUSSIAN, "phase": "vote", "public": {"sigma": 3.0, "sensitivity": 2.0}, "delta": DELTA},
-               {"mechanism": GAUSSIAN, "phase": "vote", "public": {"sigma": 0.0, "sensitivity": 2.0}, "delta": DELTA}]
+               {"mechanism": GAUSSIAN, "phase": "vote", "public": {"sigma": 3.0, "sensitivity": 2.0}, "delta": DELTA,
+                "epsilon": 1.0},
+               {"mechanism": GAUSSIAN, "phase": "vote", "public": {"sigma": 0.0, "sensitivity": 2.0}, "delta": DELTA,
+                "epsilon": math.inf}]
     # the whole phase (R x tau steps at round 1's delta) from any confirmed round's terms; a sigma of
-    # 0 (no DP) is not an event
-    assert release_base(entries) == ((2.0, 1.0, DELTA), (DPSGD, 0.6, 0.032, 6, DELTA), (3.0, 2.0, DELTA))
+    # 0 (no DP) is a release at epsilon inf
+    assert release_base(entries) == ((2.0, 1.0, DELTA), (DPSGD, 0.6, 0.032, 6, DELTA), (3.0, 2.0, DELTA),
+                                     (OPAQUE, math.inf, 0.0))
     acc = pld_privacy_accountant.PLDAccountant()
     acc.compose(dp_event.GaussianDpEvent(2.0))
     acc.compose(dp_event.SelfComposedDpEvent(dp_event.PoissonSampledDpEvent(0.032, dp_event.GaussianDpEvent(0.6)), 6))
     acc.compose(dp_event.GaussianDpEvent(1.5))
-    assert base_epsilon(release_base(entries)) == pytest.approx(acc.get_epsilon(3 * DELTA), abs=1e-3)
-    # no round confirmed: its terms are unknown, so what follows is priced on its own
-    unconfirmed = [entries[0], {**train[0]}, *entries[3:]]
-    assert release_base(unconfirmed) == ((3.0, 2.0, DELTA),)
-    assert release_base(entries[:1]) == ((2.0, 1.0, DELTA),)
+    # composed at the policy's delta, however many releases asked for theirs (issue 60)
+    assert base_epsilon(release_base(entries[:4]), DELTA) == pytest.approx(acc.get_epsilon(DELTA), abs=1e-3)
+    assert base_epsilon(release_base(entries), DELTA) == math.inf
+    # a phase none of whose rounds released (no noise multiplier stored): counted by its charge, at
+    # no delta (nothing of it left the node); released but without terms: by its (epsilon, delta)
+    unconfirmed = [entries[0], {**train[0], "status": "failed"}, entries[3]]
+    assert release_base(unconfirmed) == ((2.0, 1.0, DELTA), (OPAQUE, 3.0, 0.0), (3.0, 2.0, DELTA))
+    assert release_base([{**train[0]}]) == ((OPAQUE, 3.0, DELTA),)
     base, charges = (), []
     for sigma, sensitivity in [(2.0, 1.0), (3.0, 2.0), (3.0, 2.0)]:
         charges.append(pld_charge(base, sigma, sensitivity, DELTA))
@@ -84,7 +95,7 @@ def test_charges_add_up_to_the_runs_pld_composition_and_a_dpsgd_phase_composes_b
     acc = pld_privacy_accountant.PLDAccountant()
     for event in (dp_event.GaussianDpEvent(2.0), dp_event.GaussianDpEvent(1.5), dp_event.GaussianDpEvent(1.5)):
         acc.compose(event)
-    assert sum(charges) == pytest.approx(acc.get_epsilon(3 * DELTA), abs=1e-2)
+    assert sum(charges) == pytest.approx(acc.get_epsilon(DELTA), abs=1e-2)
     assert charges[1] > charges[2] > 0  # the same release costs less the more came before it
 
 
@@ -102,10 +113,11 @@ def test_the_basic_rule_is_todays_calibration_and_the_issues_figures():
 
     basic = calibrate(WEAK, BASIC)
     assert basic[1] == pytest.approx(math.sqrt(8) * get_sigma_gaussian(6.0, DELTA), rel=1e-9)
-    assert basic[1] / math.sqrt(8) == pytest.approx(0.764, abs=1e-3)  # issue 47: 0.764 -> 0.610
-    assert calibrate(WEAK, PLD)[1] / math.sqrt(8) == pytest.approx(0.610, abs=2e-3)
+    # issue 47: 0.764 -> 0.610 composed at 2 delta; 0.629 at the policy's (issue 60)
+    assert basic[1] / math.sqrt(8) == pytest.approx(0.764, abs=1e-3)
+    assert calibrate(WEAK, PLD)[1] / math.sqrt(8) == pytest.approx(0.629, abs=2e-3)
     assert calibrate(STRONG, BASIC)[1] == pytest.approx(0.5617, abs=2e-3)  # Opacus' RDP, as phase 1 today
-    assert independent_epsilon(WEAK, basic) == pytest.approx(6.28, abs=0.01)  # 8 charged, 6.28 spent
+    assert independent_epsilon(WEAK, basic, 2 * DELTA) == pytest.approx(6.28, abs=0.01)  # 8 charged, 6.28 spent
 
 
 def test_a_plan_without_dp_has_no_noise_and_an_unknown_rule_is_refused():

@@ -2,7 +2,8 @@
 privacy-loss distribution, and the noise is solved so that the run spends its budget by it.
 
 Every composition here is recomputed with ``dp_accounting`` directly from the ledger's entries,
-not through the project's code (``common.calibration``)."""
+not through the project's code (``common.calibration``), at the node's policy delta (issue 60:
+never at the sum of the releases' deltas)."""
 
 from __future__ import annotations
 
@@ -71,12 +72,14 @@ def test_a_weak_nodes_vote_rounds_spend_its_budget_by_pld_and_a_round_more_is_re
     assert profile["public"]["sigma"] == pytest.approx(analytic_gaussian_sigma(EPS_PROFILE, DELTA, 1.0), rel=1e-3)
     sigma = votes[0]["public"]["sigma"]
     assert {v["public"]["sigma"] for v in votes} == {sigma}  # one sigma for the phase's rounds
-    basic = analytic_gaussian_sigma((BUDGET - EPS_PROFILE) / 3, DELTA / 3, 1.0)
+    # basic: epsilon / 3 per round at its split of the policy's delta (issue 60: a third of a third)
+    basic = analytic_gaussian_sigma((BUDGET - EPS_PROFILE) / 3, DELTA * (BUDGET - EPS_PROFILE) / 3 / BUDGET, 1.0)
     assert sigma < 0.9 * basic  # less noise for the same budget
-    # each statement says its rule and its sigma under the other one (both public)
-    assert {(v["public"]["accounting"], v["public"]["sigma_basic"]) for v in votes} == {("pld", basic)}
+    # each statement says its rule, its sigma under the other one and the delta it composes at (public)
+    assert {(v["public"]["accounting"], v["public"]["composed_delta"]) for v in votes} == {("pld", DELTA)}
+    assert [v["public"]["sigma_basic"] for v in votes] == pytest.approx([basic] * 3, rel=1e-12)
     composed = _pld([dp_event.GaussianDpEvent(profile["public"]["sigma"])]
-                    + [dp_event.GaussianDpEvent(sigma)] * 3, sum(r["delta"] for r in entries))
+                    + [dp_event.GaussianDpEvent(sigma)] * 3, DELTA)
     charged = sum(r["epsilon"] for r in entries)
     assert 0.97 * BUDGET <= composed <= BUDGET + 1e-3 and charged == pytest.approx(composed, abs=1e-2)
     assert charged <= BUDGET + 1e-6
@@ -105,7 +108,7 @@ def test_a_strong_nodes_dpsgd_noise_is_solved_with_its_profile_by_pld(data, tmp_
     assert nm < dpsgd_noise_multiplier(BUDGET - EPS_PROFILE, DELTA, q, steps)  # Opacus' RDP, the basic rule
     step = dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(nm))
     composed = _pld([dp_event.GaussianDpEvent(profile["public"]["sigma"]), dp_event.SelfComposedDpEvent(step, steps)],
-                    2 * DELTA)
+                    DELTA)
     assert 0.97 * BUDGET <= composed <= BUDGET + 1e-3
 
 
@@ -119,8 +122,10 @@ def test_pld_is_the_default_basic_can_be_pinned_and_a_misspelt_rule_stops_the_no
     assert not _profile(node).has_error() and not _vote(node, 1, 0.5).has_error()
     entries = _entries(tmp_path / "s")
     assert [r["epsilon"] for r in entries] == pytest.approx([EPS_PROFILE, (BUDGET - EPS_PROFILE) / 2])
+    # basic adds deltas too (issue 60): each release's is its part of the node's epsilon, of the policy's
+    assert [r["delta"] for r in entries] == pytest.approx([DELTA * EPS_PROFILE / BUDGET, DELTA / 6])
     assert math.isclose(entries[1]["public"]["sigma"],
-                        analytic_gaussian_sigma((BUDGET - EPS_PROFILE) / 2, DELTA / 2, 1.0))
+                        analytic_gaussian_sigma((BUDGET - EPS_PROFILE) / 2, DELTA / 6, 1.0))
 
 
 def test_a_basic_runs_charges_stay_and_a_pld_release_over_the_budget_is_refused_before_the_records(data, tmp_path,
@@ -142,7 +147,8 @@ def test_a_basic_runs_charges_stay_and_a_pld_release_over_the_budget_is_refused_
 
 def test_a_whole_run_under_pld_spends_each_nodes_budget_by_pld_and_never_more(dataset, tmp_path):
     """Issue 47's first test, on the tiny model: the run under accounting = pld, then every node's
-    ledger composed as one by dp_accounting here (a strong node's votes after its DP-SGD too)."""
+    ledger composed as one by dp_accounting here (a strong node's votes after its DP-SGD too), at
+    the nodes' policy delta (the run's, in simulation; issue 60)."""
     from tests.test_strategy import nodes_for, run, run_config
 
     rc = run_config(dataset, accounting="pld", voters="all", **{"refinement": "pe-contrastive", "refinement-rounds": 2})
@@ -151,7 +157,7 @@ def test_a_whole_run_under_pld_spends_each_nodes_budget_by_pld_and_never_more(da
     for pid, tier in enumerate(("strong", "weak", "weak")):
         entries = [r for r in PrivacyLedger.open(tmp_path / f"node{pid}", budget=8.0).releases]
         assert {r["public"].get("accounting") for r in entries} == {"pld"}
-        events, delta = [], 0.0
+        events = []
         for r in entries:
             if r["mechanism"] == "dp-sgd":
                 p = r["private"]
@@ -159,8 +165,7 @@ def test_a_whole_run_under_pld_spends_each_nodes_budget_by_pld_and_never_more(da
                 events.append(dp_event.SelfComposedDpEvent(step, p["steps"]))
             else:
                 events.append(dp_event.GaussianDpEvent(r["public"]["sigma"] / r["public"]["sensitivity"]))
-            delta += r["delta"]
-        spent = _pld(events, delta)
+        spent = _pld(events, RunConfig.from_flower(rc).resolve_delta(0))
         charged = sum(r["epsilon"] for r in entries)
         assert 0.97 * 8.0 <= spent <= 8.0 + 1e-3 and charged <= 8.0 + 1e-6, (tier, spent, charged)
     # the server asked the profile before phase 1, so the strong node's DP-SGD was solved on the
@@ -175,5 +180,5 @@ def test_a_whole_run_under_pld_spends_each_nodes_budget_by_pld_and_never_more(da
     assert phases == sorted(phases, key=lambda p: p == VOTE)  # every DP-SGD release before the first vote
     train, cfg = strong[1], RunConfig.from_flower(rc)
     alone = pld_noise((), Planned(TRAIN, DPSGD, train["epsilon"], train["delta"], sample_rate=train["private"]["sample_rate"],
-                                  steps=cfg.num_server_rounds * cfg.local_steps))
+                                  steps=cfg.num_server_rounds * cfg.local_steps), cfg.resolve_delta(0))
     assert train["private"]["noise_multiplier"] < 0.97 * alone

@@ -99,7 +99,9 @@ marginals_steps = st.builds(
 # phase, list the models it allows): a refusal must be the same on neighbours too
 policies = st.sampled_from([(), (), (("control-codes", ",".join(CODES)),), (("control-codes", "topic=x,topic=y"),),
                             (("max-epsilon-vote", 1.0),), (("max-epsilon-train", 1.0),), (("model", "smollm2-135m"),),
-                            (("max-length", 16),), (("accounting", "basic"),), (("max-epsilon-marginals", 1.0),)])
+                            (("max-length", 16),), (("accounting", "basic"),), (("max-epsilon-marginals", 1.0),),
+                            # issue 60 finding 6: a table node's column policy binds every release
+                            (("measurable-columns", "topic,stars"),), (("measurable-columns", "topic,size,review"),)])
 train_steps = st.builds(lambda s, p: Step(**{**s.__dict__, "policy": p}), train_steps, policies)
 vote_steps = st.builds(lambda s, p: Step(**{**s.__dict__, "policy": p}), vote_steps, policies)
 marginals_steps = st.builds(lambda s, p: Step(**{**s.__dict__, "policy": p}), marginals_steps, policies)

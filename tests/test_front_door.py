@@ -249,7 +249,7 @@ def test_plan_prints_each_phases_cost_and_one_line_per_problem(tmp_path, capsys)
     # the default contrastive votes, K = 4: sensitivity sqrt(8)
     import re
 
-    basic = analytic_gaussian_sigma(3.0, 1e-5, 8 ** 0.5)
+    basic = analytic_gaussian_sigma(3.0, 1e-5 * 3 / 4, 8 ** 0.5)  # basic: its share 3/4 of the policy's delta (issue 60)
     assert f"sigma {basic:.3g} per round (sensitivity sqrt(2K) = 2.83; basic; " in out
     # issue 47: the same budget under pld (the weak node's vote composed with its profile) needs less noise
     pld = float(re.search(r"sqrt\(2K\) = 2.83; basic; ([0-9.]+) under accounting = pld", out).group(1))
@@ -258,7 +258,7 @@ def test_plan_prints_each_phases_cost_and_one_line_per_problem(tmp_path, capsys)
     assert main(["plan", str(APP), "--run-config", "refinement=\"none\""]) == 0  # no vote: one writer, said
     assert "writers: no vote judges the pool" in capsys.readouterr().out
     assert main(["plan", str(APP), "--run-config", "refinement=\"pe-contrastive\" refinement-rounds=3"]) == 0
-    assert (f"in 3 round(s), delta 1e-05, Gaussian sigma {analytic_gaussian_sigma(6 / 3, 1e-5 / 3, 2 ** 0.5):.3g} "
+    assert (f"in 3 round(s), delta 1e-05, Gaussian sigma {analytic_gaussian_sigma(6 / 3, 1e-5 * 6 / 8 / 3, 2 ** 0.5):.3g} "
             "per round (sensitivity sqrt(2K) = 1.41; basic; ") in capsys.readouterr().out  # pe-contrastive: K = 1
     for override, says in (('partitioning="strong-codes:sport,nope"', "control code 'nope' is not in the vocabulary"),
                            ('dataset="missing.csv"', "does not exist"), ("epsilon=-1", "epsilon = -1.0")):

@@ -158,7 +158,8 @@ for file in "${files[@]}"; do
     # One user runs everything here (a try-out): --same-user says so; an institution uses start_node.sh --run-as.
     PATH="$dir/gate:$PATH" "$bin_dir/fedsyn" node-check --node-config "$node_config" --same-user > "$dir/node-check.log" 2>&1 \
         || fail "SuperNode $node cannot start: its data, node config or FAB gate is unusable" "$dir/node-check.log"
-    PATH="$dir/gate:$PATH" FLWR_HOME="$dir/flwr-home" nohup "$bin_dir/flower-supernode" "${node_args[@]}" \
+    # the gate's flower-supernode: Flower's own, reading no app bundle that is not approved or over the bounds
+    PATH="$dir/gate:$PATH" FLWR_HOME="$dir/flwr-home" nohup "$dir/gate/flower-supernode" "${node_args[@]}" \
         --node-config "$node_config" > "$dir/supernode.log" 2>&1 < /dev/null &
     echo "$! supernode $node" >> "$pidfile"
     echo "SuperNode  PID $!  $node ($tier, epsilon=$epsilon)  ledger $dir/state  log $dir/supernode.log"

@@ -173,7 +173,8 @@ class Deployment:
         node_config = (f'tier="{node["tier"]}" data-path="{node["data"]}" max-records=100 state-dir="{node["state"]}" '
                        f"epsilon={EPSILON} {node.get('policy', '')}").strip()
         _start(self, process or name, [
-            str(BIN / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{self.port}",
+            # the gate's SuperNode launcher: Flower's own, its FAB reads behind the gate (issue 60)
+            str(node["gate"] / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{self.port}",
             "--port", str(free_port()), "--node-config", node_config,
         ], self.root / f"home-{process or name}", path_first=node["gate"])
 

@@ -56,7 +56,9 @@ def test_default_run_with_real_weights_follows_the_noisy_profile(tmp_path):
     """`flwr run .` with every pyproject default (SmolLM2, MiniLM, BBC News, 2 nodes)."""
     from strategies.resampling import sample_size
 
-    res = run_app({"out-dir": str(tmp_path), "run-name": "default"}, timeout=2400)
+    state = tmp_path / "node-state"  # the simulated nodes' ledgers, read below
+    res = run_app({"out-dir": str(tmp_path), "run-name": "default"}, timeout=2400,
+                  env={"FEDSYN_STATE_DIR": str(state)})
     assert res.ok, f"{res.status}\n{res.output[-4000:]}"
     run_dir = tmp_path / "default"
     profile = json.loads((run_dir / "profile.json").read_text())
@@ -67,6 +69,16 @@ def test_default_run_with_real_weights_follows_the_noisy_profile(tmp_path):
     assert sorted(n["tier"] for n in report["nodes"]) == ["strong", "weak"]
     for node in report["nodes"]:
         assert 7.9 <= node["epsilon_spent"] <= node["epsilon_budget"] + 1e-6
+    # issue 60: each node's ledger, every release composed by dp_accounting here at the policy's delta (1e-5),
+    # is within its budget and spends at least 97% of it
+    from fedsyn_client.ledger import PrivacyLedger
+    from tests.test_delta_budget import composed_here
+
+    ledgers = sorted(state.glob("run-*/node-*/ledger.json"))
+    assert len(ledgers) == 2
+    for path in ledgers:
+        composed = composed_here(PrivacyLedger(path).releases, 1e-5)
+        assert 0.97 * 8.0 <= composed <= 8.0 + 1e-3, (path, composed)
     texts = [r["text"] for r in read_jsonl(run_dir / "synthetic.jsonl")]
     assert len(texts) >= 50 and sum(len(t.split()) for t in texts) / len(texts) > 15
     assert (run_dir / "evaluation.json").exists() and (run_dir / "model" / "adapter_config.json").exists()

@@ -25,9 +25,11 @@ ALLOWED = {
 # A release statement: nothing from which the record count follows (no sampling rate, noise
 # multiplier, accountant epsilon or count), no time stamp.
 # "accounting" and "sigma_basic": a pld release (the default) names its rule and the sigma basic
-# composition would have used, both functions of public values (issue 47)
+# composition would have used, both functions of public values (issue 47); "composed_delta": the delta a
+# pld ledger composes every release at, the node policy's (issue 60), the same for every file
 RELEASE_KEYS = {"phase", "mechanism", "epsilon", "delta", "run_id", "round", "sigma", "sensitivity", "histogram",
-                "steps", "max_grad_norm", "covers", "epsilon-spent", "epsilon-budget", "accounting", "sigma_basic"}
+                "steps", "max_grad_norm", "covers", "epsilon-spent", "epsilon-budget", "accounting", "sigma_basic",
+                "composed_delta"}
 
 
 @pytest.mark.flwr

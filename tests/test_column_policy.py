@@ -21,24 +21,13 @@ from common import records as R
 from common.dp import MARGINALS, PROFILE, TRAIN, VOTE
 from fedsyn_client.policy import Ask, PolicyRefused, policy_from_node_config
 from fedsyn_client.refusals import RULE_COLUMNS
+from tests.test_table_marginals import _rows_csv  # 40 Breast Cancer rows as an institution's file
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS_PRESET = tomllib.loads((ROOT / "presets" / "table-breast-cancer.toml").read_text())  # table-method "rows"
 CODES = ["diagnosis=malignant", "diagnosis=benign"]
 EVERY_COLUMN = ",".join(c["name"] for c in json.loads(ROWS_PRESET["table-schema"])["columns"])
 REFUSED = f"refused: policy: {RULE_COLUMNS}"
-
-
-def _rows_csv(tmp_path: Path) -> Path:
-    """40 Breast Cancer rows as an institution's file."""
-    from sklearn.datasets import load_breast_cancer
-
-    data = load_breast_cancer(as_frame=True).frame.head(40)
-    frame = data.assign(diagnosis=data["target"].map({0: "malignant", 1: "benign"}),
-                        **{"mean area": data["mean area"].round().astype(int)})
-    path = tmp_path / "rows.csv"
-    frame.to_csv(path, index=False)
-    return path
 
 
 def _node(tmp_path: Path, tier: str, measurable: str) -> tuple[Context, dict, Path]:

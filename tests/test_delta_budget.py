@@ -38,6 +38,7 @@ from fedsyn_client.admission import Rule
 from fedsyn_client.ledger import PrivacyLedger, Release
 from fedsyn_client.refusals import BudgetExceeded
 from tests.fakes import set_task_identity
+from tests.test_calibration import independent_epsilon
 from tests.test_sovereign import BUDGET, VOCAB, _csv, _node, _rc
 
 DELTA = 1e-5  # the nodes' policy delta (node-config default)
@@ -147,14 +148,7 @@ def _default_plan(tier: str) -> list[Planned]:
 
 
 def _compose_plan(plan: list[Planned], noises: list[float], delta: float) -> float:
-    acc = _accountant()
-    for phase, noise in zip(plan, noises):
-        if phase.mechanism == DPSGD:
-            step = dp_event.PoissonSampledDpEvent(phase.sample_rate, dp_event.GaussianDpEvent(noise))
-            acc.compose(dp_event.SelfComposedDpEvent(step, phase.steps))
-        else:
-            acc.compose(dp_event.GaussianDpEvent(noise / phase.sensitivity), phase.rounds)
-    return float(acc.get_epsilon(delta))
+    return float(independent_epsilon(plan, noises, delta))
 
 
 def test_finding5_the_issues_figures_compose_past_the_budget_at_the_policy_delta():

@@ -81,6 +81,8 @@ def composed_here(entries: list[dict], delta: float) -> float:
             events += 1
         else:
             opaque_eps, opaque_delta = opaque_eps + float(e["epsilon"]), opaque_delta + float(e["delta"])
+    if opaque_delta > delta * (1 + 1e-9):  # stated deltas past the policy's: no epsilon holds at it
+        return math.inf
     if not events:
         return opaque_eps
     return float(acc.get_epsilon(delta - opaque_delta)) + opaque_eps if delta > opaque_delta else math.inf
@@ -271,6 +273,8 @@ _ledger_releases = st.lists(st.tuples(st.one_of(_gaussians, _gaussians, _dpsgd, 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
 @example(releases=[((GAUSSIAN, 1.5, 1.0), "a"), ((DPSGD, 0.6, 0.1), "b"), (("legacy", 1.0, 5e-6), "c"),
                    ((GAUSSIAN, 1.5, 8 ** 0.5), "b"), ((GAUSSIAN, 3.0, 1.0), "a")])
+@example(releases=[((GAUSSIAN, 1.5, 8 ** 0.5), "a"), (("legacy", 0.5, 5e-6), "a"), (("legacy", 0.5, 1e-6), "a"),
+                   (("legacy", 0.5, 5e-6), "a")])  # stated deltas past the policy's, no Gaussian admitted
 @given(releases=_ledger_releases)
 def test_the_ledger_admits_exactly_what_composes_within_the_budget(releases):
     """Admission against dp_accounting: a release is admitted only if every counted release and it

@@ -374,7 +374,7 @@ def _read_json_as_written(path: Path) -> pd.DataFrame:
         rows = [json.loads(line) for line in text.split("\n") if line.strip()]
     if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
         raise ValueError(f"dataset file {str(path)!r}: each record must be a JSON object")
-    rows = [{_no_lone_surrogates(k): _no_lone_surrogates(v) for k, v in r.items()} for r in rows]
+    rows = [_no_lone_surrogates(r) for r in rows]
     return pd.DataFrame(rows, dtype=object) if rows else pd.DataFrame()
 
 

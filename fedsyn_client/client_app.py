@@ -150,9 +150,12 @@ def vote(msg: Message, node: Node, cfg: RunConfig, req: Request) -> RecordDict:
     if len(texts) != len(codes):
         raise ConfigError(f"{len(texts)} candidate texts but {len(codes)} codes")
     name = str(req.params.get("histogram", "knn-vote"))
-    records = node.records(req.vocabulary, cfg.free_text is not None)  # a table's free text alone
-    compute, sensitivity = vote_histogram(name, records, texts, codes, req.params, cfg,
-                                          bound=node.bound)
+    free_text = cfg.free_text is not None  # a table's free text alone
+    records = node.records(req.vocabulary, free_text)
+    # a deployed node's records come embedded from its matrix (built once per snapshot, issue 61)
+    embedded = node.embedded(req.vocabulary, free_text, cfg.embedder, cfg.vote_window)
+    compute, sensitivity = vote_histogram(name, records, texts, codes, req.params, cfg, bound=node.bound,
+                                          embedded=embedded)
     noisy, statement = release(node, req, GaussianHistogram(name, compute, sensitivity,
                                                             prepare=lambda: load_embedder(cfg.embedder)))
     return R.vector_reply(R.VOTES, noisy, statement)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -20,51 +19,55 @@ import numpy as np
 from common.config import ConfigError, RunConfig
 from common.data import TextData, dataset_fingerprint
 from common.histograms import num_votes, sensitivity
-from common.logs import get_logger
-from fedsyn_client import fixed_work
+from fedsyn_client.record_matrix import embed_slots
 from fedsyn_client.voting import contrastive_votes, finite_rows, knn_votes, padded, similarity_scores
 
 Compute = Callable[[], np.ndarray]
-log = get_logger(__name__)
 
 
 def knn_vote_histogram(records: TextData, texts: list[str], codes: list[str], params: Mapping[str, Any],
-                       cfg: RunConfig, bound: int | None = None) -> tuple[Compute, float]:
+                       cfg: RunConfig, bound: int | None = None,
+                       embedded: Compute | None = None) -> tuple[Compute, float]:
     """Paper A.2: each record gives +1 to its K nearest same-code candidates; sensitivity sqrt(K)."""
     k = num_votes(params)
-    return (_on_embeddings(records, texts, codes, cfg, bound, functools.partial(knn_votes, k=k)),
+    return (_on_embeddings(records, texts, codes, cfg, bound, embedded, functools.partial(knn_votes, k=k)),
             sensitivity("knn-vote", params))
 
 
 def contrastive_vote_histogram(records: TextData, texts: list[str], codes: list[str], params: Mapping[str, Any],
-                               cfg: RunConfig, bound: int | None = None) -> tuple[Compute, float]:
+                               cfg: RunConfig, bound: int | None = None,
+                               embedded: Compute | None = None) -> tuple[Compute, float]:
     """Issue 34: each record +1 to its K nearest same-code candidates and -1 to its K nearest
     other-code candidates; sensitivity sqrt(2K)."""
     k = num_votes(params)
-    return (_on_embeddings(records, texts, codes, cfg, bound, functools.partial(contrastive_votes, k=k)),
+    return (_on_embeddings(records, texts, codes, cfg, bound, embedded, functools.partial(contrastive_votes, k=k)),
             sensitivity("contrastive-vote", params))
 
 
 def nearest_neighbour_histogram(records: TextData, texts: list[str], codes: list[str], params: Mapping[str, Any],
-                                cfg: RunConfig, bound: int | None = None) -> tuple[Compute, float]:
+                                cfg: RunConfig, bound: int | None = None,
+                                embedded: Compute | None = None) -> tuple[Compute, float]:
     """Private Evolution's histogram: each record +1 to its nearest same-code candidate; sensitivity 1."""
-    return (_on_embeddings(records, texts, codes, cfg, bound, functools.partial(knn_votes, k=1)),
+    return (_on_embeddings(records, texts, codes, cfg, bound, embedded, functools.partial(knn_votes, k=1)),
             sensitivity("nearest-neighbour", params))
 
 
 def similarity_histogram(records: TextData, texts: list[str], codes: list[str], params: Mapping[str, Any],
-                         cfg: RunConfig, bound: int | None = None) -> tuple[Compute, float]:
+                         cfg: RunConfig, bound: int | None = None,
+                         embedded: Compute | None = None) -> tuple[Compute, float]:
     """POPri's scores: each record's clipped (norm <= 1) cosine similarities, summed; sensitivity 1."""
-    return (_on_embeddings(records, texts, codes, cfg, bound, similarity_scores),
+    return (_on_embeddings(records, texts, codes, cfg, bound, embedded, similarity_scores),
             sensitivity("similarity", params))
 
 
 def _on_embeddings(records: TextData, texts: list[str], codes: list[str], cfg: RunConfig, bound: int | None,
-                   fn: Callable[..., np.ndarray]) -> Compute:
+                   embedded: Compute | None, fn: Callable[..., np.ndarray]) -> Compute:
     """``fn(local embeddings, local codes, candidate embeddings, candidate codes, bound=bound)``,
-    computed lazily (after the ledger reservation). Under ``bound`` the records are embedded as
-    ``bound`` rows (``local_embeddings``) and scored as ``bound`` rows: their vectors, then zero
-    rows (``voting.padded``), which ``fn`` scores like the records' and masks out of the counts."""
+    computed lazily (after the ledger reservation). Under ``bound`` the records are scored as
+    ``bound`` rows: their vectors, then zero rows (``voting.padded``), which ``fn`` scores like the
+    records' and masks out of the counts. ``embedded``: those rows from the node's matrix (a
+    deployed node, ``Node.embedded``: its records embedded once per snapshot, issue 61); without
+    it the records are embedded here (``local_embeddings``)."""
 
     def compute() -> np.ndarray:
         # Records and candidates are compared within a window around what the generator learned
@@ -72,7 +75,8 @@ def _on_embeddings(records: TextData, texts: list[str], codes: list[str], cfg: R
         # which also halves the vote's time at BBC's 256-token articles. Non-finite rows become
         # zero rows before any statistic is computed from them.
         window = cfg.vote_window
-        local = padded(local_embeddings(records, cfg.embedder, window, bound), bound)
+        local = embedded() if embedded is not None else padded(
+            local_embeddings(records, cfg.embedder, window, bound), bound)
         return fn(finite_rows(local), records.codes, finite_rows(candidate_embeddings(texts, cfg.embedder, window)),
                   codes, bound=bound)
 
@@ -89,16 +93,19 @@ VOTE_HISTOGRAMS: dict[str, Callable[..., tuple[Compute, float]]] = {
 
 
 def vote_histogram(name: str, records: TextData, texts: list[str], codes: list[str], params: Mapping[str, Any],
-                   cfg: RunConfig, bound: int | None = None) -> tuple[Compute, float]:
+                   cfg: RunConfig, bound: int | None = None,
+                   embedded: Compute | None = None) -> tuple[Compute, float]:
     """(compute, L2 sensitivity) of the registered histogram ``name`` over the candidates. A
-    builder takes ``bound``, the node's public size bound: the rows its work must be (issue 45)."""
+    builder takes ``bound``, the node's public size bound: the rows its work must be (issue 45),
+    and ``embedded``, the node's records already embedded as those rows (issue 61)."""
     try:
         build = VOTE_HISTOGRAMS[name]
     except KeyError:
         raise ConfigError(f"histogram {name!r} is unknown on this node; known: {sorted(VOTE_HISTOGRAMS)}") from None
     # a plug-in written before the bound existed still works (its work is then its own to fix)
-    takes_bound = "bound" in _parameters(build)
-    return build(records, texts, codes, params, cfg, **({"bound": bound} if takes_bound else {}))
+    takes = _parameters(build)
+    extra = {k: v for k, v in (("bound", bound), ("embedded", embedded)) if k in takes}
+    return build(records, texts, codes, params, cfg, **extra)
 
 
 @functools.lru_cache(maxsize=64)
@@ -126,23 +133,9 @@ def local_embeddings(records: TextData, embedder_name: str, max_tokens: int | No
         if key not in cache:
             cache[key] = embed(embedder, list(records.texts), progress=sys.stderr.isatty(), max_tokens=max_tokens)
         return cache[key]
-    t0 = time.time()
-    rows = max(len(records), bound)
-    window = min(int(max_tokens or embedder.max_seq_length), int(embedder.max_seq_length))
-    limit = fixed_work.row_bytes(window)
-    texts = [fixed_work.cut(t, limit) for t in records.texts]
-    fixed_work.ballast(_tokenizer(embedder), texts, len(texts), limit, batch=_EMBED_BATCH)
-    texts += [fixed_work.filler(limit)] * (rows - len(records))
-    # a bar on a terminal; in a log file (a SuperNode's) one line when done, not one per batch
-    vectors = embed(embedder, texts, batch_size=_EMBED_BATCH, progress=sys.stderr.isatty(), max_tokens=max_tokens,
-                    fixed_width=True)[:len(records)]
-    log.info("embedded the node's records as %d rows in %.0f s", rows, time.time() - t0)
-    return vectors
-
-
-def _tokenizer(embedder: Any) -> Any:
-    # a SentenceTransformer's own, or the inner model's of a wrapper (common.sentiment_embedder)
-    return getattr(embedder, "tokenizer", None) or embedder.inner.tokenizer
+    # the work of ``bound`` rows padded to the window (record_matrix.embed_slots); the filler's rows dropped
+    return embed_slots(records.texts, embedder, max_tokens or embedder.max_seq_length,
+                       max(len(records), bound))[:len(records)]
 
 
 def candidate_embeddings(texts: list[str], embedder_name: str, max_tokens: int | None) -> np.ndarray:
@@ -162,7 +155,6 @@ def candidate_embeddings(texts: list[str], embedder_name: str, max_tokens: int |
 
 
 _EMBEDDING_CACHE: dict[tuple[str, int | None, int], dict[str, np.ndarray]] = {}
-_EMBED_BATCH = 64  # common.models.embed's batch: the ballast is tokenized in batches as large
 _CANDIDATES: dict[str, Any] = {}
 
 

@@ -20,6 +20,7 @@ import tempfile
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,7 @@ from fedsyn_client.policy import NodePolicy, PolicyError, is_simulated, policy_f
 from fedsyn_client.refusals import NodeSetupError
 from fedsyn_client.replies import ReplyStore
 from fedsyn_client.fixed_work import row_bytes
+from fedsyn_client.record_matrix import embed_slots, embedder_identity, gathered, matrix_path, read_matrix, write_matrix
 from fedsyn_client.view import bounded, cut_view, read_snapshot, view_retention, view_seed, write_snapshot
 
 log = get_logger(__name__)
@@ -59,6 +61,16 @@ def simulation_state_root() -> Path:
 
 
 @dataclass
+class Snapshot:
+    """A deployed node's view on disk (``fedsyn_client.view``): its file, what it was read from
+    (the data file's path, size and time, the policy's terms) and its records' fingerprint."""
+
+    path: Path
+    stamp: dict[str, Any]
+    fingerprint: str
+
+
+@dataclass
 class Node:
     """Everything a handler needs about this node."""
 
@@ -66,8 +78,10 @@ class Node:
     data: TextData  # every record of the node, read with the policy's columns
     ledger: PrivacyLedger
     replies: ReplyStore  # the noised replies it released, for repeated requests
+    snapshot: Snapshot | None = None  # a deployed node's view on disk (None in simulation)
     _views: dict[tuple[tuple[str, ...], bool], TextData] = field(default_factory=dict, repr=False)
     _positions: dict[tuple[str, ...], np.ndarray] = field(default_factory=dict, repr=False)
+    _matrices: dict[tuple[bool, str, int], np.ndarray] = field(default_factory=dict, repr=False)
 
     @property
     def tier(self) -> str:
@@ -88,16 +102,64 @@ class Node:
         column's value alone (``common.rows.split_record``): what the language model's phases read."""
         key = (vocabulary, free_text)
         if key not in self._views:
-            keep = np.flatnonzero(self._in(vocabulary) < len(vocabulary))
+            keep = self._kept(vocabulary)
             # numpy's take, not a loop over the kept records: the time of a view is the bound's
-            texts = list(np.asarray(self.data.texts, dtype=object)[keep])
-            if free_text:
-                # one split per slot of the bound, records or padding (the work is the bound's); not
-                # numpy's fixed-width strings, whose memory the longest record would set
-                slots = texts + [""] * max(0, (self.bound or 0) - len(texts))
-                texts = [split_record(t)[1] for t in slots][:len(texts)]
+            texts = list(np.asarray(self._texts(free_text), dtype=object)[keep])
             self._views[key] = TextData(texts, list(np.asarray(self.data.codes, dtype=object)[keep]))
         return self._views[key]
+
+    def embedded(self, vocabulary: tuple[str, ...], free_text: bool, embedder: str,
+                 window: int) -> Callable[[], np.ndarray] | None:
+        """A deployed node: the embeddings of ``records(vocabulary, free_text)`` (each text cut to
+        ``window`` tokens) followed by zero rows, ``bound`` rows in all, read from the node's matrix
+        (``fedsyn_client.record_matrix``: built once per snapshot), computed when called. None in
+        simulation, where a vote embeds its records itself (once per process)."""
+        if self.snapshot is None or not self.bound:
+            return None
+        return lambda: gathered(self.matrix(free_text, embedder, window), self._kept(vocabulary))
+
+    def matrix(self, free_text: bool, embedder: str, window: int) -> np.ndarray:
+        """The view's embedding matrix for (embedder, window, free_text): ``bound`` rows, from the
+        state folder when one was written for this snapshot and embedder, else built and written."""
+        from common.models import EMBEDDER_ALIASES, load_embedder
+
+        embedder = EMBEDDER_ALIASES.get(embedder, embedder)  # one matrix per model, whichever alias named it
+        model = load_embedder(embedder)
+        window = min(int(window), int(model.max_seq_length))
+        key = (free_text, embedder, window)
+        if key in self._matrices:
+            return self._matrices[key]
+        assert self.snapshot is not None and self.bound
+        stamp = {"snapshot": self.snapshot.stamp, "fingerprint": self.snapshot.fingerprint, "rows": self.bound,
+                 "embedder": embedder_identity(embedder, model), "window": window, "free-text": free_text}
+        path = matrix_path(self.snapshot.path.parent, self.snapshot.path, embedder, window, free_text)
+        found = read_matrix(path, stamp)
+        if found is None or len(found) != self.bound:
+            # the node's own log only: this one request does the build (node-check does it beforehand)
+            log.warning("embedding the node's view for %s at a window of %d tokens into %s (none yet, or the data "
+                        "or the embedder changed); `fedsyn node-check` builds it before any request", embedder,
+                        window, path)
+            found = embed_slots(self._texts(free_text), model, window, self.bound)
+            try:
+                write_matrix(path, found, stamp)
+            except OSError as err:  # the vote goes on with the matrix in memory; the next one builds again
+                log.warning("could not keep the node's embedding matrix %s (%s): the next vote builds it again",
+                            path, err)
+        self._matrices[key] = found
+        return found
+
+    def _texts(self, free_text: bool) -> list[str]:
+        """Every record's text, or with ``free_text`` its free-text column's value alone."""
+        if not free_text:
+            return self.data.texts
+        # one split per slot of the bound, records or padding (the work is the bound's); not
+        # numpy's fixed-width strings, whose memory the longest record would set
+        slots = self.data.texts + [""] * max(0, (self.bound or 0) - len(self.data))
+        return [split_record(t)[1] for t in slots][:len(self.data)]
+
+    def _kept(self, vocabulary: tuple[str, ...]) -> np.ndarray:
+        """The positions of the records whose code is in ``vocabulary``, in file order."""
+        return np.flatnonzero(self._in(vocabulary) < len(vocabulary))
 
     def code_counts(self, vocabulary: tuple[str, ...]) -> np.ndarray:
         """Records per code of ``vocabulary`` (int64), those of ``records(vocabulary)``."""
@@ -164,7 +226,25 @@ def check_node(node_config: dict[str, Any]) -> str:
              f"{100 * view_retention(len(data), policy.max_records):.0f}%"
              + ("; raise max-records to keep more, at more work per release" if kept < 0.9 * len(data) else "") + ")")
     return (f"node ready: tier={policy.tier} records={kept} budget epsilon={policy.epsilon:g} "
-            f"ledger={node.ledger.path} (spent {node.ledger.spent():.4g}); {bound}{_measurable(policy)}")
+            f"ledger={node.ledger.path} (spent {node.ledger.spent():.4g}); {bound}{_measurable(policy)}"
+            f"; {_matrices(node)}")
+
+
+def _matrices(node: Node) -> str:
+    """Build (or find) the view's embedding matrix of every embedder the policy allows, at the vote
+    window of a run with the default max-length (or the policy's, when smaller): what the first vote
+    would otherwise build (issue 61). Returns what was done, for the ready line."""
+    policy = node.policy
+    window = 2 * min(RunConfig().max_length, policy.max_length)  # RunConfig.vote_window of that run
+    free_text = bool(policy.table_schema) and load_schema(policy.table_schema).text_column is not None
+    done = []
+    from common.models import EMBEDDER_ALIASES
+
+    for embedder in dict.fromkeys(EMBEDDER_ALIASES.get(e, e) for e in policy.embedders):
+        matrix = node.matrix(free_text, embedder, window)
+        done.append(f"{embedder} ({matrix.shape[0]} x {matrix.shape[1]})")
+    return (f"records embedded at a window of {window} tokens for {', '.join(done)}: a vote reads them from the state "
+            "folder (a run with another max-length or embedder builds its own at its first vote)")
 
 
 def _measurable(policy: NodePolicy) -> str:
@@ -249,8 +329,10 @@ def _policy(run_id: str, node_config_items: tuple[tuple[str, str], ...], cfg: Ru
 @lru_cache(maxsize=16)
 def _open(policy: NodePolicy, sim_cfg: RunConfig | None) -> Node:
     state_dir = policy.state_dir or str(Path.home() / ".fedsyn" / "state")
+    snapshot = None
     if policy.max_records:
-        data, fingerprint = _view(policy, state_dir)
+        data, snapshot = _view(policy, state_dir)
+        fingerprint = snapshot.fingerprint
     else:  # a simulated node: its partition, public in simulation
         data = _data(policy, sim_cfg)
         fingerprint = dataset_fingerprint(data)
@@ -264,11 +346,11 @@ def _open(policy: NodePolicy, sim_cfg: RunConfig | None) -> Node:
     ledger = PrivacyLedger.open(state_dir, policy.epsilon, policy.ledger_id, fingerprint)
     log.info("node ready: tier=%s records=%d budget=%s ledger=%s", policy.tier, len(data), policy.epsilon, ledger.path)
     replies = ReplyStore(ledger.path.with_name(f"{ledger.path.stem}-replies"), policy.keep_replies_days)
-    return Node(policy, data, ledger, replies)
+    return Node(policy, data, ledger, replies, snapshot)
 
 
-def _view(policy: NodePolicy, state_dir: str) -> tuple[TextData, str]:
-    """(the records under the policy's max-records, their fingerprint) from the node's snapshot
+def _view(policy: NodePolicy, state_dir: str) -> tuple[TextData, Snapshot]:
+    """(the records under the policy's max-records, their snapshot) from the node's snapshot file
     (``fedsyn_client.view``), built from the data file when it is missing or the file changed."""
     text_bytes = row_bytes(max(policy.max_length, EMBEDDER_TOKENS))
     try:
@@ -286,7 +368,7 @@ def _view(policy: NodePolicy, state_dir: str) -> tuple[TextData, str]:
     stamp = {**terms, "size": stat.st_size, "mtime-ns": stat.st_mtime_ns}
     found = read_snapshot(path, stamp)
     if found is not None:
-        return found
+        return found[0], Snapshot(path, stamp, found[1])
     # the node's own log only: this one request's time depends on the file (node-check builds it first)
     log.warning("reading data-path %r into the node's view %s (no view yet, or the file changed): this request's "
                 "time depends on the file; run `fedsyn node-check` after changing the data", policy.data_path, path)
@@ -300,7 +382,7 @@ def _view(policy: NodePolicy, state_dir: str) -> tuple[TextData, str]:
     if found is None:
         raise NodeSetupError(f"the node's view {path} cannot be read back after writing it; check the state-dir's "
                              "disk and permissions", refusals.DATA)
-    return found
+    return found[0], Snapshot(path, stamp, found[1])
 
 
 def readable_schema(schema: Schema, policy: NodePolicy) -> Schema:

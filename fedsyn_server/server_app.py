@@ -108,6 +108,17 @@ def build_strategy(cfg: RunConfig, load_model: bool = True) -> tuple[FedSynStrat
     return FedSynStrategy(cfg, bench.vocabulary, **parts), bench, server_model
 
 
+# How long the node count must stay unchanged before stage 0 asks (``Membership.discover``). In a
+# simulation every SuperNode is registered before the ServerApp's first call (Flower's
+# ``start_vce``), so the deployment's 3 s only delay the run there.
+SIMULATION_STABLE_SECONDS = 0.5
+
+
+def stable_seconds(grid: Grid) -> float:
+    """The wait for a stable node count on ``grid``: short in a simulation, 3 s on a deployment."""
+    return SIMULATION_STABLE_SECONDS if type(grid).__name__ == "InMemoryGrid" else 3.0
+
+
 def plan_only(grid: Grid, cfg: RunConfig) -> None:
     """Run config ``plan-only``: stage 0 alone, then each answering node's tier, budget and the
     noise of each phase as ``plan:`` log lines, which ``fedsyn plan`` reads from the stream.
@@ -116,6 +127,7 @@ def plan_only(grid: Grid, cfg: RunConfig) -> None:
     from fedsyn_server.plan import deployment_lines
 
     strategy, _, _ = build_strategy(cfg, load_model=False)
+    strategy.stable_seconds = stable_seconds(grid)
     refused: RunRefused | None = None
     try:
         strategy.preflight(grid)
@@ -140,7 +152,8 @@ def evaluate_run(run_dir: Path, cfg: RunConfig, result: FedSynResult, bench: Ben
     syn, real = (free_text_part(syn), free_text_part(bench.test)) if cfg.free_text is not None else (syn, bench.test)
     try:
         scores = evaluate_sets(syn.texts, syn.codes, real.texts, real.codes, list(cfg.control_columns),
-                               embedder=cfg.eval_embedder, seed=cfg.seed, mauve=mauve_available())
+                               embedder=cfg.eval_embedder, seed=cfg.seed, mauve=mauve_available(),
+                               cache_real=True)  # bench.test: public records, the same every run
     except Exception as err:  # noqa: BLE001 - the synthetic set is written already
         log.error("evaluation against the held-out split failed: %s", err)
         return
@@ -212,6 +225,7 @@ def _main(grid: Grid, context: Context) -> None:
     strategy, bench, server_model = build_strategy(cfg)
     strategy.resume_key = str(context.run_id)  # a resumed run takes its original key from the checkpoint
     strategy.checkpoint_dir = run_dir
+    strategy.stable_seconds = stable_seconds(grid)
     if checkpoint is None:
         write_resume_config(cfg, run_dir)
     atomic_symlink(run_dir.parent / LATEST, run_dir.name)

@@ -37,6 +37,25 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     return _atomic_write(path, lambda f: f.write(data), binary=True)
 
 
+def write_stamped(path: str | Path, head: dict[str, Any], body: bytes) -> Path:
+    """Write ``head`` (JSON, one line) then ``body`` to ``path``, atomically, mode 0600: a node's
+    state file whose head says what it was built from (``read_stamped``)."""
+    return atomic_write_bytes(path, json.dumps(head, sort_keys=True).encode("utf-8") + b"\n" + body)
+
+
+def read_stamped(path: str | Path, fmt: int, stamp: dict[str, Any]) -> tuple[dict[str, Any], bytes] | None:
+    """(head, body) of a file ``write_stamped`` wrote with format ``fmt`` for ``stamp``; None when it
+    is missing, unreadable, of another format or written for another stamp (the caller rebuilds)."""
+    try:
+        line, _, body = Path(path).read_bytes().partition(b"\n")
+        head = json.loads(line)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(head, dict) or head.get("format") != fmt or head.get("stamp") != stamp:
+        return None
+    return head, body
+
+
 def atomic_write_text(path: str | Path, text: str) -> Path:
     """Write ``text`` to ``path`` via a temp file in the same folder and ``os.replace``."""
     return _atomic_write(path, lambda fh: fh.write(text))

@@ -235,7 +235,7 @@ def _matrices(node: Node) -> str:
     window of a run with the default max-length (or the policy's, when smaller): what the first vote
     would otherwise build (issue 61). Returns what was done, for the ready line."""
     policy = node.policy
-    window = 2 * min(RunConfig().max_length, policy.max_length)  # RunConfig.vote_window of that run
+    window = RunConfig(max_length=min(RunConfig().max_length, policy.max_length)).vote_window
     free_text = bool(policy.table_schema) and load_schema(policy.table_schema).text_column is not None
     done = []
     from common.models import EMBEDDER_ALIASES

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from common.io import atomic_write_bytes
+from common.io import read_stamped, write_stamped
 from common.logs import get_logger
 from fedsyn_client import fixed_work
 
@@ -51,14 +51,10 @@ def matrix_path(state_dir: str | Path, snapshot: Path, embedder: str, window: in
 def read_matrix(path: str | Path, stamp: dict[str, Any]) -> np.ndarray | None:
     """The matrix at ``path`` (rows x dim, float32) when it was written for ``stamp``, else None
     (missing, stale, another embedder or window, damaged: the caller builds it again)."""
-    try:
-        raw = Path(path).read_bytes()
-        line, _, body = raw.partition(b"\n")
-        head = json.loads(line)
-    except (OSError, ValueError):
+    found = read_stamped(path, MATRIX_FORMAT, stamp)
+    if found is None:
         return None
-    if not isinstance(head, dict) or head.get("format") != MATRIX_FORMAT or head.get("stamp") != stamp:
-        return None
+    head, body = found
     rows, dim = head.get("rows"), head.get("dim")
     if not all(isinstance(v, int) and v >= 0 for v in (rows, dim)) or len(body) != rows * dim * 4:
         return None
@@ -69,7 +65,7 @@ def write_matrix(path: str | Path, matrix: np.ndarray, stamp: dict[str, Any]) ->
     """Write ``matrix`` (rows x dim) for ``stamp``, mode 0600, whole or not at all."""
     matrix = np.ascontiguousarray(matrix, dtype="<f4")
     head = {"format": MATRIX_FORMAT, "stamp": stamp, "rows": int(matrix.shape[0]), "dim": int(matrix.shape[1])}
-    atomic_write_bytes(path, json.dumps(head, sort_keys=True).encode("utf-8") + b"\n" + matrix.tobytes())
+    write_stamped(path, head, matrix.tobytes())
 
 
 def embed_slots(texts: Sequence[str], embedder: Any, window: int, bound: int,

@@ -33,7 +33,7 @@ from typing import Any
 
 
 from common.data import TextData, dataset_fingerprint
-from common.io import atomic_write_bytes, atomic_write_text
+from common.io import atomic_write_text, read_stamped, write_stamped
 from fedsyn_client.fixed_work import cut
 
 SEED_FILE = "view-seed"
@@ -123,22 +123,17 @@ def write_snapshot(path: str | Path, data: TextData, bound: int, text_bytes: int
         body[at + _LENGTHS + text_bytes:at + _LENGTHS + text_bytes + len(c)] = c
     head = {"format": SNAPSHOT_FORMAT, "stamp": stamp, "records": len(data), "rows": bound,
             "text-bytes": text_bytes, "code-bytes": CODE_BYTES, "fingerprint": dataset_fingerprint(data)}
-    atomic_write_bytes(path, json.dumps(head, sort_keys=True).encode("utf-8") + b"\n" + bytes(body))
-    os.chmod(path, 0o600)
+    write_stamped(path, head, bytes(body))
 
 
 def read_snapshot(path: str | Path, stamp: dict[str, Any]) -> tuple[TextData, str] | None:
     """(the records, their fingerprint) of the snapshot at ``path`` when it was written for
     ``stamp``, else None (missing, stale or damaged: the caller builds it again). Every row is
     read and decoded, records or not, so the work is the bound's."""
-    try:
-        raw = Path(path).read_bytes()
-        line, _, body = raw.partition(b"\n")
-        head = json.loads(line)
-    except (OSError, ValueError):
+    found = read_stamped(path, SNAPSHOT_FORMAT, stamp)
+    if found is None:
         return None
-    if not isinstance(head, dict) or head.get("format") != SNAPSHOT_FORMAT or head.get("stamp") != stamp:
-        return None
+    head, body = found
     rows, text_bytes, code_bytes, records = (head.get(k) for k in ("rows", "text-bytes", "code-bytes", "records"))
     if not all(isinstance(v, int) and v >= 0 for v in (rows, text_bytes, code_bytes, records)) or records > rows \
             or len(body) != rows * (_LENGTHS + text_bytes + code_bytes):

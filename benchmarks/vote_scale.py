@@ -68,7 +68,7 @@ def _prepare(data: str, state: Path, bound: int, build: bool) -> dict[str, float
     snapshot = time.perf_counter() - t0
     if build:
         t0 = time.perf_counter()
-        node.matrix(False, cfg.embedder, cfg.vote_window)
+        node.matrix(False, cfg.embedder, cfg.vote_window, cfg.precision)
         return {"snapshot_s": snapshot, "build_s": time.perf_counter() - t0, "kept": len(node.data)}
     real = record_matrix.embed_slots
 
@@ -79,7 +79,7 @@ def _prepare(data: str, state: Path, bound: int, build: bool) -> dict[str, float
 
     node_module.embed_slots = random_rows
     try:
-        node.matrix(False, cfg.embedder, cfg.vote_window)
+        node.matrix(False, cfg.embedder, cfg.vote_window, cfg.precision)
     finally:
         node_module.embed_slots = real
     return {"snapshot_s": snapshot, "build_s": float("nan"), "kept": len(node.data)}

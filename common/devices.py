@@ -120,12 +120,19 @@ def native_bf16(device_type: str) -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & set(flags.split()))
 
 
+def uses_bf16(device: torch.device | str | torch.nn.Module, precision: str = "auto") -> bool:
+    """Whether ``autocast(device, precision)`` computes in bf16: ``precision`` "auto" on a device
+    with native bf16."""
+    if isinstance(device, torch.nn.Module):
+        device = model_device(device)
+    return precision == "auto" and native_bf16(torch.device(device).type)
+
+
 def autocast(device: torch.device | str | torch.nn.Module, precision: str = "auto"):
     """A bf16 ``torch.autocast`` on ``device`` when ``precision`` is "auto" and the device has
     native bf16; otherwise a no-op context (fp32)."""
     if isinstance(device, torch.nn.Module):
         device = model_device(device)
-    kind = torch.device(device).type
-    if precision == "auto" and native_bf16(kind):
-        return torch.autocast(kind, dtype=torch.bfloat16)
+    if uses_bf16(device, precision):
+        return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
     return contextlib.nullcontext()

@@ -153,7 +153,7 @@ def vote(msg: Message, node: Node, cfg: RunConfig, req: Request) -> RecordDict:
     free_text = cfg.free_text is not None  # a table's free text alone
     records = node.records(req.vocabulary, free_text)
     # a deployed node's records come embedded from its matrix (built once per snapshot, issue 61)
-    embedded = node.embedded(req.vocabulary, free_text, cfg.embedder, cfg.vote_window)
+    embedded = node.embedded(req.vocabulary, free_text, cfg.embedder, cfg.vote_window, cfg.precision)
     compute, sensitivity = vote_histogram(name, records, texts, codes, req.params, cfg, bound=node.bound,
                                           embedded=embedded)
     noisy, statement = release(node, req, GaussianHistogram(name, compute, sensitivity,

@@ -76,9 +76,9 @@ def _on_embeddings(records: TextData, texts: list[str], codes: list[str], cfg: R
         # zero rows before any statistic is computed from them.
         window = cfg.vote_window
         local = embedded() if embedded is not None else padded(
-            local_embeddings(records, cfg.embedder, window, bound), bound)
-        return fn(finite_rows(local), records.codes, finite_rows(candidate_embeddings(texts, cfg.embedder, window)),
-                  codes, bound=bound)
+            local_embeddings(records, cfg.embedder, window, bound, cfg.precision), bound)
+        candidates = candidate_embeddings(texts, cfg.embedder, window, cfg.precision)
+        return fn(finite_rows(local), records.codes, finite_rows(candidates), codes, bound=bound)
 
     return compute
 
@@ -114,7 +114,7 @@ def _parameters(build: Callable[..., Any]) -> tuple[str, ...]:
 
 
 def local_embeddings(records: TextData, embedder_name: str, max_tokens: int | None = None,
-                     bound: int | None = None) -> np.ndarray:
+                     bound: int | None = None, precision: str = "fp32") -> np.ndarray:
     """Embeddings of the node's records (each cut to its first ``max_tokens`` tokens; None = the
     embedder's own limit).
 
@@ -123,22 +123,25 @@ def local_embeddings(records: TextData, embedder_name: str, max_tokens: int | No
     whose vectors are dropped, and the bytes the records fall short of are tokenized as ballast
     (``fedsyn_client.fixed_work``), so the time of a vote is a function of the bound and the window,
     never of |D| or the records' lengths. None (a simulated node): the records as they are, computed
-    once per process (one worker serves many nodes, and the records never change)."""
+    once per process (one worker serves many nodes, and the records never change). ``precision``:
+    the run config's (``common.models.embed``)."""
     from common.models import embed, load_embedder
 
     embedder = load_embedder(embedder_name)
     if bound is None:
-        cache = _EMBEDDING_CACHE.setdefault((embedder_name, max_tokens, len(records)), {})
+        cache = _EMBEDDING_CACHE.setdefault((embedder_name, max_tokens, len(records), precision), {})
         key = dataset_fingerprint(records)
         if key not in cache:
-            cache[key] = embed(embedder, list(records.texts), progress=sys.stderr.isatty(), max_tokens=max_tokens)
+            cache[key] = embed(embedder, list(records.texts), progress=sys.stderr.isatty(), max_tokens=max_tokens,
+                               precision=precision)
         return cache[key]
     # the work of ``bound`` rows padded to the window (record_matrix.embed_slots); the filler's rows dropped
     return embed_slots(records.texts, embedder, max_tokens or embedder.max_seq_length,
-                       max(len(records), bound))[:len(records)]
+                       max(len(records), bound), precision=precision)[:len(records)]
 
 
-def candidate_embeddings(texts: list[str], embedder_name: str, max_tokens: int | None) -> np.ndarray:
+def candidate_embeddings(texts: list[str], embedder_name: str, max_tokens: int | None,
+                         precision: str = "fp32") -> np.ndarray:
     """Embeddings of a vote round's candidates (public texts from the server). The last round's
     are kept: in simulation one worker process serves many nodes the same candidates, and each
     would embed them again (10^4 texts x 50 weak nodes); a deployed node embeds them once anyway."""
@@ -147,14 +150,15 @@ def candidate_embeddings(texts: list[str], embedder_name: str, max_tokens: int |
 
     from common.models import embed, load_embedder
 
-    key = (embedder_name, max_tokens, hashlib.sha256(json.dumps(texts).encode()).hexdigest())
+    key = (embedder_name, max_tokens, precision, hashlib.sha256(json.dumps(texts).encode()).hexdigest())
     if _CANDIDATES.get("key") != key:
         _CANDIDATES.clear()
-        _CANDIDATES.update(key=key, emb=embed(load_embedder(embedder_name), texts, max_tokens=max_tokens))
+        _CANDIDATES.update(key=key, emb=embed(load_embedder(embedder_name), texts, max_tokens=max_tokens,
+                                              precision=precision))
     return _CANDIDATES["emb"]
 
 
-_EMBEDDING_CACHE: dict[tuple[str, int | None, int], dict[str, np.ndarray]] = {}
+_EMBEDDING_CACHE: dict[tuple[str, int | None, int, str], dict[str, np.ndarray]] = {}
 _CANDIDATES: dict[str, Any] = {}
 
 

@@ -108,38 +108,45 @@ class Node:
             self._views[key] = TextData(texts, list(np.asarray(self.data.codes, dtype=object)[keep]))
         return self._views[key]
 
-    def embedded(self, vocabulary: tuple[str, ...], free_text: bool, embedder: str,
-                 window: int) -> Callable[[], np.ndarray] | None:
+    def embedded(self, vocabulary: tuple[str, ...], free_text: bool, embedder: str, window: int,
+                 precision: str) -> Callable[[], np.ndarray] | None:
         """A deployed node: the embeddings of ``records(vocabulary, free_text)`` (each text cut to
-        ``window`` tokens) followed by zero rows, ``bound`` rows in all, read from the node's matrix
-        (``fedsyn_client.record_matrix``: built once per snapshot), computed when called. None in
-        simulation, where a vote embeds its records itself (once per process)."""
+        ``window`` tokens, at the run's ``precision``) followed by zero rows, ``bound`` rows in all,
+        read from the node's matrix (``fedsyn_client.record_matrix``: built once per snapshot),
+        computed when called. None in simulation, where a vote embeds its records itself (once per
+        process)."""
         if self.snapshot is None or not self.bound:
             return None
-        return lambda: gathered(self.matrix(free_text, embedder, window), self._kept(vocabulary))
+        return lambda: gathered(self.matrix(free_text, embedder, window, precision), self._kept(vocabulary))
 
-    def matrix(self, free_text: bool, embedder: str, window: int) -> np.ndarray:
-        """The view's embedding matrix for (embedder, window, free_text): ``bound`` rows, from the
-        state folder when one was written for this snapshot and embedder, else built and written."""
+    def matrix(self, free_text: bool, embedder: str, window: int, precision: str) -> np.ndarray:
+        """The view's embedding matrix for (embedder, window, free_text, precision): ``bound`` rows,
+        from the state folder when one was written for this snapshot and embedder, else built and
+        written. ``precision`` is the run config's; the matrix is bf16's or fp32's as it resolves
+        on this node's hardware (``common.devices.uses_bf16``)."""
+        from common.devices import uses_bf16
         from common.models import EMBEDDER_ALIASES, load_embedder
 
         embedder = EMBEDDER_ALIASES.get(embedder, embedder)  # one matrix per model, whichever alias named it
         model = load_embedder(embedder)
         window = min(int(window), int(model.max_seq_length))
-        key = (free_text, embedder, window)
+        bf16 = uses_bf16(getattr(model, "inner", model), precision)
+        key = (free_text, embedder, window, bf16)
         if key in self._matrices:
             return self._matrices[key]
         assert self.snapshot is not None and self.bound
         stamp = {"snapshot": self.snapshot.stamp, "fingerprint": self.snapshot.fingerprint, "rows": self.bound,
-                 "embedder": embedder_identity(embedder, model), "window": window, "free-text": free_text}
-        path = matrix_path(self.snapshot.path.parent, self.snapshot.path, embedder, window, free_text)
+                 "embedder": embedder_identity(embedder, model), "window": window, "free-text": free_text,
+                 "bf16": bf16}
+        path = matrix_path(self.snapshot.path.parent, self.snapshot.path, embedder, window, free_text, bf16)
         found = read_matrix(path, stamp)
         if found is None or len(found) != self.bound:
             # the node's own log only: this one request does the build (node-check does it beforehand)
             log.warning("embedding the node's view for %s at a window of %d tokens into %s (none yet, or the data "
                         "or the embedder changed); `fedsyn node-check` builds it before any request", embedder,
                         window, path)
-            found = embed_slots(self._texts(free_text), model, window, self.bound)
+            found = embed_slots(self._texts(free_text), model, window, self.bound,
+                                precision="auto" if bf16 else "fp32")
             try:
                 write_matrix(path, found, stamp)
             except OSError as err:  # the vote goes on with the matrix in memory; the next one builds again
@@ -236,12 +243,13 @@ def _matrices(node: Node) -> str:
     would otherwise build (issue 61). Returns what was done, for the ready line."""
     policy = node.policy
     window = RunConfig(max_length=min(RunConfig().max_length, policy.max_length)).vote_window
+    precision = RunConfig().precision
     free_text = bool(policy.table_schema) and load_schema(policy.table_schema).text_column is not None
     done = []
     from common.models import EMBEDDER_ALIASES
 
     for embedder in dict.fromkeys(EMBEDDER_ALIASES.get(e, e) for e in policy.embedders):
-        matrix = node.matrix(free_text, embedder, window)
+        matrix = node.matrix(free_text, embedder, window, precision)
         done.append(f"{embedder} ({matrix.shape[0]} x {matrix.shape[1]})")
     return (f"records embedded at a window of {window} tokens for {', '.join(done)}: a vote reads them from the state "
             "folder (a run with another max-length or embedder builds its own at its first vote)")

@@ -41,10 +41,12 @@ _CHUNK = 16 * EMBED_BATCH  # rows per progress step (and the first step times th
 log = get_logger(__name__)
 
 
-def matrix_path(state_dir: str | Path, snapshot: Path, embedder: str, window: int, free_text: bool) -> Path:
-    """Where the matrix of ``snapshot`` for (embedder, window, free_text) lives: one file per
-    combination, replaced in place when the snapshot changes (so stale matrices do not pile up)."""
-    key = json.dumps([snapshot.name, embedder, int(window), bool(free_text)])
+def matrix_path(state_dir: str | Path, snapshot: Path, embedder: str, window: int, free_text: bool,
+                bf16: bool = False) -> Path:
+    """Where the matrix of ``snapshot`` for (embedder, window, free_text, bf16 or not) lives: one
+    file per combination, replaced in place when the snapshot changes (so stale matrices do not
+    pile up)."""
+    key = json.dumps([snapshot.name, embedder, int(window), bool(free_text)] + (["bf16"] if bf16 else []))
     return Path(state_dir) / f"emb-{hashlib.sha256(key.encode()).hexdigest()[:16]}.bin"
 
 
@@ -69,13 +71,13 @@ def write_matrix(path: str | Path, matrix: np.ndarray, stamp: dict[str, Any]) ->
 
 
 def embed_slots(texts: Sequence[str], embedder: Any, window: int, bound: int,
-                progress: bool | None = None) -> np.ndarray:
+                progress: bool | None = None, precision: str = "fp32") -> np.ndarray:
     """The ``bound`` x dim matrix of ``texts`` (at most ``bound``, the view's records): each cut to
     the window's bytes, the rows beyond them public filler, every row padded to the window, and the
     bytes the records fall short of tokenized as ballast (``fixed_work``); the filler's vectors are
     zeroed. The work is ``bound`` rows of ``window`` tokens, whatever the records. ``progress``: a
     bar over the rows (default: on a terminal), after a log line with the time it will take,
-    measured on the first rows."""
+    measured on the first rows. ``precision``: the run config's (``common.models.embed``)."""
     from common.models import embed
 
     if len(texts) > bound:
@@ -93,7 +95,7 @@ def embed_slots(texts: Sequence[str], embedder: Any, window: int, bound: int,
     for start in range(0, bound, _CHUNK):
         chunk = rows[start:start + _CHUNK]
         matrix[start:start + len(chunk)] = embed(embedder, chunk, batch_size=EMBED_BATCH, max_tokens=window,
-                                                 fixed_width=True)
+                                                 fixed_width=True, precision=precision)
         bar(len(chunk))
         if start == 0 and bound > _CHUNK:
             # the node's own log: an estimate from public numbers (rows, window) and this machine

@@ -291,6 +291,8 @@ def _run_flwr(args: argparse.Namespace) -> int:
         if dry_run:
             print(" ".join(command))
             return 0
+        from fedsyn_server.app_stage import staged_app
+        from fedsyn_server.flwr_args import app_dir, with_app
         from fedsyn_server.flwr_runner import stale_local_superlink
         from fedsyn_server.plan import LOCAL_SUPERLINK, connection_address
 
@@ -298,6 +300,8 @@ def _run_flwr(args: argparse.Namespace) -> int:
         if problem:
             print(f"fedsyn run: {problem}", file=sys.stderr)
             return 2
+        if (app_dir(flwr_args) / "pyproject.toml").is_file():  # Flower packages the copy in ms, not seconds
+            command = [*command[:2], *with_app(command[2:], staged_app(app_dir(flwr_args), Path(scratch)))]
         # Pass the output through as it comes, and keep it: `flwr run --stream` exits 0 even when
         # the run failed, so the run's status decides this command's exit code.
         with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:

@@ -23,20 +23,31 @@ PATH_KEYS = ("out-dir", "resume", "dataset", "table-schema")
 
 def positionals(args: list[str]) -> list[str]:
     """``flwr run``'s positional arguments in ``args`` (APP, then SUPERLINK): options and their values left out."""
-    out, skip = [], False
-    for arg in args:
+    return [args[i] for i in _positional_at(args)]
+
+
+def _positional_at(args: list[str]) -> list[int]:
+    at, skip = [], False
+    for i, arg in enumerate(args):
         if skip:
             skip = False
         elif arg in OPTIONS_WITH_VALUE:
             skip = True  # its value follows
         elif not arg.startswith("-"):
-            out.append(arg)
-    return out
+            at.append(i)
+    return at
 
 
 def app_dir(args: list[str]) -> Path:
     """The app folder ``flwr run`` would use: its first positional argument, else ``.``."""
     return Path(positionals(args)[0]) if positionals(args) else Path(".")
+
+
+def with_app(args: list[str], app: Path) -> list[str]:
+    """``args`` with ``app`` as ``flwr run``'s APP argument (in place of the one given, or first
+    when none was: ``flwr run`` then took ``.``)."""
+    at = _positional_at(args)
+    return [str(app), *args] if not at else [*args[:at[0]], str(app), *args[at[0] + 1:]]
 
 
 def connection_name(args: list[str]) -> str | None:

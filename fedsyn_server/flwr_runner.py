@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from fedsyn_server.app_stage import staged_app
 from fedsyn_server.flwr_args import toml_value  # noqa: F401 - run_app's pairs; tests import it here
 
 APP_DIR = Path(__file__).resolve().parents[1]  # the project root (this app)
@@ -95,7 +96,8 @@ def run_app(run_config: dict[str, object], federation_config: str | None = None,
     """
     flwr_home = flwr_home or Path(tempfile.mkdtemp(prefix="fedsyn-flwr-home-"))
     overrides = " ".join(f"{k}={toml_value(v)}" for k, v in run_config.items())
-    cmd = [flwr_cli(), "run", str(app_dir), "--stream"]
+    # the app's files alone, copied: Flower's own walk of a project folder holding its venv takes seconds
+    cmd = [flwr_cli(), "run", str(staged_app(app_dir, flwr_home)), "--stream"]
     if overrides:
         cmd += ["--run-config", overrides]
     if federation_config:

@@ -171,14 +171,15 @@ def test_a_worker_embeds_a_rounds_candidates_once_for_all_its_simulated_nodes(mo
 
     calls = []
     monkeypatch.setattr(models, "load_embedder", lambda name: name)
-    monkeypatch.setattr(models, "embed", lambda m, texts, max_tokens=None: calls.append(list(texts)) or
-                        np.full((len(texts), 3), float(len(calls))))
+    monkeypatch.setattr(models, "embed", lambda m, texts, max_tokens=None, precision="fp32": calls.append(list(texts))
+                        or np.full((len(texts), 3), float(len(calls))))
     monkeypatch.setattr(histograms, "_CANDIDATES", {})
     first = histograms.candidate_embeddings(["a", "b"], "e", 64)
     assert histograms.candidate_embeddings(["a", "b"], "e", 64) is first and len(calls) == 1
     assert histograms.candidate_embeddings(["a\0b"], "e", 64)[0, 0] == 2.0  # not the same list
     assert histograms.candidate_embeddings(["a", "b"], "e", 128)[0, 0] == 3.0  # nor the same window
-    assert len(calls) == 3
+    assert histograms.candidate_embeddings(["a", "b"], "e", 128, "auto")[0, 0] == 4.0  # nor the same precision
+    assert len(calls) == 4
 
 
 def test_embedder_label_agreement_is_chance_for_a_blind_embedder_and_one_for_a_perfect_one():

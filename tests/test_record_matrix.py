@@ -16,6 +16,7 @@ import pandas as pd
 import pytest
 
 from common.config import RunConfig
+from common.devices import uses_bf16
 from common.models import MINILM, MINILM_VADER
 from fedsyn_client import node as node_module
 from fedsyn_client import record_matrix
@@ -24,6 +25,7 @@ from fedsyn_client.policy import policy_from_node_config
 from fedsyn_client.voting import padded
 
 BOUND, WINDOW = 24, 16
+PRECISION = RunConfig().precision  # "auto": bf16 where the CPU has it, as a default run embeds
 VOCABULARY = ("topic=a", "topic=b")
 
 
@@ -54,8 +56,8 @@ def test_the_matrix_scores_what_embedding_the_records_then_would(tmp_path, build
     node = _node(tmp_path)
     records = node.records(VOCABULARY)
     assert 0 < len(records) < len(node.data)  # topic=c is outside the vocabulary: rows gathered, not all
-    rows = node.embedded(VOCABULARY, False, MINILM, WINDOW)()
-    direct = padded(local_embeddings(records, MINILM, WINDOW, BOUND), BOUND)
+    rows = node.embedded(VOCABULARY, False, MINILM, WINDOW, PRECISION)()
+    direct = padded(local_embeddings(records, MINILM, WINDOW, BOUND, PRECISION), BOUND)
     assert rows.shape == (BOUND, 384) and np.abs(rows - direct).max() < 1e-6
     assert not rows[len(records):].any()  # the rows past the vocabulary's records are zero
     cfg = RunConfig(max_length=WINDOW // 2)
@@ -63,7 +65,7 @@ def test_the_matrix_scores_what_embedding_the_records_then_would(tmp_path, build
     codes = ["topic=a", "topic=b", "topic=a"]
     for name in ("knn-vote", "contrastive-vote", "nearest-neighbour", "similarity"):
         cached, _ = vote_histogram(name, records, texts, codes, {"num-votes": 2}, cfg, bound=BOUND,
-                                   embedded=node.embedded(VOCABULARY, False, MINILM, cfg.vote_window))
+                                   embedded=node.embedded(VOCABULARY, False, MINILM, cfg.vote_window, cfg.precision))
         fresh, _ = vote_histogram(name, records, texts, codes, {"num-votes": 2}, cfg, bound=BOUND)
         assert np.allclose(cached(), fresh(), atol=1e-9), name
     assert len(builds) == 1  # one build serves every vote of the node
@@ -71,16 +73,16 @@ def test_the_matrix_scores_what_embedding_the_records_then_would(tmp_path, build
 
 def test_a_matrix_is_kept_read_back_and_rebuilt_when_the_data_file_changes(tmp_path, builds):
     _write(tmp_path / "d.csv", 30)
-    first = _node(tmp_path).matrix(False, MINILM, WINDOW)
+    first = _node(tmp_path).matrix(False, MINILM, WINDOW, PRECISION)
     files = list((tmp_path / "s").glob("emb-*.bin"))
     assert len(files) == 1 and (os.stat(files[0]).st_mode & 0o777) == 0o600
     head, _, body = files[0].read_bytes().partition(b"\n")
     assert len(body) == BOUND * 384 * 4 and json.loads(head)["rows"] == BOUND  # the bound's size, records or not
-    again = _node(tmp_path).matrix(False, MINILM, WINDOW)  # a fresh process reads it: no build
+    again = _node(tmp_path).matrix(False, MINILM, WINDOW, PRECISION)  # a fresh process reads it: no build
     assert len(builds) == 1 and np.array_equal(first, again)
     _write(tmp_path / "d.csv", 31, extra="(edited)")  # a changed file: a new snapshot, a new matrix
     os.utime(tmp_path / "d.csv", ns=(1, 1))
-    changed = _node(tmp_path).matrix(False, MINILM, WINDOW)
+    changed = _node(tmp_path).matrix(False, MINILM, WINDOW, PRECISION)
     assert len(builds) == 2 and not np.array_equal(first, changed)
     assert len(list((tmp_path / "s").glob("emb-*.bin"))) == 1  # replaced in place
 
@@ -88,22 +90,27 @@ def test_a_matrix_is_kept_read_back_and_rebuilt_when_the_data_file_changes(tmp_p
 def test_a_matrix_of_another_snapshot_embedder_or_window_is_never_used(tmp_path, builds):
     _write(tmp_path / "d.csv", 30)
     node = _node(tmp_path)
-    node.matrix(False, MINILM, WINDOW)
-    node.matrix(False, MINILM, 2 * WINDOW)  # another window: built, not the first one's rows
-    node.matrix(False, MINILM_VADER, WINDOW)  # another embedder
-    node.matrix(True, MINILM, WINDOW)  # another text (a table's free-text column)
+    node.matrix(False, MINILM, WINDOW, PRECISION)
+    node.matrix(False, MINILM, 2 * WINDOW, PRECISION)  # another window: built, not the first one's rows
+    node.matrix(False, MINILM_VADER, WINDOW, PRECISION)  # another embedder
+    node.matrix(True, MINILM, WINDOW, PRECISION)  # another text (a table's free-text column)
     assert len(builds) == 4 and len(list((tmp_path / "s").glob("emb-*.bin"))) == 4
+    # another precision: a matrix of its own where "auto" means bf16 on this hardware, the same one where not
+    own = int(uses_bf16("cpu", PRECISION))
+    node.matrix(False, MINILM, WINDOW, "fp32")
+    assert len(builds) == 4 + own and len(list((tmp_path / "s").glob("emb-*.bin"))) == 4 + own
     # another snapshot's matrix copied onto this one's file: its stamp differs, so it is built again
     (tmp_path / "e.csv").write_bytes((tmp_path / "d.csv").read_bytes())
     _write(tmp_path / "d.csv", 12)
     other = _node(tmp_path, **{"data-path": str(tmp_path / "e.csv")})
-    other.matrix(False, MINILM, WINDOW)
-    mine = record_matrix.matrix_path(tmp_path / "s", other.snapshot.path, MINILM, WINDOW, False)
+    other.matrix(False, MINILM, WINDOW, PRECISION)
+    bf16 = uses_bf16("cpu", PRECISION)
+    mine = record_matrix.matrix_path(tmp_path / "s", other.snapshot.path, MINILM, WINDOW, False, bf16)
     node = _node(tmp_path)
-    target = record_matrix.matrix_path(tmp_path / "s", node.snapshot.path, MINILM, WINDOW, False)
+    target = record_matrix.matrix_path(tmp_path / "s", node.snapshot.path, MINILM, WINDOW, False, bf16)
     target.write_bytes(mine.read_bytes())
     built = len(builds)
-    node.matrix(False, MINILM, WINDOW)
+    node.matrix(False, MINILM, WINDOW, PRECISION)
     assert len(builds) == built + 1
     # a stamp that names another embedder's weights (the same name, other files): not read
     stamp = json.loads(target.read_bytes().partition(b"\n")[0])["stamp"]
@@ -129,7 +136,7 @@ def test_node_check_builds_the_matrix_and_a_vote_then_embeds_no_record(tmp_path,
         raise AssertionError("a vote embedded the records after node-check")
 
     monkeypatch.setattr(node_module, "embed_slots", no_build)
-    assert node.embedded(VOCABULARY, False, MINILM, RunConfig().vote_window)().shape == (BOUND, 384)
+    assert node.embedded(VOCABULARY, False, MINILM, RunConfig().vote_window, PRECISION)().shape == (BOUND, 384)
 
 
 def test_a_matrix_holds_the_bound_whatever_the_records(tmp_path):

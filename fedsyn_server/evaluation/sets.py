@@ -52,7 +52,6 @@ def cached_embeddings(model: Any, name: str, texts: Sequence[str]) -> Any:
     texts: a run's held-out split is the same public records in every run of a dataset and seed, and
     embedding its 223 BBC articles at 256 tokens was most of the evaluation's time. For public texts
     only (the caller says so): the vectors of private records must not outlive the call."""
-    import hashlib
     import io
 
     import numpy as np
@@ -60,11 +59,10 @@ def cached_embeddings(model: Any, name: str, texts: Sequence[str]) -> Any:
     import torch
 
     from common.io import atomic_write_bytes
-    from common.models import default_cache_dir, embed
+    from common.models import embed, public_cache_path
 
-    key = hashlib.sha256(json.dumps([name, _embedder_name(model), getattr(model, "max_seq_length", None),
-                                     sentence_transformers.__version__, torch.__version__, list(texts)]).encode())
-    path = default_cache_dir() / "embeddings" / f"{key.hexdigest()[:32]}.npy"
+    path = public_cache_path("embeddings", [name, _embedder_name(model), getattr(model, "max_seq_length", None),
+                                            sentence_transformers.__version__, torch.__version__, list(texts)], ".npy")
     try:
         found = np.load(path, allow_pickle=False)
         if found.shape[0] == len(texts):

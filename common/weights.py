@@ -102,3 +102,16 @@ def load_trainable_state(model, state: dict[str, np.ndarray]) -> None:
     with torch.no_grad():
         for n, p in params.items():
             p.copy_(torch.as_tensor(np.asarray(state[n]), dtype=p.dtype, device=p.device))
+
+
+def without_idle_adapter(model):
+    """A context in which ``model`` runs without its LoRA adapter when the adapter adds nothing
+    (every ``lora_B`` weight exactly zero, as PEFT initialises it: theta^0): the same outputs bit for
+    bit, without the adapter's extra products in every layer (about a tenth of generation's time
+    with rank 2 on 2 CPU cores). Any other model, or an adapter that moved: a no-op context."""
+    import contextlib
+
+    lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
+    if not lora_b or not hasattr(model, "disable_adapter") or any(bool(p.detach().any()) for p in lora_b):
+        return contextlib.nullcontext()
+    return model.disable_adapter()

@@ -5,7 +5,7 @@ the records is the vote's cost: under the node's public bound every vote embedde
 rows padded to the vote window (issue 45), about 40 rows a second on two cores, so an hour per
 vote at 100,000 records, paid again in every round of a run while the records had not changed
 since the snapshot. So a deployed node keeps its view's embedding matrix in its state folder, one
-per (snapshot, embedder, window, text column), built by ``fedsyn node-check`` or by the first vote
+per (snapshot, embedder, window, text column, bf16 or fp32), built by ``fedsyn node-check`` or by the first vote
 that needs it, and rebuilt when the snapshot is.
 
 The matrix is exactly ``max-records`` rows (the view's records in the snapshot's order, then zero
@@ -14,8 +14,9 @@ are the bound's: the build embeds every slot padded to the window (``embed_slots
 filler rows, ballast), a vote reads the whole file and gathers a fixed ``max-records`` rows from it
 (``gathered``). Which matrix a vote may use is decided by its stamp, written in the file's first
 line: the snapshot's stamp and fingerprint (a changed file is a new snapshot), the embedder's
-identity (its name and where its weights live, with their sizes and times), the window and whether
-the texts are a table's free-text column. A matrix whose stamp differs is never read: it is built
+identity (its name and where its weights live, with their sizes and times), the window, whether
+the texts are a table's free-text column and whether they were embedded under bf16 autocast (the
+run config's ``precision`` on this node's hardware). A matrix whose stamp differs is never read: it is built
 again. By hand: no library keeps an embedding matrix keyed to a data snapshot.
 """
 

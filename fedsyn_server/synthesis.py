@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections import Counter
 from collections.abc import Mapping
@@ -21,7 +22,7 @@ from common.devices import to_device
 from common.io import atomic_write_json
 from common.models import load_generator, public_cache_path
 from common.rows import IS, SEP, Column, RowError, Schema, generated_part, parse, written_pairs
-from common.weights import load_trainable_state, prepare_model, trainable_state
+from common.weights import load_trainable_state, prepare_model, trainable_state, without_idle_adapter
 from fedsyn_server.generation import generate_samples
 from fedsyn_server.text_quality import first_line, trim_cut, unusable, unusable_row
 from strategies.refinement import Generator
@@ -31,6 +32,36 @@ VALUE_TOKENS = 4  # a table value's token limit beyond its widest text (a space,
 VALUE_RETRIES = 3  # further draws of one table value that breaks the schema
 REGENERATE = 2  # further attempts for a text that is unusable (then it is dropped and counted)
 HELDOUT_EVAL_RECORDS = 64  # enough for a stable loss, ~5 s per round on CPU with SmolLM2
+
+
+SPARE_SHARE = 0.02  # spare texts of a code, as a share of its allocation (at least one; ``spare_codes``)
+
+
+def spare_codes(allocation: Mapping[str, int]) -> list[str]:
+    """The codes of the spare texts written beside an allocation: ``SPARE_SHARE`` of each code's
+    count, at least one per code that has any. An unusable text (1 to 3 of 120 at the defaults)
+    was written again alone, a batch of its own that costs as much time as one of 120 on a CPU
+    (about 4 s on 2 cores): a spare from the first batch now stands in for it, and only when a
+    code's spares run out is the text asked again."""
+    return [c for c, n in allocation.items() if n > 0 for _ in range(max(1, math.ceil(SPARE_SHARE * n)))]
+
+
+def filled_from_spares(codes: list[str], texts: list[str | None], spares: list[str],
+                       spare_texts: list[str | None]) -> tuple[list[str | None], int]:
+    """(``texts`` with each None replaced by the next unused usable spare of its code where one
+    is left, how many spares were used). In: the allocated texts' codes and texts (None =
+    unusable), the spares' codes and texts. Spares are taken in order, so the result is a
+    function of the inputs; unused spares are dropped (they are extra samples of the same
+    prompts, so which text stands in changes no distribution)."""
+    left: dict[str, list[str]] = {}
+    for code, text in zip(spares, spare_texts):
+        if text is not None:
+            left.setdefault(code, []).append(text)
+    out, used = list(texts), 0
+    for i, (code, text) in enumerate(zip(codes, texts)):
+        if text is None and left.get(code):
+            out[i], used = left[code].pop(0), used + 1
+    return out, used
 
 
 def _leading_columns(text: str, schema: Schema) -> list[tuple[str, str]]:
@@ -100,17 +131,19 @@ class ServerModel(Generator):
         """
         self._style = prompt or self.cfg.prompt
         try:
-            return self._generate(allocation, seed)
+            with without_idle_adapter(self.model):  # theta^0's adapter adds zero: the same texts, sooner
+                return self._generate(allocation, seed)
         finally:
             self._style = self.cfg.prompt
 
     def _generate(self, allocation: Mapping[str, int], seed: int) -> tuple[list[str], list[str]]:
         codes = [code for code, n in allocation.items() for _ in range(n)]
         log.info("[generate] %d texts for %d codes", len(codes), sum(n > 0 for n in allocation.values()))
-        prompts = [self.prompt(c) for c in codes]
-        unconditional = [self.unconditional_prompt(c) for c in codes]  # guidance's other branch
-        texts: list[str | None] = [None] * len(codes)
-        todo, rejected = list(range(len(codes))), Counter()
+        spares = spare_codes(allocation)
+        prompts = [self.prompt(c) for c in codes + spares]
+        unconditional = [self.unconditional_prompt(c) for c in codes + spares]  # guidance's other branch
+        texts: list[str | None] = [None] * len(prompts)
+        todo, rejected, used = list(range(len(prompts))), Counter(), 0
         limit = self.new_tokens(prompts)
         for attempt in range(1 + REGENERATE):
             if not todo:
@@ -123,7 +156,6 @@ class ServerModel(Generator):
                                         unconditional=[unconditional[i] for i in todo])
             else:
                 samples = self._rows([prompts[i] for i in todo], limit, again_seed)
-            again = []
             for i, (text, hit_limit) in zip(todo, samples):
                 text = trim_cut(text, hit_limit)
                 if self.row_schema is not None:  # a table: the text is one row, or it is asked again
@@ -135,12 +167,15 @@ class ServerModel(Generator):
                     texts[i] = text
                 else:
                     rejected[why] += 1
-                    again.append(i)
-            todo = again
+            if not attempt:  # a spare of the same code stands in for an unusable text; the rest are dropped
+                texts[:len(codes)], used = filled_from_spares(codes, texts[:len(codes)], spares, texts[len(codes):])
+                texts = texts[:len(codes)]
+            todo = [i for i, t in enumerate(texts) if t is None]
         kept = [i for i, t in enumerate(texts) if t is not None]
         written = Counter(codes[i] for i in kept)
         self._report = {"requested": len(codes), "written": len(kept), "dropped": len(todo),
                         "rejected": dict(rejected), "attempts": 1 + REGENERATE,
+                        "spares": {"written": len(spares), "used": used},
                         "per_code": {c: {"allocated": int(n), "written": written.get(c, 0)} for c, n in allocation.items()}}
         if todo:
             log.warning("[generate] dropped %d of %d texts still unusable after %d attempts (%s)", len(todo),

@@ -121,14 +121,40 @@ def test_no_empty_or_prompt_copy_text_is_written(monkeypatch):
 
     monkeypatch.setattr(server, "_samples", samples)
     texts, codes = server.generate({"topic=a": 3, "topic=b": 2}, seed=0)
-    assert calls == [5, 3, 1]  # the unusable ones are asked again, REGENERATE times at most
-    assert len(calls) == 1 + REGENERATE
+    # 5 texts and a spare per code (unusable here too), then the unusable ones asked again, REGENERATE times at most
+    assert calls == [7, 3, 1] and len(calls) == 1 + REGENERATE
     assert all(t.strip() for t in texts) and not any(t == server.prompt(c).strip() for t, c in zip(texts, codes))
     assert "A fine report on the" in texts  # the limit's cut word is trimmed, the text kept
     report = server.generation_report()
     assert report["written"] == len(texts) == 4 and report["dropped"] == 1
-    assert report["rejected"] == {"empty": 3, "prompt-copy": 1, "repetition": 1}
+    assert report["rejected"] == {"empty": 4, "prompt-copy": 2, "repetition": 1}
     assert report["per_code"] == {"topic=a": {"allocated": 3, "written": 2}, "topic=b": {"allocated": 2, "written": 2}}
+    assert report["spares"] == {"written": 2, "used": 0}
+
+
+def test_a_spare_of_the_same_code_stands_in_for_an_unusable_text(monkeypatch):
+    """Issue 61: one unusable text no longer costs a batch of its own; a spare written beside the
+    allocation takes its place, and only a code without a usable spare asks again."""
+    from common.config import RunConfig
+    from fedsyn_server.synthesis import ServerModel, filled_from_spares, spare_codes
+
+    server = ServerModel(RunConfig(model="tiny-gpt2"))
+    calls = []
+
+    def samples(prompts, max_new_tokens, seed, unconditional=None):
+        calls.append(len(prompts))
+        return [("", False) if i == 0 else (f"Usable text number {i} of call {len(calls)}.", False)
+                for i in range(len(prompts))]
+
+    monkeypatch.setattr(server, "_samples", samples)
+    texts, codes = server.generate({"topic=a": 3, "topic=b": 2}, seed=0)
+    assert calls == [7] and codes == ["topic=a"] * 3 + ["topic=b"] * 2
+    assert texts[0] == "Usable text number 5 of call 1." and len(set(texts)) == 5  # topic=a's spare, in slot 0
+    assert server.generation_report()["spares"] == {"written": 2, "used": 1}
+    # pure: spares are used in order and per code; a code without one keeps its gap
+    assert spare_codes({"a": 120, "b": 1, "c": 0}) == ["a"] * 3 + ["b"]
+    filled, used = filled_from_spares(["a", "a", "b", "c"], [None, "x", None, None], ["a", "a", "b"], [None, "s1", "s2"])
+    assert filled == ["s1", "x", "s2", None] and used == 2
 
 
 # ------------------------------------------------------------ the sampler and the batch size (pure)

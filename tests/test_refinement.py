@@ -168,11 +168,12 @@ def test_a_vote_refinement_gives_its_selection_exactly(dataset, tmp_path, method
     cfg = RunConfig.from_flower(rc)
     exact = np.zeros(len(res.pool_texts))
     emb = load_embedder(cfg.embedder)
-    syn = embed(emb, res.pool_texts, max_tokens=cfg.vote_window)  # compared within 2 x the generator's window
+    # compared within 2 x the generator's window, at the run's precision (bf16 where the CPU has it)
+    syn = embed(emb, res.pool_texts, max_tokens=cfg.vote_window, precision=cfg.precision)
     for pid in (1, 2):  # the weak nodes
         part = simulation_node_data(cfg, pid, 3)[1]
-        exact += votes_of(embed(emb, part.texts, max_tokens=cfg.vote_window), part.codes, syn, res.pool_codes,
-                          cfg.num_votes)
+        local = embed(emb, part.texts, max_tokens=cfg.vote_window, precision=cfg.precision)
+        exact += votes_of(local, part.codes, syn, res.pool_codes, cfg.num_votes)
     assert np.array_equal(res.votes, exact)
     assert np.array_equal(res.selected, resample_by_code(res.pool_codes, exact, cfg.sampling_rate, cfg.seed))
     [conf] = _vote_configs(grid)

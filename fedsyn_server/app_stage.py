@@ -53,6 +53,16 @@ def _dropped(folder: Path, ignored) -> bool:
     return ignored is not None and ignored.match_file(folder.as_posix() + "/")
 
 
+def with_staged_app(flwr_args: list[str], scratch: Path) -> list[str]:
+    """``flwr run``'s arguments with its app folder replaced by a staged copy in ``scratch``
+    (``staged_app``); unchanged when the app is not a folder with a pyproject.toml (an app id,
+    or a path ``flwr run`` itself will refuse with its own message)."""
+    from fedsyn_server.flwr_args import app_dir, with_app
+
+    app = app_dir(flwr_args)
+    return with_app(flwr_args, staged_app(app, scratch)) if (app / "pyproject.toml").is_file() else list(flwr_args)
+
+
 def staged_app(app: Path, into: Path) -> Path:
     """Copy ``app``'s FAB files (``app_files``) into ``into/app`` and return that folder, for
     ``flwr run`` to package in place of ``app``. ``into`` is the caller's scratch folder (it

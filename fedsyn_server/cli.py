@@ -291,8 +291,7 @@ def _run_flwr(args: argparse.Namespace) -> int:
         if dry_run:
             print(" ".join(command))
             return 0
-        from fedsyn_server.app_stage import staged_app
-        from fedsyn_server.flwr_args import app_dir, with_app
+        from fedsyn_server.app_stage import with_staged_app
         from fedsyn_server.flwr_runner import stale_local_superlink
         from fedsyn_server.plan import LOCAL_SUPERLINK, connection_address
 
@@ -300,8 +299,7 @@ def _run_flwr(args: argparse.Namespace) -> int:
         if problem:
             print(f"fedsyn run: {problem}", file=sys.stderr)
             return 2
-        if (app_dir(flwr_args) / "pyproject.toml").is_file():  # Flower packages the copy in ms, not seconds
-            command = [*command[:2], *with_app(command[2:], staged_app(app_dir(flwr_args), Path(scratch)))]
+        command = [*command[:2], *with_staged_app(command[2:], Path(scratch))]  # packaged in ms, not seconds
         # Pass the output through as it comes, and keep it: `flwr run --stream` exits 0 even when
         # the run failed, so the run's status decides this command's exit code.
         with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:

@@ -126,12 +126,14 @@ def plan_deployment(flwr_args: list[str], cwd: Path, address: str) -> Plan:
     import subprocess
     import tempfile
 
+    from fedsyn_server.app_stage import with_staged_app
     from fedsyn_server.flwr_args import connection_name, with_absolute_paths
     from fedsyn_server.flwr_runner import flwr_cli, run_status
 
     out = Plan(lines=[f"deployment at {address}: asking the nodes' tier query (free; nothing is spent)"])
     with tempfile.TemporaryDirectory(prefix="fedsyn-plan-") as scratch:
         args = with_absolute_paths(flwr_args, cwd, Path(scratch)) + ["--run-config", "plan-only=true"]
+        args = with_staged_app(args, Path(scratch))
         command = [flwr_cli(), "run", *args] + ([] if "--stream" in args else ["--stream"])
         proc = subprocess.run(command, capture_output=True, text=True, check=False)
     output = proc.stdout + proc.stderr

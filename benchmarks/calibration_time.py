@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 import sys
 
-from common.calibration import Planned, calibrate
+from common.accounting import calibrate
+from common.calibration import Planned
 from common.dp import DPSGD, GAUSSIAN
 
 DELTA = 1e-5

@@ -43,11 +43,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from common.dp import (DPSGD, GAUSSIAN, analytic_gaussian_sigma, dpsgd_epsilon, dpsgd_event, dpsgd_noise_multiplier,
-                       pld_accountant)
+from common.dp import DPSGD, GAUSSIAN, analytic_gaussian_sigma, dpsgd_event, dpsgd_noise_multiplier, pld_accountant
 
-BASIC, PLD = "basic", "pld"
-RULES = (BASIC, PLD)
 # The search stops when the noise is known to this relative width; it keeps the side whose
 # composition is within the target, so a node never spends more than its share.
 NOISE_TOLERANCE = 1e-4
@@ -168,7 +165,7 @@ def composition_delta(base: Base, delta: float) -> float:
 
 def clear_caches() -> None:
     """Forget every memoised composition and noise (a test that plants another rule)."""
-    for cached in (base_epsilon, pld_noise, pld_charge, _calibrate, _prefix):
+    for cached in (base_epsilon, pld_noise, pld_charge, calibrate_pld, _prefix):
         cached.cache_clear()
 
 
@@ -238,27 +235,19 @@ def solve_noise(base: Base, phase: Planned, target: float, delta: float) -> floa
     return noise
 
 
-def calibrate(planned: Sequence[Planned], rule: str = PLD, delta: float | None = None) -> list[float]:
-    """The noise of each planned phase, in the plan's order, under ``rule`` (``basic`` or
-    ``pld``, see the module docstring). ``delta``: the policy's, at which ``pld`` composes the
-    plan (None: the largest phase delta, a run's per-release delta, which in simulation is the
-    policy's). An infinite share (no DP) gets 0 noise. A DP-SGD phase of unknown q
-    (``sample_rate`` 0: a deployment's plan, where q is the node's) gets NaN, and under pld the
-    phases after it are priced without it and those before: an upper bound on the noise the node
-    solves with its q."""
-    at = float(delta) if delta is not None else max((p.delta for p in planned), default=0.0)
-    return list(_calibrate(tuple(planned), rule, at))
+def calibrate_basic(planned: Sequence[Planned]) -> tuple[float, ...]:
+    """Each planned phase's noise under ``basic``: each meets its share at its delta on its own
+    (``Planned.basic_noise``); a DP-SGD phase of unknown q gets NaN. Infinite shares: see
+    ``common.accounting.calibrate``."""
+    return tuple(math.nan if p.q_unknown else p.basic_noise() for p in planned)
 
 
 @functools.lru_cache(maxsize=64)  # a node solves the same plan at every release of a run
-def _calibrate(planned: tuple[Planned, ...], rule: str, delta: float) -> tuple[float, ...]:
-    if rule not in RULES:
-        raise ValueError(f"unknown accounting rule {rule!r}; one of {RULES}")
-    if any(math.isinf(p.share) for p in planned):
-        return (0.0,) * len(planned)
-    if rule == BASIC:
-        return tuple(math.nan if p.q_unknown else p.basic_noise() for p in planned)
-    # what the nodes do (fedsyn_client.release): each phase on every release before it
+def calibrate_pld(planned: tuple[Planned, ...], delta: float) -> tuple[float, ...]:
+    """Each planned phase's noise under ``pld``, as the nodes solve it (``fedsyn_client.release``):
+    each phase on every release before it, composed at ``delta`` (the policy's). A DP-SGD phase of
+    unknown q gets NaN, and the phases after it are priced without it and those before: an upper
+    bound on the noise the node solves with its q."""
     noises: list[float] = []
     base: Base = ()
     for phase in planned:
@@ -372,15 +361,3 @@ def basic_delta(requested: float, epsilon: float, budget: float, policy_delta: f
     if not (math.isfinite(budget) and math.isfinite(epsilon)) or budget <= 0:
         return float(requested)
     return min(float(requested), float(policy_delta) * float(epsilon) / float(budget))
-
-
-def dpsgd_phase_epsilon(history: list[list[float]], delta: float, base: Base | None) -> float:
-    """Phase 1's epsilon after ``history`` [(noise multiplier, q, steps), ...]: Opacus' RDP accountant
-    at the phase's ``delta`` (basic), or under pld the growth of the composition of ``base`` and
-    the steps so far at ``delta``, the policy's (what the noise was solved for)."""
-    if base is None:
-        return dpsgd_epsilon(history, delta)
-    if any(float(h[0]) == 0 for h in history):
-        return math.inf
-    steps = tuple((DPSGD, float(nm), float(q), int(n), 0.0) for nm, q, n in history)
-    return base_epsilon(tuple(base) + steps, delta) - base_epsilon(tuple(base), delta)

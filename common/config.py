@@ -13,6 +13,8 @@ from dataclasses import dataclass, fields
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
+from common.accounting import DEFAULT as DEFAULT_ACCOUNTING
+from common.accounting import RULES as ACCOUNTING_RULES
 from common.dp import BudgetSplit, paper_delta, phase_epsilon, split_budget
 from common.plugins import AGGREGATORS, FINETUNE_MODES, REFINEMENTS, is_class_path
 
@@ -23,10 +25,10 @@ if TYPE_CHECKING:
 # code, and generation uses it; zero-shot: the pretrained model with that template (no phase 1)
 PROMPTS = ("code", "instruction", "zero-shot")
 VOTERS = ("weak", "all")
-# How a node composes its releases (issue 47, common.calibration): "pld" (the default) spends the
-# budget by a privacy-loss distribution (the same epsilon, less noise); "basic" adds epsilons, the
-# paper's rule, for an institution that requires it.
-ACCOUNTING = ("basic", "pld")
+# How a node composes its releases (issue 47): one object per rule, ``common.accounting.RULES``:
+# "pld" (the default) spends the budget by a privacy-loss distribution (the same epsilon, less
+# noise); "basic" adds epsilons, the paper's rule, for an institution that requires it.
+ACCOUNTING = ACCOUNTING_RULES  # the live registry: a rule registered later is allowed too
 ON_NODE_SHORTFALL = ("refuse", "continue-without")
 PRECISIONS = ("auto", "fp32")
 WRITER_CHOICES = ("better", "mix")  # strategies.writers.better_writer
@@ -108,7 +110,7 @@ class RunConfig:
     grpo_group_size: int = 8  # GRPO's G: texts per prompt, normalised against each other
     grpo_learning_rate: float = 1e-4
     voters: str = "all"  # VOTERS; "all" chosen by issue 46's grid (docs/results.md), "weak" is the paper's
-    accounting: str = "pld"  # simulated nodes' rule (a deployed node's is its node-config accounting)
+    accounting: str = DEFAULT_ACCOUNTING  # simulated nodes' rule (a deployed node's is its node-config accounting)
     min_nodes: int = 0
     node_timeout: float = 3600.0
     on_node_shortfall: str = "refuse"  # a node that cannot finish the run: refuse to start, or go on without it

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from common.calibration import BASIC, ledger_epsilon
+from common.accounting import Accounting
 from fedsyn_client import holds, refusals
 from fedsyn_client.refusals import BudgetExceeded
 
@@ -39,10 +39,10 @@ DELTA_TOLERANCE = 1e-9
 
 @dataclass(frozen=True)
 class Rule:
-    """How the node's policy budgets a release: its ``accounting`` (``pld`` or ``basic``) and its
-    ``delta``, the node's (with the ledger's epsilon budget, the node's (epsilon, delta))."""
+    """How the node's policy budgets a release: its ``accounting`` rule (``common.accounting``) and
+    its ``delta``, the node's (with the ledger's epsilon budget, the node's (epsilon, delta))."""
 
-    accounting: str
+    accounting: Accounting
     delta: float
 
 
@@ -89,9 +89,10 @@ def check(data: dict[str, Any], epsilon: float, what: str, run_id: str | None = 
     if not math.isfinite(budget):
         return
     other = held(data, run_id)
-    if rule is not None and rule.accounting != BASIC and candidate is not None:
-        entries = counted(data["releases"])
-        now, after = ledger_epsilon(entries, rule.delta), ledger_epsilon([*entries, candidate], rule.delta)
+    entries = counted(data["releases"])
+    now = rule.accounting.ledger_epsilon(entries, rule.delta) if rule is not None and candidate is not None else None
+    if now is not None:  # the rule composes the ledger: its composition with the candidate is what is spent
+        after = rule.accounting.ledger_epsilon([*entries, candidate], rule.delta)
         if after > budget - other + TOLERANCE:
             raise BudgetExceeded(refusals.BUDGET, (
                 f"{what}: refused, every release of this node composed with it at the policy's delta = {rule.delta:g} "

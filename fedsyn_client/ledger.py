@@ -324,7 +324,7 @@ class PrivacyLedger:
                 entry["binding"] = dict(binding)
             holds.confirm(data, release.run_id, time.time())
             if rule is not None:
-                data["policy"] = {"accounting": rule.accounting, "delta": rule.delta}
+                data["policy"] = {"accounting": rule.accounting.name, "delta": rule.delta}
             data["releases"].append(entry)
         return str(entry["id"])
 
@@ -338,10 +338,10 @@ class PrivacyLedger:
             entry = _entry(data, entry_id)
             entry["private"] = {**(entry.get("private") or {}), **private}
             budget = float(data["budget"])
-            if rule is None or rule.accounting == admission.BASIC or not math.isfinite(budget):
+            if rule is None or not math.isfinite(budget):
                 return
-            after = ledger_epsilon(admission.counted(data["releases"]), rule.delta)
-            if after > budget + admission.TOLERANCE:
+            after = rule.accounting.ledger_epsilon(admission.counted(data["releases"]), rule.delta)
+            if after is not None and after > budget + admission.TOLERANCE:
                 raise BudgetExceeded(refusals.BUDGET, (
                     f"{entry['phase']}: refused after the reservation, every release of this node composed with its "
                     f"terms at delta = {rule.delta:g} reaches epsilon = {after:.4g}, above its budget {budget:g}"))

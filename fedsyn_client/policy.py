@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.config import ACCOUNTING
+from common.config import ACCOUNTING, DEFAULT_ACCOUNTING
 from common.dp import MARGINALS, PHASES, PROFILE, TIERS, TRAIN, VOTE
 from common.records import ERR_POLICY
 from common.plugins import FINETUNE_MODES
@@ -131,7 +131,7 @@ class NodePolicy:
     finetune_modes: tuple[str, ...] = DEFAULT_FINETUNE
     max_length: int = DEFAULT_MAX_LENGTH  # the longest max-length a request may ask
     max_records: int = 0  # the public size bound (0 in simulation: the partition's size, public there)
-    accounting: str = "pld"  # how this node composes its releases (common.config.ACCOUNTING)
+    accounting: str = DEFAULT_ACCOUNTING  # how this node composes its releases (common.config.ACCOUNTING)
     measurable_columns: tuple[str, ...] = ()  # the columns any release may read; () = all of the schema's
     simulated: bool = False
     partition: tuple[int, ...] = ()  # simulation: (partition id, number of partitions)
@@ -373,7 +373,7 @@ def policy_from_node_config(node_config: Mapping[str, Any]) -> NodePolicy:
     max_records = _float("max-records", values["max-records"])
     if not (1 <= max_records <= 10_000_000 and max_records == int(max_records)):
         raise PolicyError(f"node-config max-records = {max_records:g} must be an integer in [1, 10000000]")
-    accounting = str(values.get("accounting", "pld")).strip()
+    accounting = str(values.get("accounting", DEFAULT_ACCOUNTING)).strip()
     if accounting not in ACCOUNTING:
         raise PolicyError(f"node-config accounting = {accounting!r} must be one of {', '.join(ACCOUNTING)} (basic: "
                           "epsilons add up; pld: the same budget priced by a privacy-loss distribution, less noise)")
@@ -395,7 +395,7 @@ def simulation_policy(tier: str, epsilon: float, delta: float, text_column: str,
                       control_columns: Sequence[str], vocabulary: Sequence[str], state_dir: str,
                       partition: tuple[int, int], model: str, embedder: str, finetune: str,
                       table_schema: str = "", max_length: int = DEFAULT_MAX_LENGTH,
-                      accounting: str = "pld") -> NodePolicy:
+                      accounting: str = DEFAULT_ACCOUNTING) -> NodePolicy:
     """The policy of a simulated node: built from the run config, since no institution exists
     (its models and table schema are the run's own)."""
     return NodePolicy(tier=tier, epsilon=epsilon, delta=delta, text_column=text_column,

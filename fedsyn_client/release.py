@@ -37,7 +37,10 @@ from flwr.app import ConfigRecord, Context, Message
 
 from common import records as R
 from common.config import ConfigError, RunConfig
-from common.calibration import BASIC, Planned, basic_delta, pld_charge, pld_noise, release_base, rounds_of
+from common.accounting import DEFAULT as DEFAULT_ACCOUNTING
+from common.accounting import Accounting
+from common.accounting import rule as accounting_rule
+from common.calibration import Planned, basic_delta, release_base, rounds_of
 from common.dp import GAUSSIAN, MARGINALS, PHASES, analytic_gaussian_sigma, gaussian_release
 from common.logs import get_logger
 from common.rows import canonical
@@ -67,11 +70,16 @@ class Request:
     digest: str = ""  # of the whole request, to answer a repeat with the stored reply
     needs: dict[str, float] = field(default_factory=dict)  # TIER: this run's epsilon per planned phase
     cap: tuple[float, float] | None = None  # the policy's cap for the phase and its window (days)
-    accounting: str = BASIC  # the node's rule (policy accounting): how the release is priced and noised
+    accounting: str = DEFAULT_ACCOUNTING  # the node's rule (policy accounting): how the release is priced and noised
     # the node's budget (policy epsilon, delta), set by ``release``: under pld every release is
     # composed at this delta, under basic a release's delta is its split of it (``under_policy``)
     policy_epsilon: float = math.inf
     policy_delta: float = 0.0
+
+    @property
+    def rule(self) -> Accounting:
+        """The node's accounting rule (``common.accounting``) this request is priced by."""
+        return accounting_rule(self.accounting)
 
 
 def run_key(msg: Message, context: Context) -> str:
@@ -251,7 +259,7 @@ class GaussianHistogram(Mechanism):
         delta), hence their number, and under pld the noise multiplier all of them use; a round asking
         another share, or priced on another history, under the same run key is refused."""
         bound = {"epsilon": float(request.epsilon), "delta": float(request.delta)}
-        if request.accounting == BASIC or self.noise_multiplier is None:
+        if self.noise_multiplier is None:  # each release solves its own sigma (basic)
             return bound
         # the multiplier, not sigma: a phase's rounds may measure vectors of other sensitivities
         # (a marginals run's round 2 asks fewer marginals than round 1) at one noise multiplier
@@ -263,7 +271,7 @@ class GaussianHistogram(Mechanism):
         at its q) compose at the policy's delta to the earlier ones' epsilon plus the phase's:
         exact composition instead of epsilon / T per round, and never at a delta that grows with
         the releases (issue 60). Later rounds keep the multiplier the first one bound."""
-        if request.accounting == BASIC or not math.isfinite(request.epsilon):
+        if not math.isfinite(request.epsilon):
             return  # no DP: no noise, priced inf as under basic
         mine = [e for e in before if e["run_id"] == request.run_id and e["phase"] == request.phase]
         bound = next((e["binding"] for e in mine if (e.get("binding") or {}).get("noise_multiplier")), None)
@@ -276,7 +284,7 @@ class GaussianHistogram(Mechanism):
         # solved at sensitivity 1: the composition depends on sigma / sensitivity alone, so every
         # round of the phase gets the same multiplier whatever its vector's sensitivity
         phase = Planned(request.phase, GAUSSIAN, request.epsilon * rounds, request.delta * rounds, 1.0, rounds=rounds)
-        self.noise_multiplier = pld_noise(earlier, phase, request.policy_delta)
+        self.noise_multiplier = request.rule.gaussian_multiplier(earlier, phase, request.policy_delta)
 
     @property
     def sigma(self) -> float | None:
@@ -285,11 +293,10 @@ class GaussianHistogram(Mechanism):
         return None if self.noise_multiplier is None else self.noise_multiplier * self.sensitivity
 
     def charge(self, request: Request, before: list[dict[str, Any]]) -> float | None:  # noqa: D102
-        if request.accounting == BASIC or self.sigma is None:
+        if self.sigma is None:  # its request's epsilon prices it
             return None
-        if self.sigma == 0:
-            return float("inf")
-        return pld_charge(release_base(before), self.sigma, self.sensitivity, request.policy_delta, request.delta)
+        return request.rule.gaussian_charge(release_base(before), self.sigma, self.sensitivity, request.policy_delta,
+                                            request.delta)
 
     def public(self, request: Request) -> dict[str, Any]:  # noqa: D102
         if self.sigma is None:  # basic: ``release`` has split delta already
@@ -322,7 +329,7 @@ def release(node: Node, request: Request, mechanism: Mechanism) -> tuple[Any, Co
     mechanism.check(request)
     epsilon, delta = mechanism.cost(request)
     priced, early = None, {}
-    if request.accounting != BASIC:  # the ledger's earlier releases price it (public values), again under the lock
+    if request.rule.composes_ledger:  # the ledger's earlier releases price it (public values), again under the lock
         before = node.ledger.entries_before(request.run_id, request.phase, request.round)
         mechanism.calibrate(request, before)
         priced = mechanism.charge(request, before)
@@ -330,7 +337,7 @@ def release(node: Node, request: Request, mechanism: Mechanism) -> tuple[Any, Co
     rel = Release(phase=request.phase, mechanism=mechanism.name, epsilon=epsilon if priced is None else priced,
                   delta=delta, run_id=request.run_id, round=request.round, public=mechanism.public(request),
                   private=early)
-    rule = Rule(request.accounting, request.policy_delta)
+    rule = Rule(request.rule, request.policy_delta)
     entry = node.ledger.reserve(rel, request.phase_budget, steps=mechanism.steps(request), cap=request.cap,
                                 binding=mechanism.binding(request), digest=request.digest,
                                 charge=None if priced is None else (lambda entries: mechanism.charge(request, entries)),
@@ -338,7 +345,7 @@ def release(node: Node, request: Request, mechanism: Mechanism) -> tuple[Any, Co
     if priced is not None:
         rel = replace(rel, epsilon=node.ledger.charged(entry))
     try:
-        late = mechanism.terms(request, reserved=True) if request.accounting != BASIC and not early else {}
+        late = mechanism.terms(request, reserved=True) if request.rule.composes_ledger and not early else {}
         if late:  # composed before anything is computed: a budget this no longer fits fails the round
             node.ledger.note(entry, late, rule)
         out = mechanism.release(request)
@@ -361,8 +368,7 @@ def under_policy(request: Request, epsilon: float, delta: float) -> Request:
     delta becomes its declared split of the policy's (``common.calibration.basic_delta``), so the
     deltas of the node's releases add up within it as their epsilons do; under pld the request's
     delta stays what it asked (stated), and every release is composed at the policy's."""
-    split = (request.delta if request.accounting != BASIC
-             else basic_delta(request.delta, request.epsilon, epsilon, delta))
+    split = request.rule.release_delta(request.delta, request.epsilon, epsilon, delta)
     return replace(request, delta=split, policy_epsilon=float(epsilon), policy_delta=float(delta))
 
 

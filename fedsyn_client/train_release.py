@@ -34,18 +34,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from functools import lru_cache
 from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord
 
 from common import records as R
+from common.accounting import rdp_noise
 from common.config import ConfigError, RunConfig
 from common.data import TextData
 from common.devices import hidden_gpu_warning, model_device
-from common.calibration import BASIC, Base, Planned, dpsgd_phase_epsilon, pld_noise, release_base
-from common.dp import DPSGD, TRAIN, dpsgd_noise_multiplier, poisson_sample_rate
+from common.calibration import Base, Planned, release_base
+from common.dp import DPSGD, TRAIN, poisson_sample_rate
 from common.logs import get_logger
 from fedsyn_client.refusals import BadWeights
 from fedsyn_client.release import Mechanism, Output, Request
@@ -90,8 +90,7 @@ class DpSgdRound(Mechanism):
                 # what selects the data the first round sampled from, and how each record is read
                 "vocabulary": sorted(request.vocabulary), "text_column": cfg.text_column,
                 "control_columns": list(cfg.control_columns), "table_schema": cfg.table_schema,
-                "max_length": cfg.max_length, **({"accounting": request.accounting} if request.accounting != BASIC
-                                                 else {})}
+                "max_length": cfg.max_length, **request.rule.binding()}
 
     def calibrate(self, request: Request, before: list[dict[str, Any]]) -> None:
         """Under pld, the phase's noise multiplier is solved (at the first round, on the node: it
@@ -107,7 +106,7 @@ class DpSgdRound(Mechanism):
         """Under pld, the phase's noise multiplier and q, which the ledger composes it by: before
         the reservation where q needs no record (a deployed node's public bound, or a later round's
         stored q), after it on a simulated node (q from its partition, the server's choice)."""
-        if request.accounting == BASIC or not self.cfg.private:
+        if not (request.rule.composes_ledger and self.cfg.private):
             return {}
         if self.bound or self.state.get("sample_rate") or self.state.get("history"):
             size = self.bound or 0  # q is the bound's, or the first round's stored: no record is read
@@ -132,7 +131,7 @@ class DpSgdRound(Mechanism):
 
         if self.cfg.private and not self.state:
             try:  # q = 1 needs the most noise: if it can be calibrated there, any view's q can
-                _calibrate(request.phase_budget, request.delta, 1.0, self.total_steps)
+                rdp_noise(request.phase_budget, request.delta, 1.0, self.total_steps)
             except ValueError as err:
                 raise ConfigError(f"train: epsilon_train = {request.phase_budget:g} at delta = {request.delta:g} cannot "
                                   f"be reached in {self.total_steps} DP-SGD steps ({err}); raise epsilon or lower "
@@ -165,8 +164,7 @@ class DpSgdRound(Mechanism):
     def public(self, request: Request) -> dict[str, Any]:  # noqa: D102
         return {"steps": self.cfg.local_steps, "max_grad_norm": self.cfg.max_grad_norm,
                 "covers": f"phase 1: {self.cfg.num_server_rounds} rounds x {self.cfg.local_steps} steps",
-                **({"accounting": request.accounting, "composed_delta": request.policy_delta}
-                   if request.accounting != BASIC else {})}
+                **request.rule.terms(request.policy_delta)}
 
     def steps(self, request: Request) -> tuple[int, int]:  # noqa: D102
         return self.cfg.local_steps, self.total_steps
@@ -179,12 +177,12 @@ class DpSgdRound(Mechanism):
         records = self._records()
         bound = self.bound or len(records)
         q, nm, delta = self._fixed_terms(request, bound)
-        pld = request.accounting != BASIC
+        pld = request.rule.composes_ledger
         if cfg.private:
             # A function of stored values and the round index only (q and nm are the first round's,
             # the steps are bounded by the ledger): within the reservation by construction. A
             # failure here is a bug, never a fact about the view.
-            after = dpsgd_phase_epsilon(history + [[nm, q, cfg.local_steps]], delta, self.base if pld else None)
+            after = request.rule.dpsgd_epsilon(history + [[nm, q, cfg.local_steps]], delta, self.base)
             if after > request.phase_budget + _TOL:
                 raise RuntimeError(f"train: this round would take phase 1 to epsilon = {after:.4g}, above the "
                                    f"reserved {request.phase_budget:g}")
@@ -231,21 +229,12 @@ class DpSgdRound(Mechanism):
             q = float(history[0][1])
         else:  # the first round: from the public bound (a deployed node's max-records)
             q = poisson_sample_rate(self.cfg.batch_size, num_records)
-        pld = request.accounting != BASIC
-        delta = float(stored.get("delta", request.policy_delta if pld else request.delta))
+        delta = float(stored.get("delta", request.rule.composed_at(request.delta, request.policy_delta)))
         if not self.cfg.private:
             return q, 0.0, delta
-        nm = stored.get("noise_multiplier")
-        if not nm and pld:
-            nm = pld_noise(self.base, Planned(TRAIN, DPSGD, request.phase_budget, delta, sample_rate=q,
-                                              steps=self.total_steps), delta)
-        return q, float(nm or _calibrate(request.phase_budget, delta, q, self.total_steps)), delta
-
-
-@lru_cache(maxsize=64)
-def _calibrate(epsilon: float, delta: float, q: float, steps: int) -> float:
-    # Opacus' search takes a second or so; the public check and round 1 ask for it with the same terms
-    return dpsgd_noise_multiplier(epsilon, delta, q, steps)
+        nm = stored.get("noise_multiplier") or request.rule.dpsgd_noise(
+            self.base, Planned(TRAIN, DPSGD, request.phase_budget, delta, sample_rate=q, steps=self.total_steps), delta)
+        return q, float(nm), delta
 
 
 def accountant_key(run_id: str) -> str:

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from common.config import ConfigError, RunConfig
-from common.calibration import PLD, Planned, basic_delta, calibrate
+from common.accounting import Pld, calibrate
+from common.calibration import Planned, basic_delta
 from common.dp import DPSGD, GAUSSIAN, MARGINALS, PROFILE, STRONG, TRAIN, VOTE, analytic_gaussian_sigma, dpsgd_noise_multiplier
 
 if TYPE_CHECKING:
@@ -255,11 +256,11 @@ def _phase_lines(cfg: RunConfig, tier: str, records: int | None, delta: float, s
 
 def pld_noises(planned: list[Planned], delta: float | None = None) -> dict[str, float]:
     """Each planned phase's noise (sigma, or DP-SGD's noise multiplier) under accounting = pld, by
-    the nodes' own rule (``common.calibration.calibrate``: a phase composes with every release
+    the nodes' own rule (``common.accounting.calibrate``: a phase composes with every release
     before it, at the node's ``delta``; None: the phases' own). A DP-SGD phase whose sampling rate
     is unknown here (a deployment: the plan does not know a node's max-records) is left out; the
     phases after it are an upper bound."""
-    return {p.phase: n for p, n in zip(planned, calibrate(planned, PLD, delta)) if not math.isnan(n)}
+    return {p.phase: n for p, n in zip(planned, calibrate(planned, Pld.name, delta)) if not math.isnan(n)}
 
 
 def _marginal_lines(cfg: RunConfig, delta: float, z: float) -> list[str]:

@@ -14,8 +14,12 @@ import pytest
 from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
 
-from common.calibration import BASIC, PLD, Planned, calibrate
+from common.accounting import Basic, Pld, calibrate
+from common.accounting import rule as accounting_rule
+from common.calibration import Planned
 from common.dp import DPSGD, GAUSSIAN
+
+BASIC, PLD = Basic.name, Pld.name
 
 DELTA = 1e-5
 PROFILE = Planned("profile", GAUSSIAN, 2.0, DELTA, sensitivity=1.0)

@@ -30,7 +30,9 @@ from hypothesis import strategies as st
 
 from common import calibration
 from common import records as R
-from common.calibration import BASIC, PLD, Planned, calibrate
+from common.accounting import Basic, Pld, calibrate
+from common.accounting import rule as accounting_rule
+from common.calibration import Planned
 from common.config import RunConfig
 from common.dp import DPSGD, GAUSSIAN, PROFILE, STRONG, TRAIN, VOTE, WEAK
 from common.records import ERR_BUDGET
@@ -40,6 +42,8 @@ from fedsyn_client.refusals import BudgetExceeded
 from tests.fakes import set_task_identity
 from tests.test_calibration import independent_epsilon
 from tests.test_sovereign import BUDGET, VOCAB, _csv, _node, _rc
+
+BASIC, PLD = Basic.name, Pld.name
 
 DELTA = 1e-5  # the nodes' policy delta (node-config default)
 EXAMPLES = int(os.environ.get("FEDSYN_DELTA_EXAMPLES", "3"))
@@ -227,7 +231,7 @@ def test_basic_refuses_delta_beyond_the_policy(data, tmp_path):
     assert refused.error.code == ERR_BUDGET and len(_entries(old)) == 1
     with pytest.raises(BudgetExceeded, match="delta"):
         ledger.reserve(Release(VOTE, GAUSSIAN, 0.5, DELTA / 10, run_id="c", public={}), math.inf,
-                       rule=Rule(BASIC, DELTA))
+                       rule=Rule(accounting_rule(BASIC), DELTA))
 
 
 # --------------------------------------------------------------------------- drawn sequences
@@ -299,7 +303,7 @@ def test_the_ledger_admits_exactly_what_composes_within_the_budget(releases):
                          **extra}
             after = composed_here([*_ledger_entries(ledger), candidate], DELTA)
             try:
-                ledger.reserve(rel, math.inf, steps=steps, binding=binding, rule=Rule(PLD, DELTA))
+                ledger.reserve(rel, math.inf, steps=steps, binding=binding, rule=Rule(accounting_rule(PLD), DELTA))
             except BudgetExceeded:
                 assert after > budget - SLACK, f"refused at {after:.4f} of {budget:g}"
                 continue

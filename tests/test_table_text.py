@@ -240,7 +240,8 @@ def test_plan_prices_the_texts_phases_under_pld_on_the_marginals_released_before
     the phase solved alone."""
     import re
 
-    from common.calibration import Planned, calibrate, pld_noise
+    from common.accounting import calibrate
+    from common.calibration import Planned, pld_noise
     from common.dp import GAUSSIAN, MARGINALS, VOTE
     from fedsyn_server.cli import main
     from fedsyn_server.plan import pld_noises

@@ -49,7 +49,9 @@ from pathlib import Path
 from typing import Any
 
 from common.config import ACCOUNTING, DEFAULT_ACCOUNTING
-from common.dp import MARGINALS, PHASES, PROFILE, TIERS, TRAIN, VOTE
+from common.dp import PHASES, TIERS
+from common.phases import is_phase
+from common.phases import phase as phase_named
 from common.records import ERR_POLICY
 from common.plugins import FINETUNE_MODES
 from fedsyn_client.refusals import (RULE_CAP, RULE_COLUMNS, RULE_DELTA, RULE_EMBEDDER, RULE_EPSILON,
@@ -168,16 +170,13 @@ class NodePolicy:
                                                  f"cap max-length = {self.max_length} (node-config max-length)")
         if ask.delta is not None:
             self._check_delta(ask.delta)
-        for phase, eps in ask.phases:
-            self._check_phase(phase, eps)
-            self._check_columns(phase, ask.measured if phase == MARGINALS else self.reads(phase))
-            if phase == TRAIN:
-                _allowed(RULE_MODEL, "model", ask.model, self.models)
-                _allowed(RULE_FINETUNE, "finetune", ask.finetune, self.finetune_modes)
-            if phase == VOTE:
-                _allowed(RULE_EMBEDDER, "embedder", ask.embedder, self.embedders)
+        for name, eps in ask.phases:
+            self._check_phase(name, eps)
+            self._check_columns(name, ask.measured if phase_named(name).reads == "measured" else self.reads(name))
+            for key, allowed in phase_named(name).requires:  # the models the phase runs (common.phases)
+                _allowed(_REQUIRED_RULES[key], key, getattr(ask, key), getattr(self, allowed))
 
-    def reads(self, phase: str) -> tuple[str, ...]:
+    def reads(self, name: str) -> tuple[str, ...]:
         """The table columns a release of ``phase`` reads of each record on this node, in the
         schema's order (``()`` on a text node, which has no column policy).
 
@@ -186,11 +185,12 @@ class NodePolicy:
         node gives them the free text alone); without one (``table-method = "rows"``) every column,
         since a record's text writes all the others. A marginals release reads its cliques' columns,
         which only the request says (``Ask.measured``): ``()`` here. Public: the policy alone."""
-        if not self.table_schema or phase not in (PROFILE, TRAIN, VOTE):
+        reads = phase_named(name).reads if is_phase(name) else "measured"
+        if not self.table_schema or reads == "measured":
             return ()
         schema = _schema(self.table_schema)
         read = set(self.control_columns)
-        if phase != PROFILE:
+        if reads == "record":
             read |= {schema.text_column} if schema.text_column else set(schema.names)
         return tuple(n for n in schema.names if n in read)
 
@@ -198,16 +198,17 @@ class NodePolicy:
         """Those of ``columns`` that ``measurable-columns`` leaves out (none when it is not set)."""
         return [c for c in columns if self.measurable_columns and c not in self.measurable_columns]
 
-    def _check_columns(self, phase: str, columns: Sequence[str]) -> None:
+    def _check_columns(self, name: str, columns: Sequence[str]) -> None:
         """Refuse a release of ``phase`` that reads a column outside ``measurable-columns``: the
         column policy binds every release, not only marginals (issue 60)."""
         outside = self.unmeasurable(columns)
         if not outside:
             return
-        why, fix = _COLUMN_NOTES[phase if phase in (MARGINALS, PROFILE) else
+        reads = phase_named(name).reads
+        why, fix = _COLUMN_NOTES[reads if reads != "record" else
                                  "free-text" if _schema(self.table_schema).text_column else "rows"]
         raise PolicyRefused(RULE_COLUMNS, (
-            f"a {phase} release reads columns {outside}, which this node's policy does not let be read "
+            f"a {name} release reads columns {outside}, which this node's policy does not let be read "
             f"(node-config measurable-columns = {','.join(self.measurable_columns)!r}): {why}. Fix: {fix}"))
 
     def _check_vocabulary(self, codes: Sequence[str]) -> None:
@@ -224,7 +225,7 @@ class NodePolicy:
                                             f"0 < delta <= {self.delta:g} per release (node-config delta)")
 
     def _check_phase(self, phase: str, epsilon_this_run: float) -> None:
-        if phase not in PHASES or not epsilon_this_run > 0:
+        if not is_phase(phase) or not epsilon_this_run > 0:
             raise PolicyRefused(RULE_PHASE, f"{phase} was asked of a {self.tier} node, which has no {phase} "
                                             "budget in this run")
         cap = self.cap(phase)
@@ -233,12 +234,16 @@ class NodePolicy:
                                           f"this node's cap max-epsilon-{phase} = {cap:g}")
 
 
-# (what the release reads, what the institution or the server can do) for a refused column, by path
+# the fixed refusal text (what the server is told) for a model a phase requires and the policy does not allow
+_REQUIRED_RULES = {"model": RULE_MODEL, "finetune": RULE_FINETUNE, "embedder": RULE_EMBEDDER}
+
+# (what the release reads, what the institution or the server can do) for a refused column, by what
+# the phase reads (``Phase.reads``; a record's text by the table's kind)
 _COLUMN_NOTES = {
-    MARGINALS: ("its marginals count them",
+    "measured": ("its marginals count them",
                 "the server may ask marginals of the measurable columns only; or add these to measurable-columns if "
                 "the institution lets them be counted"),
-    PROFILE: ("the profile counts the records by their code, read from the control columns",
+    "code": ("the profile counts the records by their code, read from the control columns",
               "add the control columns to measurable-columns if the institution lets them be counted; else this "
               "node can take part in a table-method 'marginals' run without a free-text column only"),
     "rows": ("under table-method 'rows' each record's text writes every column of the schema, and DP finetuning "

@@ -42,6 +42,7 @@ from common.accounting import Accounting
 from common.accounting import rule as accounting_rule
 from common.calibration import Planned, basic_delta, release_base, rounds_of
 from common.dp import GAUSSIAN, MARGINALS, PHASES, analytic_gaussian_sigma, gaussian_release
+from common.phases import phases
 from common.logs import get_logger
 from common.rows import canonical
 from fedsyn_client.admission import Rule
@@ -105,7 +106,7 @@ def authorise(msg: Message, context: Context, policy: NodePolicy, cfg: RunConfig
         return Request(run_id=key, phase=LEDGER, epsilon=0.0, delta=0.0, phase_budget=0.0, vocabulary=())
     conf = dict(msg.content.config_records[R.CONFIG]) if R.CONFIG in msg.content.config_records else {}
     vocabulary = tuple(str(c) for c in conf.get("codes", []))
-    needs = {p: cfg.phase_epsilon(policy.tier, p) for p in PHASES}
+    needs = {p.name: p.share(cfg, policy.tier) for p in phases()}
     if kind == TIER:
         planned = {p: needs[p] for p in (str(x) for x in conf.get("phases", PHASES)) if p in needs and needs[p] > 0}
     else:

@@ -26,10 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from common.config import ConfigError, RunConfig
 from common.accounting import Pld, calibrate
 from common.calibration import Planned, basic_delta
-from common.dp import DPSGD, GAUSSIAN, MARGINALS, PROFILE, STRONG, TRAIN, VOTE, analytic_gaussian_sigma, dpsgd_noise_multiplier
+from common.config import ConfigError, RunConfig
+from common.phases import Pricing, phases
+from common.dp import MARGINALS, PROFILE, STRONG, TRAIN, VOTE, analytic_gaussian_sigma, dpsgd_noise_multiplier
 
 if TYPE_CHECKING:
     from strategies.result import FedSynResult
@@ -210,15 +211,9 @@ def _phase_lines(cfg: RunConfig, tier: str, records: int | None, delta: float, s
     steps = cfg.num_server_rounds * cfg.local_steps
     q = min(1.0, cfg.batch_size / records) if records else 0.0
     terms = planned_votes(cfg) if cfg.writes_text else None
-    planned = [
-        Planned(MARGINALS, GAUSSIAN, cfg.phase_epsilon(STRONG, MARGINALS), delta, 1.0, rounds=cfg.marginal_rounds)
-        if cfg.marginals else None,
-        Planned(PROFILE, GAUSSIAN, eps_profile, delta) if cfg.writes_text and eps_profile else None,
-        Planned(TRAIN, DPSGD, eps_train, delta, sample_rate=q, steps=steps) if cfg.writes_text and eps_train and cfg.trains
-        else None,
-        Planned(VOTE, GAUSSIAN, eps_vote, delta, terms[1], rounds=terms[0]) if eps_vote and terms is not None else None,
-    ]
-    pld = pld_noises([p for p in planned if p is not None], delta)
+    pricing = Pricing(cfg, tier, delta, sample_rate=q, votes=terms)
+    planned = [p for p in (phase.planned(pricing) for phase in phases()) if p is not None]
+    pld = pld_noises(planned, delta)
 
     lines = (_marginal_lines(cfg, split(cfg.phase_epsilon(STRONG, MARGINALS)), pld[MARGINALS]) if cfg.marginals
              else [])

@@ -13,7 +13,8 @@ from typing import Any
 
 from common import histograms
 from common.config import RunConfig
-from common.dp import MARGINALS, STRONG, composed_epsilon
+from common.dp import MARGINALS, STRONG, TIERS, composed_epsilon
+from common.phases import phases
 from strategies.refinement import planned_votes
 from strategies.result import FedSynResult
 from strategies.writers import writers_summary
@@ -87,34 +88,13 @@ def _split(cfg: RunConfig) -> dict[str, Any]:
 
 
 def _mechanisms(cfg: RunConfig) -> dict[str, str]:
-    """Each phase's mechanism in words: a marginals run has one phase (and the text's two with a
-    free-text column), a text run three."""
-    text = {"train": "DP-SGD (Opacus, Poisson sampling, RDP accountant over all rounds; the whole "
-                     "phase's epsilon is reserved at round 1)",
-            "profile": "analytic Gaussian, L2 sensitivity 1",
-            "vote": "analytic Gaussian at the named histogram's L2 sensitivity ("
-                    + ", ".join(f"{name} {histograms.formula(name)}" for name in histograms.SENSITIVITIES)
-                    + "); a refinement's vote rounds split epsilon_vote" + _this_run(cfg)}
-    if not cfg.marginals:
-        return text
-    marginals = {"marginals": "analytic Gaussian on each round's marginal counts, joined (L2 sensitivity sqrt(number "
-                              f"of marginals)); {cfg.marginal_rounds} round(s), each at 1/{cfg.marginal_rounds} of "
-                              "the phase's epsilon and delta; the server's choice of round 2 and the graphical model "
-                              "are post-processing of the sums"}
-    if cfg.free_text is None:
-        return marginals
-    # no profile: the sampled rows allocate the free texts (post-processing of the marginals)
-    return {**marginals, "train": text["train"], "vote": text["vote"]}
+    """Each phase a node of some tier releases in this run, its mechanism in words (the phase's
+    own, ``common.phases``): a text run's three, a marginals run's one (and the text's two with a
+    free-text column, whose sampled rows allocate the texts: no profile)."""
+    votes = planned_votes(cfg)
+    formulas = ", ".join(f"{name} {histograms.formula(name)}" for name in histograms.SENSITIVITIES)
+    return {p.name: p.wording(cfg, votes, formulas) for p in phases() if any(p.share(cfg, t) > 0 for t in TIERS)}
 
-
-def _this_run(cfg: RunConfig) -> str:
-    """The run's own vote terms, as its refinement declares them (``planned_votes``)."""
-    terms = planned_votes(cfg)
-    if terms is None:
-        return ""
-    rounds, sens, formula = terms
-    return (f"; this run ({cfg.refinement}): {rounds} round(s), each at 1/{rounds} of epsilon_vote and delta, "
-            f"sensitivity {formula} = {sens:.3g}")
 
 def _by_ledger(ids: list[int], res: FedSynResult) -> dict[int, list[int]]:
     """Each report entry's node id -> every node id it covers. A SuperNode restarted after a

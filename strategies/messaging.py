@@ -21,7 +21,8 @@ from flwr.serverapp import Grid
 
 from common import records as R
 from common.config import RunConfig
-from common.dp import PHASES, STRONG, TRAIN, WEAK
+from common.phases import is_phase
+from common.phases import phase as phase_named
 from common.logs import get_logger
 from strategies.result import FedSynResult
 
@@ -140,8 +141,8 @@ class Courier:
         the node's own ledger says otherwise."""
         log.warning("node %d failed in %s: %s", node_id, phase, reason)
         entry: dict[str, Any] = {"node_id": node_id, "phase": phase, "round": rnd, "reason": reason, "code": code}
-        if phase in PHASES and code not in R.ERR_NOTHING_SPENT and not stated:
-            tier = self.result.tiers.get(node_id, STRONG if phase == TRAIN else WEAK)
+        if is_phase(phase) and code not in R.ERR_NOTHING_SPENT and not stated:
+            tier = self.result.tiers.get(node_id, phase_named(phase).usual_tier)
             entry.update(spent="unknown", epsilon_requested=share * self.cfg.phase_epsilon(tier, phase),
                          delta_requested=share * self.delta)
         self.result.failures.append(entry)

@@ -93,7 +93,7 @@ def _mechanisms(cfg: RunConfig) -> dict[str, str]:
                      "phase's epsilon is reserved at round 1)",
             "profile": "analytic Gaussian, L2 sensitivity 1",
             "vote": "analytic Gaussian at the named histogram's L2 sensitivity ("
-                    + ", ".join(f"{name} {histograms.formula(name)}" for name in histograms.SENSITIVITIES)
+                    + ", ".join(f"{name} {histograms.formula(name)}" for name in histograms.HISTOGRAMS)
                     + "); a refinement's vote rounds split epsilon_vote" + _this_run(cfg)}
     if not cfg.marginals:
         return text

@@ -13,7 +13,7 @@ Usage: python -m benchmarks.scale [--runs nodes,texts] [--default-model NODES] [
   1 round of 1 DP-SGD step (memory does not depend on the steps).
 - ``--marginals 100``: one run of 100 sites making a table by federated marginals (issue 48:
   Breast Cancer, ``presets/table-marginals.toml``, 120 rows; about 5 rows per site).
-- ``--kernel``: a weak node's kNN vote (``fedsyn_client.voting.knn_votes``) on random unit
+- ``--kernel``: a weak node's kNN vote (``common.voting.knn_votes``) on random unit
   embeddings, records 10^3..10^5 x texts 120..10^4, one control code (the worst case: all pairs
   in one matrix), in blocks (the node's code) and as one matrix (before issue 24, where it fits
   in memory). Peak memory by ``tracemalloc`` (numpy's buffers are traced).
@@ -130,7 +130,7 @@ def measure_run(nodes: int, texts: int, out: Path, default_model: bool = False, 
 
 def measure_kernel(records: int, texts: int, blocked: bool, seed: int = 0) -> dict:
     """The kNN vote of one node: ``records`` x ``texts`` of one code, in blocks or whole."""
-    from fedsyn_client import voting
+    from common import voting
 
     rng = np.random.default_rng(seed)
     loc = rng.standard_normal((records, DIM))

@@ -136,7 +136,7 @@ def grpo_diagnostics(run_dir: Path, cfg: Any, num_nodes: int) -> dict[str, float
     from common.federation import benchmark, simulation_node_data, simulation_tiers
     from common.io import read_jsonl
     from common.models import embed, load_embedder
-    from fedsyn_client.voting import similarity_scores
+    from common.voting import similarity_scores
     from fedsyn_server.evaluation.tables import column_fidelity, pair_dependence, records_frame
 
     schema, bench = cfg.schema(), benchmark(cfg)

@@ -27,7 +27,7 @@ from common.dp import VOTE, WEAK, analytic_gaussian_sigma, phase_epsilon
 from common.federation import benchmark, simulation_node_data
 from common.io import read_jsonl
 from common.models import embed, load_embedder
-from fedsyn_client.voting import knn_votes
+from common.voting import knn_votes
 from fedsyn_server.evaluation.alignment import frechet_distance, mauve_available, mauve_score
 from fedsyn_server.evaluation.utility import downstream_utility
 from strategies.resampling import resample_by_code

@@ -37,7 +37,7 @@ from common.dp import VOTE, WEAK, analytic_gaussian_sigma, phase_epsilon
 from common.federation import benchmark, simulation_node_data
 from common.io import atomic_write_csv, read_jsonl
 from common.models import embed, load_embedder
-from fedsyn_client.voting import contrastive_votes
+from common.voting import contrastive_votes
 from fedsyn_server.evaluation import downstream_utility
 from strategies.resampling import resample_by_code
 from strategies.writers import better_writer

@@ -1,15 +1,15 @@
 """The histograms a node releases with Gaussian noise, each with its L2 sensitivity.
 
-The profile is ``TextData.code_counts`` (L2 sensitivity 1). A vote request names a histogram; the node computes it on its own records and the one
-release path (``fedsyn_client.release``) adds noise at that sensitivity. A new refinement
-that needs another statistic registers it in ``VOTE_HISTOGRAMS`` with its sensitivity
-(and a test of that bound); it then gets the node's policy, ledger and noise for free.
+The profile is ``TextData.code_counts`` (L2 sensitivity 1). A vote request names a histogram
+(``common.histograms.HISTOGRAMS``: each object owns its scoring and its sensitivity); the node
+embeds its records, pads them to its bound, has the histogram score them, and the one release
+path (``fedsyn_client.release``) adds noise at that sensitivity. A new refinement that needs
+another statistic subclasses ``common.histograms.Histogram`` and registers it (with a test of
+its bound); it then gets the node's policy, ledger, fixed work and noise for free.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -18,99 +18,41 @@ import numpy as np
 
 from common.config import ConfigError, RunConfig
 from common.data import TextData, dataset_fingerprint
-from common.histograms import num_votes, sensitivity
+from common.histograms import HISTOGRAMS
+from common.voting import finite_rows, padded
 from fedsyn_client.record_matrix import embed_slots
-from fedsyn_client.voting import contrastive_votes, finite_rows, knn_votes, padded, similarity_scores
 
 Compute = Callable[[], np.ndarray]
-
-
-def knn_vote_histogram(records: TextData, texts: list[str], codes: list[str], params: Mapping[str, Any],
-                       cfg: RunConfig, bound: int | None = None,
-                       embedded: Compute | None = None) -> tuple[Compute, float]:
-    """Paper A.2: each record gives +1 to its K nearest same-code candidates; sensitivity sqrt(K)."""
-    k = num_votes(params)
-    return (_on_embeddings(records, texts, codes, cfg, bound, embedded, functools.partial(knn_votes, k=k)),
-            sensitivity("knn-vote", params))
-
-
-def contrastive_vote_histogram(records: TextData, texts: list[str], codes: list[str], params: Mapping[str, Any],
-                               cfg: RunConfig, bound: int | None = None,
-                               embedded: Compute | None = None) -> tuple[Compute, float]:
-    """Issue 34: each record +1 to its K nearest same-code candidates and -1 to its K nearest
-    other-code candidates; sensitivity sqrt(2K)."""
-    k = num_votes(params)
-    return (_on_embeddings(records, texts, codes, cfg, bound, embedded, functools.partial(contrastive_votes, k=k)),
-            sensitivity("contrastive-vote", params))
-
-
-def nearest_neighbour_histogram(records: TextData, texts: list[str], codes: list[str], params: Mapping[str, Any],
-                                cfg: RunConfig, bound: int | None = None,
-                                embedded: Compute | None = None) -> tuple[Compute, float]:
-    """Private Evolution's histogram: each record +1 to its nearest same-code candidate; sensitivity 1."""
-    return (_on_embeddings(records, texts, codes, cfg, bound, embedded, functools.partial(knn_votes, k=1)),
-            sensitivity("nearest-neighbour", params))
-
-
-def similarity_histogram(records: TextData, texts: list[str], codes: list[str], params: Mapping[str, Any],
-                         cfg: RunConfig, bound: int | None = None,
-                         embedded: Compute | None = None) -> tuple[Compute, float]:
-    """POPri's scores: each record's clipped (norm <= 1) cosine similarities, summed; sensitivity 1."""
-    return (_on_embeddings(records, texts, codes, cfg, bound, embedded, similarity_scores),
-            sensitivity("similarity", params))
-
-
-def _on_embeddings(records: TextData, texts: list[str], codes: list[str], cfg: RunConfig, bound: int | None,
-                   embedded: Compute | None, fn: Callable[..., np.ndarray]) -> Compute:
-    """``fn(local embeddings, local codes, candidate embeddings, candidate codes, bound=bound)``,
-    computed lazily (after the ledger reservation). Under ``bound`` the records are scored as
-    ``bound`` rows: their vectors, then zero rows (``voting.padded``), which ``fn`` scores like the
-    records' and masks out of the counts. ``embedded``: those rows from the node's matrix (a
-    deployed node, ``Node.embedded``: its records embedded once per snapshot, issue 61); without
-    it the records are embedded here (``local_embeddings``)."""
-
-    def compute() -> np.ndarray:
-        # Records and candidates are compared within a window around what the generator learned
-        # and writes (``RunConfig.vote_window``: a candidate can only imitate a record's opening),
-        # which also halves the vote's time at BBC's 256-token articles. Non-finite rows become
-        # zero rows before any statistic is computed from them.
-        window = cfg.vote_window
-        local = embedded() if embedded is not None else padded(
-            local_embeddings(records, cfg.embedder, window, bound, cfg.precision), bound)
-        candidates = candidate_embeddings(texts, cfg.embedder, window, cfg.precision)
-        return fn(finite_rows(local), records.codes, finite_rows(candidates), codes, bound=bound)
-
-    return compute
-
-
-# name -> builder of (compute, L2 sensitivity); each bound is tested in tests/test_privacy.py
-VOTE_HISTOGRAMS: dict[str, Callable[..., tuple[Compute, float]]] = {
-    "knn-vote": knn_vote_histogram,
-    "contrastive-vote": contrastive_vote_histogram,
-    "nearest-neighbour": nearest_neighbour_histogram,
-    "similarity": similarity_histogram,
-}
 
 
 def vote_histogram(name: str, records: TextData, texts: list[str], codes: list[str], params: Mapping[str, Any],
                    cfg: RunConfig, bound: int | None = None,
                    embedded: Compute | None = None) -> tuple[Compute, float]:
-    """(compute, L2 sensitivity) of the registered histogram ``name`` over the candidates. A
-    builder takes ``bound``, the node's public size bound: the rows its work must be (issue 45),
-    and ``embedded``, the node's records already embedded as those rows (issue 61)."""
-    try:
-        build = VOTE_HISTOGRAMS[name]
-    except KeyError:
-        raise ConfigError(f"histogram {name!r} is unknown on this node; known: {sorted(VOTE_HISTOGRAMS)}") from None
-    # a plug-in written before the bound existed still works (its work is then its own to fix)
-    takes = _parameters(build)
-    extra = {k: v for k, v in (("bound", bound), ("embedded", embedded)) if k in takes}
-    return build(records, texts, codes, params, cfg, **extra)
+    """(compute, L2 sensitivity) of the registered histogram ``name`` (``common.histograms``) on the
+    node's ``records`` over the candidates ``texts`` and their ``codes``, under the request's
+    ``params``. The sensitivity is read now (bad params raise ``ConfigError`` before anything is
+    reserved); ``compute`` embeds and scores only when called, after the ledger's reservation.
+    ``bound``: the node's public size bound, the rows every histogram is handed (issue 45);
+    ``embedded``: the node's records already embedded as those rows (issue 61)."""
+    histogram = HISTOGRAMS.get(name)
+    if histogram is None:
+        raise ConfigError(f"histogram {name!r} is unknown on this node; known: {sorted(HISTOGRAMS)}")
+    sensitivity = float(histogram.sensitivity(params))
 
+    def compute() -> np.ndarray:
+        # Records and candidates are compared within a window around what the generator learned
+        # and writes (``RunConfig.vote_window``: a candidate can only imitate a record's opening),
+        # which also halves the vote's time at BBC's 256-token articles. The rows are padded here,
+        # not by the histogram, so a plug-in's work is the bound's whatever it does; non-finite
+        # rows become zero rows before any statistic is computed from them.
+        window = cfg.vote_window
+        local = embedded() if embedded is not None else local_embeddings(records, cfg.embedder, window, bound,
+                                                                         cfg.precision)
+        candidates = candidate_embeddings(texts, cfg.embedder, window, cfg.precision)
+        return histogram.score(finite_rows(padded(local, bound)), records.codes, finite_rows(candidates), codes,
+                               params, bound=bound)
 
-@functools.lru_cache(maxsize=64)
-def _parameters(build: Callable[..., Any]) -> tuple[str, ...]:
-    return tuple(inspect.signature(build).parameters)
+    return compute, sensitivity
 
 
 def local_embeddings(records: TextData, embedder_name: str, max_tokens: int | None = None,

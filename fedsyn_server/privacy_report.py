@@ -92,7 +92,7 @@ def _mechanisms(cfg: RunConfig) -> dict[str, str]:
     own, ``common.phases``): a text run's three, a marginals run's one (and the text's two with a
     free-text column, whose sampled rows allocate the texts: no profile)."""
     votes = planned_votes(cfg)
-    formulas = ", ".join(f"{name} {histograms.formula(name)}" for name in histograms.SENSITIVITIES)
+    formulas = ", ".join(f"{name} {histograms.formula(name)}" for name in histograms.HISTOGRAMS)
     return {p.name: p.wording(cfg, votes, formulas) for p in phases() if any(p.share(cfg, t) > 0 for t in TIERS)}
 
 

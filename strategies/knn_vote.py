@@ -4,7 +4,7 @@
   s, then A.4 resampling by the votes, per code.
 - ``contrastive-vote`` (issue 34): the same round with votes that reward carrying the code: each
   record +1 to its K nearest texts of its code, -1 to its K nearest texts of the other codes
-  (``fedsyn_client.voting.contrastive_votes``, sensitivity sqrt(2K)); A.4 clamps negatives to 0.
+  (``common.voting.contrastive_votes``, sensitivity sqrt(2K)); A.4 clamps negatives to 0.
 - ``uniform`` (paper Table A.14): the same pool and final size, A.4 with equal weights, no votes.
 - ``none``: generate the final size directly (``max(1, floor(r*s))``) and keep all of it, so
   every method ends with the same number of texts and compares fairly.
@@ -24,7 +24,7 @@ class KnnVoteRefinement(Refinement):
     """Paper Algorithm 1 stages 4-5: resample the pool by its aggregated DP kNN votes."""
 
     name = "knn-vote"
-    histogram = "knn-vote"  # the node-side statistic (fedsyn_client.histograms.VOTE_HISTOGRAMS)
+    histogram = "knn-vote"  # the node-side statistic (common.histograms.HISTOGRAMS)
 
     def vote_plan(self, cfg: RunConfig) -> VotePlan:
         """One round of ``histogram`` with K = ``num-votes``, at the whole epsilon_vote."""

@@ -76,7 +76,7 @@ class Generator(ABC):
 @dataclass(frozen=True)
 class VotePlan:
     """The votes a refinement asks of every voter in one run: ``rounds`` releases of the node-side
-    ``histogram`` (``fedsyn_client.histograms``) under ``params``, each at ``1 / rounds`` of the
+    ``histogram`` (``common.histograms.HISTOGRAMS``) under ``params``, each at ``1 / rounds`` of the
     node's epsilon_vote and delta. ``fedsyn plan`` and the privacy report read it from the class,
     so a plug-in that declares it is planned and reported like the shipped methods."""
 
@@ -193,14 +193,15 @@ def build_refinement(name: str) -> Refinement:
 
 def planned_votes(cfg: RunConfig) -> tuple[int, float, str] | None:
     """(vote rounds, L2 sensitivity, its formula) that the run's refinement will ask of each voter,
-    from its class's ``vote_plan`` and the shipped histograms' bounds (``common.histograms``);
-    None where the method declares no plan, cannot be loaded here, or votes with a histogram only
-    its nodes know. A prediction for ``fedsyn plan`` and the report: each node computes the
-    sensitivity it noises with itself, and its ledger books what it released."""
+    from its class's ``vote_plan`` and the registered histograms' bounds
+    (``common.histograms.HISTOGRAMS``); None where the method declares no plan, cannot be loaded
+    here, or votes with a histogram only its nodes register. A prediction for ``fedsyn plan`` and
+    the report: each node computes the sensitivity it noises with itself, and its ledger books
+    what it released."""
     try:
         plan = build_refinement(cfg.refinement).vote_plan(cfg)
     except ValueError:
         return None
-    if plan is None or plan.histogram not in histograms.SENSITIVITIES:
+    if plan is None or plan.histogram not in histograms.HISTOGRAMS:
         return None
     return plan.rounds, histograms.sensitivity(plan.histogram, plan.params), histograms.formula(plan.histogram)

@@ -16,8 +16,10 @@ import math
 import numpy as np
 import pytest
 
+from common import voting
 from common.data import TextData
-from fedsyn_client import histograms, voting
+from common.histograms import HISTOGRAMS as HISTOGRAM_OBJECTS
+from fedsyn_client import histograms
 
 
 def _unit(x: np.ndarray) -> np.ndarray:
@@ -48,8 +50,12 @@ def test_finding7_a_padded_vote_equals_the_records_alone_bit_for_bit(name, seed,
     for bound in (n, n + 1, 64):
         padded = fn(local, codes, syn, syn_codes, bound=bound)
         assert padded.dtype == alone.dtype and np.array_equal(padded, alone)
-        # the caller may pad the embeddings itself (``histograms._on_embeddings`` does)
-        assert np.array_equal(fn(voting.padded(local, bound), codes, syn, syn_codes, bound=bound), alone)
+        # the caller may pad the embeddings itself (``histograms.vote_histogram`` does), and the
+        # registered object scores those rows as the pure function does
+        rows = voting.padded(local, bound)
+        assert np.array_equal(fn(rows, codes, syn, syn_codes, bound=bound), alone)
+        scored = HISTOGRAM_OBJECTS[name].score(rows, codes, syn, syn_codes, {"num-votes": 3}, bound=bound)
+        assert scored.dtype == alone.dtype and np.array_equal(scored, alone)
 
 
 def _reference(local, codes, syn, syn_codes, k):

@@ -21,9 +21,9 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from common import records as R
 from common.config import RunConfig
 from common.dp import dpsgd_epsilon
+from common.histograms import HISTOGRAMS, Histogram
 from fedsyn_client import node as node_module
 from fedsyn_client.client_app import app
-from fedsyn_client.histograms import VOTE_HISTOGRAMS
 from fedsyn_client.holds import HOLD_UNCONFIRMED_SECONDS
 from fedsyn_client.ledger import LedgerError, PrivacyLedger
 from fedsyn_client.refusals import FIXED_REPLIES
@@ -93,12 +93,16 @@ def _same_fixed_error(a: Message, b: Message) -> str:
 def test_a_failure_after_the_reservation_is_charged_and_says_nothing_of_its_cause(twins, tmp_path, monkeypatch):
     """A histogram that fails with one exception on |D| > 20 and another below: a free yes/no before."""
 
-    def probe(records, texts, codes, params, cfg):
-        def compute():
-            raise (ValueError if len(records) > 20 else KeyError)(f"{len(records)} records")
-        return compute, 1.0
+    class Probe(Histogram):
+        name, formula = "probe", "1"
 
-    monkeypatch.setitem(VOTE_HISTOGRAMS, "probe", probe)
+        def sensitivity(self, params):
+            return 1.0
+
+        def score(self, rows, codes, candidates, candidate_codes, params, *, bound):
+            raise (ValueError if len(codes) > 20 else KeyError)(f"{len(codes)} records")
+
+    monkeypatch.setitem(HISTOGRAMS, "probe", Probe())
     replies = []
     for i, data in enumerate(twins):
         state = tmp_path / f"s{i}"
@@ -228,8 +232,8 @@ def test_a_record_that_overflows_gets_a_zero_gradient_and_the_weights_stay_finit
 def test_non_finite_per_record_statistics_become_a_fixed_value():
     import torch
 
+    from common.voting import finite_rows, similarity_scores
     from fedsyn_client.training import zero_nonfinite_samples
-    from fedsyn_client.voting import finite_rows, similarity_scores
 
     p = torch.nn.Parameter(torch.zeros(3, 2))
     p.grad_sample = torch.tensor([[[1.0, 2.0]] * 3, [[math.nan, 0.0]] * 3, [[math.inf, 1.0]] * 3])

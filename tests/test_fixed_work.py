@@ -81,7 +81,12 @@ def test_padding_to_the_window_changes_no_vector():
     assert np.abs(loose - fixed).max() < 1e-5
 
 
-def test_a_histogram_gets_the_bound_and_a_plug_in_without_it_still_works():
+def test_a_histogram_is_handed_the_bounds_rows_and_one_without_bound_is_refused():
+    """Issue 62: the node pads the records to the bound before a histogram sees them, so a plug-in
+    does the bound's work by construction; one whose ``score`` cannot take ``bound`` is refused
+    at ``register`` (before, it was called without it and did the records' work)."""
+    from common.histograms import Histogram, register, unregister
+
     cfg = RunConfig(max_length=16)
     records = TextData(["note one", "note two"], ["topic=a", "topic=b"])
     compute, sensitivity = histograms.vote_histogram("knn-vote", records, ["cand a", "cand b"], ["topic=a", "topic=b"],
@@ -89,23 +94,37 @@ def test_a_histogram_gets_the_bound_and_a_plug_in_without_it_still_works():
     assert sensitivity == pytest.approx(1.0) and compute().shape == (2,)
     seen = {}
 
-    def old_style(records, texts, codes, params, cfg):
-        seen["called"] = True
-        return (lambda: np.zeros(len(texts))), 1.0
+    class OldStyle(Histogram):
+        name, formula = "old-style", "1"
 
-    histograms.VOTE_HISTOGRAMS["old-style"] = old_style
+        def sensitivity(self, params):
+            return 1.0
+
+        def score(self, rows, codes, candidates, candidate_codes, params):
+            return np.zeros(len(candidate_codes))
+
+    with pytest.raises(TypeError, match="no keyword parameter 'bound'"):
+        register(OldStyle())
+
+    class Seeing(OldStyle):
+        def score(self, rows, codes, candidates, candidate_codes, params, *, bound):
+            seen.update(rows=rows.shape[0], codes=len(codes), bound=bound)
+            return np.zeros(len(candidate_codes))
+
+    register(Seeing())
     try:
-        histograms.vote_histogram("old-style", records, ["c"], ["topic=a"], {}, cfg, bound=7)
+        compute, _ = histograms.vote_histogram("old-style", records, ["c"], ["topic=a"], {}, cfg, bound=7)
+        compute()
     finally:
-        del histograms.VOTE_HISTOGRAMS["old-style"]
-    assert seen == {"called": True}
+        unregister("old-style")
+    assert seen == {"rows": 7, "codes": 2, "bound": 7}
 
 
 def test_finding7_a_votes_counting_scores_the_bounds_rows_for_any_records(monkeypatch):
     """Issue 60: after the embedding, the vote's kernel scores ``bound`` rows (the records' vectors,
     then zero rows) against every candidate, for 2 records or 6 of one code (that the result is the
     records' alone, bit for bit: ``tests/test_bound_work.py``)."""
-    from fedsyn_client import voting
+    from common import voting
 
     seen: list[tuple[int, ...]] = []
     nearest = voting._nearest

@@ -99,7 +99,7 @@ def test_heldout_loss_and_generation_on_cuda(tmp_path):
 @needs_cuda
 def test_vote_on_cuda():
     from common.models import embed, load_embedder
-    from fedsyn_client.voting import knn_votes
+    from common.voting import knn_votes
 
     embedder = load_embedder(device="cuda")
     local = embed(embedder, ["the match was won", "shares fell today"])

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from fedsyn_client.voting import knn_votes
+from common.voting import knn_votes
 from strategies.allocation import aggregate_profiles, allocate, allocate_exactly
 from strategies.resampling import resample_by_code, sample_size, sample_without_replacement
 
@@ -90,7 +90,7 @@ def test_vote_sensitivity_is_at_most_sqrt_k(k):
 def test_votes_and_scores_in_blocks_equal_the_whole_similarity_matrix(monkeypatch):
     """Issue 24: the node scores records in blocks so memory is O(texts), not O(records x texts);
     the histograms must not change (brute force over the whole matrix is the reference)."""
-    from fedsyn_client import voting
+    from common import voting
 
     rng = np.random.default_rng(3)
     syn, syn_codes = _unit(rng.normal(size=(50, 6))), list(rng.choice(["a", "b"], size=50))

@@ -12,8 +12,8 @@ from scipy import stats
 from common import records as R
 from common.config import RunConfig
 from common.dp import analytic_gaussian_sigma, gaussian_release
+from common.voting import knn_votes
 from fedsyn_client.client_app import app as client_app
-from fedsyn_client.voting import knn_votes
 from tests.fakes import client_node, set_task_identity, write_topic_csv
 
 TOPICS = {"a": "apples and pears grow in the orchard", "b": "the train left the station late",

@@ -18,11 +18,11 @@ import pytest
 from common.config import RunConfig
 from common.devices import uses_bf16
 from common.models import MINILM, MINILM_VADER
+from common.voting import padded
 from fedsyn_client import node as node_module
 from fedsyn_client import record_matrix
 from fedsyn_client.histograms import local_embeddings, vote_histogram
 from fedsyn_client.policy import policy_from_node_config
-from fedsyn_client.voting import padded
 
 BOUND, WINDOW = 24, 16
 PRECISION = RunConfig().precision  # "auto": bf16 where the CPU has it, as a default run embeds

@@ -12,9 +12,9 @@ import pytest
 
 from common import records as R
 from common.config import ConfigError, RunConfig
+from common.histograms import HISTOGRAMS
 from common.io import read_jsonl
-from fedsyn_client.histograms import VOTE_HISTOGRAMS
-from fedsyn_client.voting import contrastive_votes, knn_votes, similarity_scores
+from common.voting import contrastive_votes, knn_votes, similarity_scores
 from fedsyn_server.outputs import write_outputs
 from strategies.popri import preference_pairs
 from strategies.private_evolution import next_generation
@@ -61,7 +61,7 @@ PURE = {
 
 
 def test_every_registered_histogram_has_a_sensitivity_test():
-    assert set(PURE) == set(VOTE_HISTOGRAMS)
+    assert set(PURE) == set(HISTOGRAMS)
 
 
 @pytest.mark.parametrize("name", sorted(PURE))
@@ -391,8 +391,9 @@ def test_the_plan_and_the_nodes_read_one_sensitivity_per_histogram():
         assert histograms.sensitivity(name, params) == pytest.approx(value)
         # the node's builder (nothing is computed until after the reservation) states the same bound
         assert vote_histogram(name, records, ["y"], ["a"], params, RunConfig())[1] == pytest.approx(value)
-    assert set(histograms.SENSITIVITIES) == set(VOTE_HISTOGRAMS)  # every shipped histogram has its bound here
-    with pytest.raises(ConfigError, match="not shipped"):
+        assert histograms.histogram(name).sensitivity(params) == pytest.approx(value)
+    assert set(expected) == set(HISTOGRAMS)  # one registry: the plan and the nodes read the same objects
+    with pytest.raises(ConfigError, match="not registered"):
         histograms.sensitivity("a-plug-in's", params)
     assert planned_votes(RunConfig(refinement="pe-contrastive", refinement_rounds=4)) == (4, pytest.approx(math.sqrt(2)),
                                                                                          "sqrt(2K)")

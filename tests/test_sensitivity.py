@@ -136,15 +136,24 @@ def test_planted_half_sensitivity_is_caught(tmp_path, monkeypatch):
     """A contrastive vote stated (and noised) at half its real sensitivity, sqrt(2K)/2: one record
     added moves the vote by sqrt(2K) (+1 to its nearest candidate of its code, -1 to the nearest of
     another), beyond what the statement says."""
-    import common.histograms as histograms
+    from common.histograms import HISTOGRAMS, ContrastiveVote, register
 
-    real, words = histograms.SENSITIVITIES["contrastive-vote"]
-    monkeypatch.setitem(histograms.SENSITIVITIES, "contrastive-vote", (lambda p: real(p) / 2, f"{words} / 2"))
-    shape, neighbour = Shape("text", "csv", BELOW, BOUND), Neighbour("add", "last", "plain")
-    d, other = write_neighbours(tmp_path, shape, neighbour)
-    secret = moving_secret(d, other, shape, tmp_path)
-    (vote,) = sensitivity_check(every_release(shape, 1, histograms=("contrastive-vote",), train=False)[1:], d, other,
-                                tmp_path, shape, secret=secret)
+    class Halved(ContrastiveVote):
+        formula = "sqrt(2K) / 2"
+
+        def sensitivity(self, params):
+            return super().sensitivity(params) / 2
+
+    real = HISTOGRAMS["contrastive-vote"]
+    register(Halved(), replace=True)
+    try:
+        shape, neighbour = Shape("text", "csv", BELOW, BOUND), Neighbour("add", "last", "plain")
+        d, other = write_neighbours(tmp_path, shape, neighbour)
+        secret = moving_secret(d, other, shape, tmp_path)
+        (vote,) = sensitivity_check(every_release(shape, 1, histograms=("contrastive-vote",), train=False)[1:], d,
+                                    other, tmp_path, shape, secret=secret)
+    finally:
+        register(real, replace=True)
     assert vote.sensitivity == pytest.approx(math.sqrt(2) / 2)
     assert not vote.within and vote.distance == pytest.approx(math.sqrt(2)), vote
 

@@ -1,4 +1,5 @@
-"""Stage 4 on a node: kNN votes of local records for synthetic texts (paper Algorithm A.2).
+"""The node's vote maths (stage 4, paper Algorithm A.2 and its kin), in common so the histogram
+objects (``common.histograms``) own it; pure numpy, computed only on a node.
 
 Every histogram here does the work of ``bound`` rows, whatever |D| (issue 60): the records are
 followed by zero filler rows up to the node's public bound, every row is scored against every

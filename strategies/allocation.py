@@ -1,4 +1,4 @@
-"""Stage 3 allocation: how many synthetic samples each control code gets (Algorithm 1)."""
+"""Stage 2 allocation: how many synthetic samples each control code gets (Algorithm 1), for stage 3's pool."""
 
 from __future__ import annotations
 

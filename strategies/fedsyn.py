@@ -1,5 +1,7 @@
 """The resource-adaptive strategy: every phase of Algorithm 1, top to bottom, over the Grid.
 
+The stages are ``strategies.stages.Stage`` (the numbers the README's table and the logs use).
+
 ``FedSynStrategy.run`` is the one place to read the server's logic:
 
 0. tiers      -- ask every node its tier and whether its ledger and policy cover what this run
@@ -59,6 +61,7 @@ from strategies.membership import Membership
 from strategies.messaging import Courier, SubGrid
 from strategies.refinement import FINETUNED, PRETRAINED, Generator, Refinement, RefinementContext
 from strategies.result import FedSynResult
+from strategies.stages import Stage
 from strategies.writers import effective_share, generate_pool, pretrained_counts, writers_of
 
 log = get_logger("fedsyn")
@@ -150,6 +153,7 @@ class FedSynStrategy(Strategy):
             self._restore(resume)
         self.progress.resume_key = self.resume_key
         t0, self._grid = time.time(), grid
+        log.info("%s", Stage.TIERS)
         self.result.tiers = self.members.discover(grid, self.stable_seconds)
         self.result.timings["tiers"] = time.time() - t0
         return t0
@@ -175,18 +179,21 @@ class FedSynStrategy(Strategy):
         res, done = self.result, self.progress.completed
         self.aggregator = self.make_aggregator(len(self.members.strong))
 
-        if "profile" not in done:
+        if Stage.PROFILE.label not in done:
+            log.info("%s", Stage.PROFILE)
             self._allocate(grid)                                        # stage 2
-            self._checkpoint("profile")
+            self._checkpoint(Stage.PROFILE.label)
 
         t = time.time()                                                 # stage 1
-        if "finetune" not in done:
+        if Stage.FINETUNE.label not in done:
+            log.info("%s", Stage.FINETUNE)
             res.arrays = self._finetune(grid, res.arrays if res.arrays is not None else initial_arrays)
-            self._checkpoint("finetune")
+            self._checkpoint(Stage.FINETUNE.label)
             res.timings["finetune"] = time.time() - t
 
         t = time.time()                                                 # stage 3
-        if "generate" not in done:
+        if Stage.GENERATE.label not in done:
+            log.info("%s", Stage.GENERATE)
             # θ⁰ (initial_arrays) writes pretrained-share of each code (all of a coverage-floor code), res.arrays the rest
             res.pretrained_share, res.writers_note = effective_share(
                 self.cfg.pretrained_share, finetuned=res.finetuned,
@@ -197,11 +204,12 @@ class FedSynStrategy(Strategy):
                                  initial_arrays, res.arrays, seed=self.cfg.seed, finetuned=res.finetuned)
             res.pool_texts, res.pool_codes, res.pool_writers, res.generation = (pool.texts, pool.codes, pool.writers,
                                                                                 pool.report)
-            self._checkpoint("generate")
+            self._checkpoint(Stage.GENERATE.label)
             res.timings["generate"] = time.time() - t
 
         t = time.time()                                                 # stage 4
-        if "refine" not in done:
+        if Stage.REFINE.label not in done:
+            log.info("%s", Stage.REFINE)
             self.generator.load(res.arrays)
             self._vote_round = self._rounds_before_refine()
             res.vote_rounds = res.vote_rounds[:len(self.progress.vote_totals)]
@@ -221,7 +229,7 @@ class FedSynStrategy(Strategy):
             res.refinement_history = refined.history
             if refined.trained_generator:
                 res.arrays, res.generator_refined = self.generator.weights(), True
-            self._checkpoint("refine")
+            self._checkpoint(Stage.REFINE.label)
             res.timings["refine"] = time.time() - t
         log.info("final synthetic set: %d of %d texts (%s, %d vote rounds)", len(res.selected), len(res.pool_texts),
                  self.refinement.name, len(res.vote_rounds))
@@ -361,6 +369,7 @@ class FedSynStrategy(Strategy):
         simulation's nodes are new processes with new ids; the old ids' ledgers answer under them,
         by ledger ref); returns the result."""
         res, live = self.result, set(grid.get_node_ids())
+        log.info("%s", Stage.LEDGERS)
         self._ledgers(grid, sorted(((set(res.tiers) | set(res.releases)) - self.members.replaced) & live))
         res.timings["total"] = time.time() - t0
         return res

@@ -118,7 +118,7 @@ class RefinementContext:
     writer: str = FINETUNED  # the writer of a text the generator writes now (the weights it holds)
 
     def allocation_for(self, size: int) -> dict[str, int]:
-        """The profile's allocation of ``size`` samples (Algorithm 1, stage 3)."""
+        """The profile's allocation of ``size`` samples (Algorithm 1, stage 2, for stage 3's pool)."""
         return dict(zip(self.vocabulary, (int(a) for a in allocate(self.profile, size))))
 
 

@@ -1,4 +1,4 @@
-"""Stage 5: resampling the synthetic pool by its noisy votes (paper Algorithm A.4)."""
+"""Stage 4 (refine), after the votes: resampling the synthetic pool by its noisy votes (paper Algorithm A.4)."""
 
 from __future__ import annotations
 

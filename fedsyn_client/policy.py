@@ -28,7 +28,9 @@ a node's records can lose, and what runs on them, comes from here, never from th
 | public size bound | ``max-records`` (**required**): every release does the work of exactly this many records; a file with more is subsampled once (``fedsyn_client.view``) | none: the partition's size, no padding |
 
 ``policy-file`` names a TOML file with the same keys (node-config keys win), so an
-institution can keep its policy under version control. An unknown key, in the node config
+institution can keep its policy under version control. Each key's parser, default, checks and
+one-line doc are declared once, in ``node_table`` (``NODE_KEYS`` is its names), like
+``common.config.RunConfig``'s. An unknown key, in the node config
 or the file, a negative cap or a cap above the budget stops the node at start-up with one
 line naming the key.
 
@@ -43,14 +45,15 @@ from __future__ import annotations
 import functools
 import math
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from common.config import ACCOUNTING, DEFAULT_ACCOUNTING
-from common.dp import PHASES, TIERS
+from common.dp import TIERS
 from common.phases import is_phase
+from common.phases import phases as registered_phases
 from common.phases import phase as phase_named
 from common.records import ERR_POLICY
 from common.plugins import FINETUNE_MODES
@@ -66,10 +69,6 @@ DEFAULT_FINETUNE = FINETUNE_MODES
 # The longest max-length (tokens a record is cut to) a request may ask: memory and time of a
 # training round grow with it, so the server may not move them at will (issue 45).
 DEFAULT_MAX_LENGTH = 512
-NODE_KEYS = ("tier", "data-path", "text-column", "control-columns", "table-schema", "control-codes", "epsilon", "delta",
-             "max-epsilon-train", "max-epsilon-profile", "max-epsilon-vote", "cap-window-days", "model", "embedder",
-             "finetune", "state-dir", "ledger-id", "max-unconfirmed-holds", "keep-replies-days", "audit-dir",
-             "policy-file", "max-length", "max-records", "accounting", "max-epsilon-marginals", "measurable-columns")
 SIMULATION_KEYS = ("partition-id", "num-partitions")  # set by Flower's simulation engine
 
 class PolicyError(ValueError):
@@ -277,123 +276,259 @@ def is_simulated(node_config: Mapping[str, Any]) -> bool:
     return all(k in node_config for k in SIMULATION_KEYS) and not _get(node_config, "data-path")
 
 
+# --------------------------------------------------------------------------- the node config, declared
+Check = tuple[Callable[[Any], bool], Callable[[Any], str]]  # (passes?, the PolicyError message for the value)
+
+
+@dataclass(frozen=True)
+class NodeKey:
+    """One ``--node-config`` key (also a ``policy-file`` key): what ``policy_from_node_config`` reads.
+
+    ``name`` is spelt as users type it; ``parse(name, raw)`` reads a given value (raising
+    ``PolicyError``); an absent key takes ``default``, unless ``required`` is set: then its absence
+    raises ``PolicyError(required)``, which says how to set it. Each of ``checks`` then runs on the
+    value, given or default; ``to`` converts the checked value. ``policy_field`` is the
+    ``NodePolicy`` field the value fills, "" where the builder (caps, ``table-schema``) or another module
+    (``audit-dir``, ``policy-file``) uses it.
+    """
+
+    name: str
+    doc: str
+    parse: Callable[[str, Any], Any]
+    default: Any = None
+    required: str = ""
+    checks: tuple[Check, ...] = ()
+    policy_field: str = ""
+    to: Callable[[Any], Any] | None = None
+
+
+def _float(key: str, raw: Any) -> float:
+    try:
+        if isinstance(raw, bool):
+            raise ValueError
+        value = float(raw)
+    except (TypeError, ValueError):
+        raise PolicyError(f"node-config {key} = {raw!r} is not a number") from None
+    if math.isnan(value):
+        raise PolicyError(f"node-config {key} = {raw!r} is not a number")
+    return value
+
+
+def _list(key: str, raw: Any) -> tuple[str, ...]:
+    items = raw if isinstance(raw, (list, tuple)) else str(raw).split(",")  # TOML arrays or a,b,c
+    return tuple(s.strip() for s in map(str, items) if s.strip())
+
+
+def _text(key: str, raw: Any) -> str:
+    return str(raw).strip()
+
+
+def _verbatim(key: str, raw: Any) -> str:
+    return str(raw)  # paths and ids are used as written, spaces included
+
+
+def _table_schema(key: str, raw: Any) -> Any:
+    """The ``Schema`` a ``table-schema`` value names (None when blank: a text node)."""
+    if not str(raw).strip():
+        return None
+    from common.rows import SchemaError, load_schema
+
+    try:
+        return load_schema(str(raw))
+    except SchemaError as err:
+        raise PolicyError(f"node-config {key}: {err}") from None
+
+
+def _bad_tier(tier: str) -> str:
+    return f'node-config tier = {tier!r} is invalid; set tier="strong" or tier="weak"'
+
+
+_DATA_PATH_MISSING = 'node-config data-path is missing; set data-path="/path/to/records.csv"'
+
+
+def _days(key: str, why: str) -> Check:
+    # a window of days: inf would never let anything expire, so it is refused with the negatives
+    return (lambda v: 0 <= v < math.inf), (lambda v: f"node-config {key} = {v:g} must be >= 0 ({why})")
+
+
+def _listed(key: str) -> Check:
+    return bool, (lambda v: f"node-config {key} is empty; name the allowed values, comma-separated, or leave it "
+                            "unset for the project's offline models")
+
+
+def _finetune_modes(modes: tuple[str, ...]) -> str:
+    bad = sorted(set(modes) - set(DEFAULT_FINETUNE))
+    return (f"node-config finetune = {','.join(modes)!r}: {bad} is not a finetune mode; "
+            f"allowed: {','.join(DEFAULT_FINETUNE)}")
+
+
+def _cap_key(phase: str) -> str:
+    return f"max-epsilon-{phase}"
+
+
+@functools.lru_cache(maxsize=4)
+def _table(phases: tuple[str, ...]) -> tuple[NodeKey, ...]:
+    caps = tuple(NodeKey(_cap_key(phase), f"the most epsilon all runs together may spend on {phase} releases "
+                                          "within cap-window-days, in [0, epsilon] (default: no cap)", _float)
+                 for phase in phases)
+    return (
+        NodeKey("tier", '"strong" (DP finetuning, profile, votes) or "weak" (profile and votes only)',
+                lambda key, raw: _text(key, raw).lower(), required=_bad_tier(""),
+                checks=((lambda v: v in TIERS, _bad_tier),), policy_field="tier"),
+        NodeKey("data-path", "the institution's records: a CSV, JSONL or Parquet file", _text,
+                required=_DATA_PATH_MISSING, checks=((bool, lambda v: _DATA_PATH_MISSING),), policy_field="data_path"),
+        NodeKey("text-column", "the text column a run must ask for (default text)", _text, "text",
+                policy_field="text_column"),
+        NodeKey("control-columns", "the control columns, in order, a run must ask for (default topic)", _list,
+                ("topic",), policy_field="control_columns"),
+        NodeKey("table-schema", "a table node's schema (a JSON file or inline JSON); a run must ask for the same",
+                _table_schema),
+        NodeKey("control-codes", "pins the control-code vocabulary a run must send (default: the server's)", _list,
+                (), policy_field="control_codes"),
+        NodeKey("epsilon", "the total epsilon budget of these records across all runs (required)", _float,
+                required=("node-config epsilon is missing: this node does not let the server choose its privacy "
+                          "budget. Set the institution's total budget, e.g. --node-config '... epsilon=8.0'"),
+                checks=((lambda v: v > 0, lambda v: f"node-config epsilon = {v} must be > 0 (or inf to switch DP "
+                                                    "off on purpose)"),), policy_field="epsilon"),
+        NodeKey("delta", f"the largest delta a release may ask (default {DEFAULT_DELTA:g})", _float, DEFAULT_DELTA,
+                checks=((lambda v: 0 < v < 1, lambda v: f"node-config delta = {v} must be in (0, 1); the default "
+                                                        f"is {DEFAULT_DELTA:g}"),), policy_field="delta"),
+        *caps,
+        NodeKey("cap-window-days", "the caps count releases of the last this-many days (default 0: the ledger's "
+                                   "whole life)", _float, 0.0,
+                checks=(_days("cap-window-days", "0: the ledger's whole life"),), policy_field="cap_window_days"),
+        NodeKey("model", f"the generators that may train on the records (default {','.join(DEFAULT_MODELS)})",
+                _list, DEFAULT_MODELS, checks=(_listed("model"),), policy_field="models"),
+        NodeKey("embedder", f"the embedders that may embed the records for votes (default "
+                            f"{','.join(DEFAULT_EMBEDDERS)})", _list, DEFAULT_EMBEDDERS,
+                checks=(_listed("embedder"),), policy_field="embedders"),
+        NodeKey("finetune", f"the finetune modes a strong node accepts (default {','.join(DEFAULT_FINETUNE)})",
+                _list, DEFAULT_FINETUNE,
+                checks=(_listed("finetune"), (lambda v: set(v) <= set(DEFAULT_FINETUNE), _finetune_modes)),
+                policy_field="finetune_modes"),
+        NodeKey("state-dir", "where the node's privacy ledger lives (default ~/.fedsyn/state)", _verbatim, "",
+                policy_field="state_dir"),
+        NodeKey("ledger-id", "a name for the ledger, to keep two ledgers in one state-dir", _verbatim, "",
+                policy_field="ledger_id"),
+        NodeKey("max-unconfirmed-holds", "pre-flight holds no release has confirmed yet, at a time (default 1)",
+                _float, 1.0,
+                checks=((lambda v: math.isfinite(v) and v >= 0 and v == int(v),
+                         lambda v: f"node-config max-unconfirmed-holds = {v:g} must be an integer >= 0 (default 1)"),),
+                policy_field="max_unconfirmed_holds", to=int),
+        NodeKey("keep-replies-days", "how long a run's stored replies are kept after its last release (default 30; "
+                                     "0: forever)", _float, 30.0,
+                checks=(_days("keep-replies-days", "default 30; 0: keep every run's replies forever"),),
+                policy_field="keep_replies_days"),
+        # read by fedsyn_client.audit from the node config itself; listed so that it is not unknown
+        NodeKey("audit-dir", "every outgoing reply is also written to this folder (JSON lines)", _verbatim, ""),
+        NodeKey("policy-file", "a TOML file with any of these keys (node-config keys win)", _verbatim, ""),
+        NodeKey("max-length", f"the longest max-length (tokens per record) a run may ask (default "
+                              f"{DEFAULT_MAX_LENGTH})", _float, DEFAULT_MAX_LENGTH,
+                checks=((lambda v: 8 <= v <= 8192 and v == int(v),
+                         lambda v: f"node-config max-length = {v:g} must be an integer in [8, 8192] (default "
+                                   f"{DEFAULT_MAX_LENGTH}): the longest max-length a request may ask"),),
+                policy_field="max_length", to=int),
+        NodeKey("max-records", "the public bound on the records: every release does the work of exactly this many "
+                               "(required)", _float,
+                required=("node-config max-records is missing: the public bound on this node's record count. Every "
+                          "release does the work of exactly that many records, so its time and DP-SGD's sampling "
+                          "rate say nothing about how many records the file holds (the server learns the bound, not "
+                          "the count); a file with more is subsampled. Set it, e.g. --node-config '... "
+                          "max-records=10000'"),
+                checks=((lambda v: 1 <= v <= 10_000_000 and v == int(v),
+                         lambda v: f"node-config max-records = {v:g} must be an integer in [1, 10000000]"),),
+                policy_field="max_records", to=int),
+        NodeKey("accounting", "how releases compose: pld (a privacy-loss distribution, the default) or basic "
+                              "(epsilons add up)", _text, DEFAULT_ACCOUNTING,
+                checks=((lambda v: v in ACCOUNTING,
+                         lambda v: f"node-config accounting = {v!r} must be one of {', '.join(ACCOUNTING)} (basic: "
+                                   "epsilons add up; pld: the same budget priced by a privacy-loss distribution, less "
+                                   "noise)"),), policy_field="accounting"),
+        NodeKey("measurable-columns", "a table node: the columns any release may read (default: every column of "
+                                      "its table-schema)", _list, (), policy_field="measurable_columns"),
+    )
+
+
+def node_table(phases: Sequence[str] | None = None) -> tuple[NodeKey, ...]:
+    """Every node-config key, in the order they are read and listed; one ``max-epsilon-<phase>``
+    per phase of ``phases`` (default: the registered phases, ``common.phases``, read at call time), so
+    that a new phase gets its cap key without a line here."""
+    return _table(tuple(_phase_names() if phases is None else phases))
+
+
+def _phase_names() -> tuple[str, ...]:
+    return tuple(p.name for p in registered_phases())
+
+
+NODE_KEYS = tuple(key.name for key in node_table())
+
+
 def policy_from_node_config(node_config: Mapping[str, Any]) -> NodePolicy:
-    """The policy of a deployed node, from its ``--node-config`` (and ``policy-file``).
+    """The policy of a deployed node, from its ``--node-config`` (and ``policy-file``), by ``node_table``.
 
     Raises ``PolicyError`` naming the missing, unknown or invalid key and how to set it.
     """
+    phases = _phase_names()
+    table = node_table(phases)
+    names = tuple(key.name for key in table)
     given = {_canonical(k): v for k, v in node_config.items() if _canonical(k) not in SIMULATION_KEYS}
-    unknown = sorted(k for k in given if k not in NODE_KEYS)
+    unknown = sorted(k for k in given if k not in names)
     if unknown:
         raise PolicyError(f"unknown node-config key(s) {unknown}: a misspelt key would be ignored; "
-                          f"allowed: {', '.join(NODE_KEYS)}")
-    values: dict[str, Any] = {}
-    file = given.get("policy-file")
-    if file:
-        values.update(_read_policy_file(Path(str(file)).expanduser()))
-    values.update(given)
+                          f"allowed: {', '.join(names)}")
+    raw: dict[str, Any] = {}
+    if given.get("policy-file"):
+        raw.update(_read_policy_file(Path(str(given["policy-file"])).expanduser(), names))
+    raw.update(given)
+    values = {key.name: _value(key, raw) for key in table}
+    return _policy(values, table, phases)
 
-    tier = str(values.get("tier", "")).strip().lower()
-    if tier not in TIERS:
-        raise PolicyError(f'node-config tier = {tier!r} is invalid; set tier="strong" or tier="weak"')
-    data_path = str(values.get("data-path", "")).strip()
-    if not data_path:
-        raise PolicyError('node-config data-path is missing; set data-path="/path/to/records.csv"')
-    if "epsilon" not in values:
-        raise PolicyError(
-            "node-config epsilon is missing: this node does not let the server choose its privacy budget. "
-            "Set the institution's total budget, e.g. --node-config '... epsilon=8.0'")
-    epsilon = _float("epsilon", values["epsilon"])
-    if not epsilon > 0:
-        raise PolicyError(f"node-config epsilon = {epsilon} must be > 0 (or inf to switch DP off on purpose)")
-    delta = _float("delta", values.get("delta", DEFAULT_DELTA))
-    if not 0 < delta < 1:
-        raise PolicyError(f"node-config delta = {delta} must be in (0, 1); the default is {DEFAULT_DELTA:g}")
-    columns = _names(values.get("control-columns", "topic"))
-    text_column = str(values.get("text-column", "text")).strip()
+
+def _value(key: NodeKey, raw: Mapping[str, Any]) -> Any:
+    if key.name in raw:
+        value = key.parse(key.name, raw[key.name])
+    elif key.required:
+        raise PolicyError(key.required)
+    else:
+        value = key.default
+    for ok, message in key.checks:
+        if not ok(value):
+            raise PolicyError(message(value))
+    return key.to(value) if key.to else value
+
+
+def _policy(values: Mapping[str, Any], table: Sequence[NodeKey], phases: Sequence[str]) -> NodePolicy:
+    """The ``NodePolicy`` of values each valid alone, after the checks that span keys."""
+    columns, text_column = values["control-columns"], values["text-column"]
     if not columns or not text_column or text_column in columns:
         raise PolicyError(f"node-config text-column = {text_column!r} / control-columns = {columns} are invalid: "
                           "one text column and one or more other control columns")
-    caps = []
-    for phase in PHASES:
-        key = f"max-epsilon-{phase}"
-        if key in values:
-            cap = _float(key, values[key])
-            if not 0 <= cap <= epsilon:
-                raise PolicyError(f"node-config {key} = {cap:g} must be in [0, epsilon = {epsilon:g}]: a cap is a part "
-                                  "of the node's budget")
-            caps.append((phase, cap))
-    window = _float("cap-window-days", values.get("cap-window-days", 0.0))
-    if not 0 <= window < math.inf:
-        raise PolicyError(f"node-config cap-window-days = {window:g} must be >= 0 (0: the ledger's whole life)")
-    max_holds = _float("max-unconfirmed-holds", values.get("max-unconfirmed-holds", 1))
-    if not (math.isfinite(max_holds) and max_holds >= 0 and max_holds == int(max_holds)):
-        raise PolicyError(f"node-config max-unconfirmed-holds = {max_holds:g} must be an integer >= 0 (default 1)")
-    keep_days = _float("keep-replies-days", values.get("keep-replies-days", 30.0))
-    if not 0 <= keep_days < math.inf:
-        raise PolicyError(f"node-config keep-replies-days = {keep_days:g} must be >= 0 (default 30; 0: keep every "
-                          "run's replies forever)")
-    models = {key: _names(values[key]) if key in values else default for key, default in
-              (("model", DEFAULT_MODELS), ("embedder", DEFAULT_EMBEDDERS), ("finetune", DEFAULT_FINETUNE))}
-    for key, names in models.items():
-        if not names:
-            raise PolicyError(f"node-config {key} is empty; name the allowed values, comma-separated, or leave it "
-                              "unset for the project's offline models")
-    bad = sorted(set(models["finetune"]) - set(DEFAULT_FINETUNE))
-    if bad:
-        raise PolicyError(f"node-config finetune = {','.join(models['finetune'])!r}: {bad} is not a finetune mode; "
-                          f"allowed: {','.join(DEFAULT_FINETUNE)}")
-    table_schema, measurable = "", ()
-    if str(values.get("table-schema", "")).strip():
-        from common.rows import SchemaError, canonical, load_schema
+    caps = tuple((phase, values[_cap_key(phase)]) for phase in phases if values[_cap_key(phase)] is not None)
+    for phase, cap in caps:
+        if not 0 <= cap <= values["epsilon"]:
+            raise PolicyError(f"node-config {_cap_key(phase)} = {cap:g} must be in [0, epsilon = "
+                              f"{values['epsilon']:g}]: a cap is a part of the node's budget")
+    schema, measurable = values["table-schema"], values["measurable-columns"]
+    if schema is not None:
+        from common.rows import canonical
 
-        try:
-            schema = load_schema(str(values["table-schema"]))
-        except SchemaError as err:
-            raise PolicyError(f"node-config table-schema: {err}") from None
         bad_columns = [c for c in columns if c not in schema.names or schema.column(c).type != "categorical"]
         if bad_columns:
             raise PolicyError(f"node-config control-columns {bad_columns} are not categorical columns of its "
                               "table-schema")
-        table_schema = canonical(schema)
-        measurable = _names(values.get("measurable-columns", ""))
         # a free-text column may be named: it lets DP finetuning and votes read it (marginals never count it)
         outside = [c for c in measurable if c not in schema.names]
         if outside:
             raise PolicyError(f"node-config measurable-columns {outside} are not columns of its table-schema "
                               f"({', '.join(schema.names)})")
-    elif _names(values.get("measurable-columns", "")):
+    elif measurable:
         raise PolicyError("node-config measurable-columns needs a table-schema: it names the table columns this "
                           "node's releases may read")
-    max_length = _float("max-length", values.get("max-length", DEFAULT_MAX_LENGTH))
-    if not (8 <= max_length <= 8192 and max_length == int(max_length)):
-        raise PolicyError(f"node-config max-length = {max_length:g} must be an integer in [8, 8192] (default "
-                          f"{DEFAULT_MAX_LENGTH}): the longest max-length a request may ask")
-    if "max-records" not in values:
-        raise PolicyError(
-            "node-config max-records is missing: the public bound on this node's record count. Every release does "
-            "the work of exactly that many records, so its time and DP-SGD's sampling rate say nothing about how many "
-            "records the file holds (the server learns the bound, not the count); a file with more is subsampled. "
-            "Set it, e.g. --node-config '... max-records=10000'")
-    max_records = _float("max-records", values["max-records"])
-    if not (1 <= max_records <= 10_000_000 and max_records == int(max_records)):
-        raise PolicyError(f"node-config max-records = {max_records:g} must be an integer in [1, 10000000]")
-    accounting = str(values.get("accounting", DEFAULT_ACCOUNTING)).strip()
-    if accounting not in ACCOUNTING:
-        raise PolicyError(f"node-config accounting = {accounting!r} must be one of {', '.join(ACCOUNTING)} (basic: "
-                          "epsilons add up; pld: the same budget priced by a privacy-loss distribution, less noise)")
-    codes = _names(values.get("control-codes", ""))
-    notes = () if codes else (
+    notes = () if values["control-codes"] else (
         "node-config control-codes is not set: this node accepts the server's public vocabulary and drops "
         "records whose code is not in it; set control-codes to pin the vocabulary",)
-    return NodePolicy(
-        tier=tier, epsilon=epsilon, delta=delta, text_column=text_column, control_columns=columns,
-        control_codes=codes, table_schema=table_schema, data_path=data_path, state_dir=str(values.get("state-dir", "")),
-        ledger_id=str(values.get("ledger-id", "")), phase_caps=tuple(caps), cap_window_days=window,
-        max_unconfirmed_holds=int(max_holds), keep_replies_days=keep_days, models=models["model"],
-        embedders=models["embedder"], finetune_modes=models["finetune"], max_length=int(max_length),
-        max_records=int(max_records), accounting=accounting, measurable_columns=measurable, warnings=notes,
-    )
+    return NodePolicy(**{k.policy_field: values[k.name] for k in table if k.policy_field}, phase_caps=caps,
+                      table_schema=canonical(schema) if schema is not None else "", warnings=notes)
 
 
 def simulation_policy(tier: str, epsilon: float, delta: float, text_column: str,
@@ -419,31 +554,18 @@ def _get(node_config: Mapping[str, Any], key: str) -> Any:
     return node_config.get(key, node_config.get(key.replace("-", "_")))
 
 
-def _read_policy_file(path: Path) -> dict[str, Any]:
+def _read_policy_file(path: Path, keys: Sequence[str] = NODE_KEYS) -> dict[str, Any]:
+    """The keys of a ``policy-file`` (kebab-case); ``PolicyError`` if it is missing, not TOML, or has a key
+    outside ``keys`` (or ``policy-file`` itself: a file naming another would be read by nobody)."""
     try:
         values = {_canonical(k): v for k, v in tomllib.loads(path.read_text(encoding="utf-8")).items()}
     except FileNotFoundError:
         raise PolicyError(f"node-config policy-file {path} does not exist") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
         raise PolicyError(f"node-config policy-file {path} is not valid TOML: {err}") from None
-    unknown = sorted(k for k in values if k not in NODE_KEYS or k == "policy-file")
+    allowed = [k for k in keys if k != "policy-file"]
+    unknown = sorted(k for k in values if k not in allowed)
     if unknown:
-        raise PolicyError(f"unknown policy key(s) {unknown} in {path}; allowed: {', '.join(k for k in NODE_KEYS if k != 'policy-file')}")
+        raise PolicyError(f"unknown policy key(s) {unknown} in {path}; allowed: {', '.join(allowed)}")
     return values
 
-
-def _float(key: str, raw: Any) -> float:
-    try:
-        if isinstance(raw, bool):
-            raise ValueError
-        value = float(raw)
-    except (TypeError, ValueError):
-        raise PolicyError(f"node-config {key} = {raw!r} is not a number") from None
-    if math.isnan(value):
-        raise PolicyError(f"node-config {key} = {raw!r} is not a number")
-    return value
-
-
-def _names(raw: Any) -> tuple[str, ...]:
-    items = raw if isinstance(raw, (list, tuple)) else str(raw).split(",")
-    return tuple(s.strip() for s in map(str, items) if s.strip())

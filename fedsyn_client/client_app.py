@@ -26,6 +26,8 @@ from common import records as R
 from common.config import ConfigError, RunConfig
 from common.dp import MARGINALS, PROFILE, STRONG, TRAIN, VOTE
 from common.logs import get_logger, plain_console
+from common.phases import phase as phase_named
+from common.phases import phases
 from fedsyn_client import refusals
 from fedsyn_client.audit import audit_dir, audit_mod, check_audit_dir
 from common.models import load_embedder
@@ -79,6 +81,25 @@ def _error(msg: Message, code: int, reason: str) -> Message:
     return Message(Error(code, public_reason(reason)), reply_to=msg)
 
 
+# The node's release for each phase (``common.phases``), by name: what it computes on its records.
+RELEASES: dict[str, Handler] = {}
+
+
+def serves(name: str) -> Callable[[Handler], Handler]:
+    """Make the decorated handler this node's release for the registered phase ``name``: served on
+    the app under the phase's message type, behind ``_handler`` (policy, authorise, then the data).
+    A phase registered from outside the packages is served the same way (``tests/test_toy_phase.py``)."""
+
+    def add(fn: Handler) -> Handler:
+        category, _, action = phase_named(name).message.partition(".")
+        route = getattr(app, category)  # Flower's message categories: train, evaluate, query
+        (route(action) if action else route())(_handler(name)(fn))
+        RELEASES[name] = fn
+        return fn
+
+    return add
+
+
 # --------------------------------------------------------------------------- stage 0
 @app.query("tier")
 @_handler(TIER)
@@ -105,8 +126,7 @@ def tier(msg: Message, node: Node, cfg: RunConfig, req: Request) -> RecordDict:
 
 
 # --------------------------------------------------------------------------- stage 1
-@app.train()
-@_handler(TRAIN)
+@serves(TRAIN)
 def train(msg: Message, node: Node, cfg: RunConfig, req: Request) -> RecordDict:
     """Algorithm A.3 on this node: tau DP-SGD steps from the global weights, reply the new weights."""
     if node.tier != STRONG or cfg.num_server_rounds < 1:  # authorise refuses both; kept as a last guard
@@ -126,8 +146,7 @@ def train(msg: Message, node: Node, cfg: RunConfig, req: Request) -> RecordDict:
 
 
 # --------------------------------------------------------------------------- stage 2
-@app.query("profile")
-@_handler(PROFILE)
+@serves(PROFILE)
 def profile(msg: Message, node: Node, cfg: RunConfig, req: Request) -> RecordDict:
     """Algorithm 1 stage 2: per-code counts + analytic Gaussian noise (L2 sensitivity 1)."""
     # One record is in exactly one bucket: adding/removing it moves one count by 1.
@@ -138,8 +157,7 @@ def profile(msg: Message, node: Node, cfg: RunConfig, req: Request) -> RecordDic
 
 
 # --------------------------------------------------------------------------- stage 4
-@app.query("vote")
-@_handler(VOTE)
+@serves(VOTE)
 def vote(msg: Message, node: Node, cfg: RunConfig, req: Request) -> RecordDict:
     """A vote round: a registered histogram of the records over the candidates + Gaussian noise
     at its L2 sensitivity (default ``knn-vote``, Algorithm A.2, sensitivity sqrt(K))."""
@@ -162,8 +180,7 @@ def vote(msg: Message, node: Node, cfg: RunConfig, req: Request) -> RecordDict:
 
 
 # --------------------------------------------------------------------------- a table by marginals
-@app.query("marginals")
-@_handler(MARGINALS)
+@serves(MARGINALS)
 def marginals(msg: Message, node: Node, cfg: RunConfig, req: Request) -> RecordDict:
     """A marginals round (issue 48): the counts of the requested cliques' marginals over the public
     schema's bins + Gaussian noise at L2 sensitivity sqrt(number of cliques). ``authorise`` has
@@ -192,3 +209,10 @@ def ledger(msg: Message, node: Node, cfg: RunConfig, req: Request) -> RecordDict
         "epsilon-run": float(sum(s["epsilon"] for s in statements)) if statements else 0.0,
         "ledger-ref": node.ledger.ref,
     })})
+
+
+# every registered phase has its release here: a phase the node cannot serve is a set-up error, found
+# at import, not a request answered by Flower's "no function registered"
+_unserved = [p.name for p in phases() if p.name not in RELEASES]
+if _unserved:
+    raise RuntimeError(f"phases {_unserved} have no release on the node (fedsyn_client.client_app.serves)")

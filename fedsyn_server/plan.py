@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +30,7 @@ from common.accounting import Pld, calibrate
 from common.calibration import Planned, basic_delta
 from common.config import ConfigError, RunConfig
 from common.phases import Pricing, phases
+from common.phases import phase as phase_named
 from common.dp import MARGINALS, PROFILE, STRONG, TRAIN, VOTE, analytic_gaussian_sigma, dpsgd_noise_multiplier
 
 if TYPE_CHECKING:
@@ -246,6 +247,11 @@ def _phase_lines(cfg: RunConfig, tier: str, records: int | None, delta: float, s
                      + (f"; embedding {records} rows, about {records / rate:.0f} s" if rate and records else ""))
     elif eps_vote:
         lines.append(f"vote: epsilon {eps_vote:g} in the rounds refinement {cfg.refinement!r} asks for (never more)")
+    # a phase registered beside the shipped four (a plug-in's) states its own line
+    for p in planned:
+        if p.phase not in (MARGINALS, PROFILE, TRAIN, VOTE):
+            basic = math.nan if p.q_unknown else replace(p, delta=split(p.share)).basic_noise()
+            lines.append(phase_named(p.phase).describe(p, basic, pld.get(p.phase, math.nan)))
     return lines
 
 

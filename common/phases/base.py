@@ -73,6 +73,16 @@ class Phase(ABC):
         histogram's sensitivity in words, for a phase that names histograms)."""
 
 
+    def describe(self, planned: Planned, basic: float, pld: float) -> str:
+        """One line of ``fedsyn plan`` for ``planned`` at ``basic`` and ``pld`` noise (sigma at its
+        sensitivity, or DP-SGD's noise multiplier; NaN where the node solves it). The shipped
+        phases' lines add their own detail in ``fedsyn_server.plan``."""
+        rounds = f" in {planned.rounds} round(s)" if planned.rounds > 1 else ""
+        noise = "DP-SGD noise multiplier" if planned.mechanism != GAUSSIAN else "Gaussian sigma"
+        return (f"{self.name}: epsilon {planned.share:g}{rounds}, delta {planned.delta:g}, {noise} {basic:.3g} "
+                f"(sensitivity {planned.sensitivity:g}; basic; {pld:.3g} under accounting = pld)")
+
+
 _REGISTRY: dict[str, Phase] = {}
 
 

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from common.io import atomic_write_csv
 from benchmarks.writer_grid import LABEL, NAMES, _float, _results
+from common.io import atomic_write_csv
 
 ROOT = Path(__file__).resolve().parents[1]
 # (dataset, preset, rule, grid file, the grid's method of that rule)

@@ -99,8 +99,8 @@ def measure_run(nodes: int, texts: int, out: Path, default_model: bool = False, 
     or (``default_model``) the default one with 1 round of 1 step: memory does not depend on the
     steps, and the defaults' 2 x 12 at 100 nodes would take hours on 2 cores; or (``marginals``)
     a Breast Cancer table by federated marginals, ``texts`` rows (no model at all)."""
-    from common.federation import simulation_tiers
     from common.config import RunConfig
+    from common.federation import simulation_tiers
     from fedsyn_client.node import STATE_ENV
     from fedsyn_client.placement import PLACEMENT_FILE
     from fedsyn_server.flwr_runner import run_app

@@ -116,8 +116,7 @@ def train_throughput(model_name: str, finetune: str, private: bool, batch: int, 
 def generation_throughput(model_name: str, prompts: int, max_new_tokens: int) -> tuple[float, int]:
     """(new tokens/s, batch size) of generating ``prompts`` texts at the automatic batch size."""
     from common.models import load_generator
-    from fedsyn_server.generation import generate_texts
-    from fedsyn_server.generation import auto_batch_size
+    from fedsyn_server.generation import auto_batch_size, generate_texts
 
     model, tok = load_generator(model_name)
     batch = auto_batch_size(model, prompts, 8 + max_new_tokens)

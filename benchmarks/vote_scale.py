@@ -56,10 +56,9 @@ def write_node(folder: Path, records: int, pool: int) -> tuple[str, list[str], l
 
 def _prepare(data: str, state: Path, bound: int, build: bool) -> dict[str, float]:
     """The node's snapshot, then its matrix (built, or filled at random under its stamp): seconds of each."""
-    from fedsyn_client import node as node_module
-    from fedsyn_client import record_matrix
-    from fedsyn_client.policy import policy_from_node_config
     from benchmarks.reply_time import node_config
+    from fedsyn_client import node as node_module, record_matrix
+    from fedsyn_client.policy import policy_from_node_config
 
     cfg = RunConfig()
     policy = policy_from_node_config(node_config("vote", data, state, bound))
@@ -113,10 +112,9 @@ def measure(bounds: list[int], replies: int, pool: int, build_up_to: int, before
     """One row per bound: snapshot, build, and the vote's seconds after and before."""
     import shutil
 
-    from benchmarks.reply_time import _forked
-
     import sentence_transformers  # noqa: F401 - imported once, before the forks (as reply_time does)
 
+    from benchmarks.reply_time import _forked
     from fedsyn_client import client_app  # noqa: F401
     rows = []
     rate = None  # seconds per row of a build, measured at the largest built bound

@@ -24,8 +24,17 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from common.calibration import (Base, Planned, base_epsilon, basic_delta, calibrate_basic, calibrate_pld,
-                                ledger_epsilon, pld_charge, pld_noise)
+from common.calibration import (
+    Base,
+    Planned,
+    base_epsilon,
+    basic_delta,
+    calibrate_basic,
+    calibrate_pld,
+    ledger_epsilon,
+    pld_charge,
+    pld_noise,
+)
 from common.dp import DPSGD, dpsgd_epsilon, dpsgd_noise_multiplier
 
 

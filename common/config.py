@@ -13,8 +13,7 @@ from dataclasses import dataclass, fields
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from common.accounting import DEFAULT as DEFAULT_ACCOUNTING
-from common.accounting import RULES as ACCOUNTING_RULES
+from common.accounting import DEFAULT as DEFAULT_ACCOUNTING, RULES as ACCOUNTING_RULES
 from common.dp import BudgetSplit, paper_delta, phase_epsilon, split_budget
 from common.plugins import AGGREGATORS, FINETUNE_MODES, REFINEMENTS, is_class_path
 
@@ -402,7 +401,7 @@ def parse_pairs(values: list[str], flag: str) -> dict[str, Any]:
 
     try:
         return dict(parse_config_args(values))
-    except (ClickException, ValueError) as err:
+    except (ClickException, ValueError):
         bare = [tok.split("=", 1) for v in values for tok in v.split()
                 if "=" in tok and not _toml_scalar(tok.split("=", 1)[1])]
         quoted = [f'{k}="{v}"' for k, v in bare]

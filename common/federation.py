@@ -14,9 +14,9 @@ from functools import lru_cache
 
 from common.config import RunConfig
 from common.data import TextData, code_vocabulary, schema_vocabulary, table_text_data, to_text_data
+from common.dp import STRONG, WEAK
 from common.partitioning import partition, train_test_split
 from common.tables import load_table
-from common.dp import STRONG, WEAK
 
 
 def simulation_tiers(num_nodes: int, strong_fraction: float) -> list[str]:

@@ -195,7 +195,7 @@ def typed_like(out: pd.DataFrame, frame: pd.DataFrame, schema: Schema) -> pd.Dat
             out[column.name] = (days.dt.tz_localize(tz) if tz is not None else days).astype(dtype)
         elif column.type == "categorical" and isinstance(dtype, pd.CategoricalDtype):
             out[column.name] = pd.Categorical(out[column.name], categories=list(column.categories))
-        elif column.type == "categorical" and dtype != object:
+        elif column.type == "categorical" and dtype != object:  # noqa: E721 - np.dtype("O") == object; `is` is never true
             out[column.name] = out[column.name].astype(dtype)  # pandas 3's str dtype
     return out
 

@@ -21,7 +21,6 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-
 DEFAULT_DATASET = "bbc-news"
 # A table (issue 25): Breast Cancer Wisconsin (Diagnostic), 569 patients, shipped inside
 # scikit-learn (a dependency already), so it loads offline.

@@ -25,8 +25,18 @@ from pathlib import Path
 
 from common.io import atomic_write_text
 from fedsyn_client.fab_gate import (
-    AGENTAPP, CLIENTAPP, FLOWER, LAUNCHERS, apps_dir, check_hook, fab_manifest, fab_sha256, launcher_facts,
-    launcher_source, read_allow_list, tree_differs,
+    AGENTAPP,
+    CLIENTAPP,
+    FLOWER,
+    LAUNCHERS,
+    apps_dir,
+    check_hook,
+    fab_manifest,
+    fab_sha256,
+    launcher_facts,
+    launcher_source,
+    read_allow_list,
+    tree_differs,
 )
 
 

@@ -26,11 +26,10 @@ from common import records as R
 from common.config import ConfigError, RunConfig
 from common.dp import MARGINALS, PROFILE, STRONG, TRAIN, VOTE
 from common.logs import get_logger, plain_console
-from common.phases import phase as phase_named
-from common.phases import phases
+from common.models import load_embedder
+from common.phases import phase as phase_named, phases
 from fedsyn_client import refusals
 from fedsyn_client.audit import audit_dir, audit_mod, check_audit_dir
-from common.models import load_embedder
 from fedsyn_client.histograms import marginals_histogram, vote_histogram
 from fedsyn_client.node import Node, node_policy, open_node, readable_schema
 from fedsyn_client.placement import record_placement

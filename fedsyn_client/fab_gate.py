@@ -56,16 +56,16 @@ import importlib
 import io
 import os
 import re
-import stat
 import struct
 import sys
-import tomllib
 import zipfile
 import zlib
 from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 # The Flower releases whose doors this gate was read against, exactly: the hooks are Flower-internal,
 # so another release (a patch release included) is refused until someone reads it again.

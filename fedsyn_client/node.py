@@ -17,10 +17,10 @@ import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -30,12 +30,12 @@ from common.data import TextData, dataset_fingerprint, load_node_data
 from common.logs import get_logger
 from common.rows import Schema, canonical, load_schema, split_record
 from fedsyn_client import refusals
+from fedsyn_client.fixed_work import row_bytes
 from fedsyn_client.ledger import PrivacyLedger
 from fedsyn_client.policy import NodePolicy, PolicyError, is_simulated, policy_from_node_config, simulation_policy
+from fedsyn_client.record_matrix import embed_slots, embedder_identity, gathered, matrix_path, read_matrix, write_matrix
 from fedsyn_client.refusals import NodeSetupError
 from fedsyn_client.replies import ReplyStore
-from fedsyn_client.fixed_work import row_bytes
-from fedsyn_client.record_matrix import embed_slots, embedder_identity, gathered, matrix_path, read_matrix, write_matrix
 from fedsyn_client.view import bounded, cut_view, read_snapshot, view_retention, view_seed, write_snapshot
 
 log = get_logger(__name__)

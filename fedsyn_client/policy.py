@@ -44,21 +44,31 @@ from __future__ import annotations
 
 import functools
 import math
-import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import tomllib
+
 from common.config import ACCOUNTING, DEFAULT_ACCOUNTING
 from common.dp import TIERS
-from common.phases import is_phase
-from common.phases import phases as registered_phases
-from common.phases import phase as phase_named
-from common.records import ERR_POLICY
+from common.phases import is_phase, phase as phase_named, phases as registered_phases
 from common.plugins import FINETUNE_MODES
-from fedsyn_client.refusals import (RULE_CAP, RULE_COLUMNS, RULE_DELTA, RULE_EMBEDDER, RULE_EPSILON,
-                                     RULE_FINETUNE, RULE_MAX_LENGTH, RULE_MODEL, RULE_PHASE, RULE_VOCABULARY, Refusal)
+from common.records import ERR_POLICY
+from fedsyn_client.refusals import (
+    RULE_CAP,
+    RULE_COLUMNS,
+    RULE_DELTA,
+    RULE_EMBEDDER,
+    RULE_EPSILON,
+    RULE_FINETUNE,
+    RULE_MAX_LENGTH,
+    RULE_MODEL,
+    RULE_PHASE,
+    RULE_VOCABULARY,
+    Refusal,
+)
 
 DEFAULT_DELTA = 1e-5
 # The offline models the project ships (common.models): what a node runs unless its institution

@@ -36,14 +36,12 @@ import numpy as np
 from flwr.app import ConfigRecord, Context, Message
 
 from common import records as R
-from common.config import ConfigError, RunConfig
-from common.accounting import DEFAULT as DEFAULT_ACCOUNTING
-from common.accounting import Accounting
-from common.accounting import rule as accounting_rule
+from common.accounting import DEFAULT as DEFAULT_ACCOUNTING, Accounting, rule as accounting_rule
 from common.calibration import Planned, basic_delta, release_base, rounds_of
+from common.config import ConfigError, RunConfig
 from common.dp import GAUSSIAN, MARGINALS, PHASES, analytic_gaussian_sigma, gaussian_release
-from common.phases import phases
 from common.logs import get_logger
+from common.phases import phases
 from common.rows import canonical
 from fedsyn_client.admission import Rule
 from fedsyn_client.ledger import Release

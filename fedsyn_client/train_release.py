@@ -41,10 +41,10 @@ from flwr.app import ArrayRecord
 
 from common import records as R
 from common.accounting import rdp_noise
+from common.calibration import Base, Planned, release_base
 from common.config import ConfigError, RunConfig
 from common.data import TextData
 from common.devices import hidden_gpu_warning, model_device
-from common.calibration import Base, Planned, release_base
 from common.dp import DPSGD, TRAIN, poisson_sample_rate
 from common.logs import get_logger
 from fedsyn_client.refusals import BadWeights

@@ -27,9 +27,17 @@ from tqdm.auto import tqdm
 from common.codes import make_prompt
 from common.config import PRECISIONS
 from common.devices import autocast, to_device
-from common.lm_loss import (conditional_lm_loss, encode_examples, fused_conditional_lm_loss, fused_sequence_nll,
-                            fused_weighted_nll, head_and_decoder, pair_objective, sequence_nll)
 from common.dp import dpsgd_epsilon, poisson_sample_rate
+from common.lm_loss import (
+    conditional_lm_loss,
+    encode_examples,
+    fused_conditional_lm_loss,
+    fused_sequence_nll,
+    fused_weighted_nll,
+    head_and_decoder,
+    pair_objective,
+    sequence_nll,
+)
 from common.logs import get_logger
 from common.weights import trainable_state
 from fedsyn_client import fixed_work

@@ -31,7 +31,6 @@ import struct
 from pathlib import Path
 from typing import Any
 
-
 from common.data import TextData, dataset_fingerprint
 from common.io import atomic_write_text, read_stamped, write_stamped
 from fedsyn_client.fixed_work import cut

@@ -29,9 +29,8 @@ from typing import TYPE_CHECKING, Any
 from common.accounting import Pld, calibrate
 from common.calibration import Planned, basic_delta
 from common.config import ConfigError, RunConfig
-from common.phases import Pricing, phases
-from common.phases import phase as phase_named
 from common.dp import MARGINALS, PROFILE, STRONG, TRAIN, VOTE, analytic_gaussian_sigma, dpsgd_noise_multiplier
+from common.phases import Pricing, phase as phase_named, phases
 
 if TYPE_CHECKING:
     from strategies.result import FedSynResult

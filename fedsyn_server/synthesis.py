@@ -13,13 +13,13 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord
 
-from common.logs import get_logger
 from common import records as R
 from common.codes import make_prompt, unconditional_prompt
 from common.config import RunConfig
 from common.data import TextData
 from common.devices import to_device
 from common.io import atomic_write_json
+from common.logs import get_logger
 from common.models import load_generator, public_cache_path
 from common.rows import IS, SEP, Column, RowError, Schema, generated_part, parse, written_pairs
 from common.weights import load_trainable_state, prepare_model, trainable_state, without_idle_adapter

@@ -40,7 +40,7 @@ import numpy as np
 
 from common.config import RunConfig
 from common.logs import get_logger
-from strategies.refinement import REFINED, Refined, RefinementContext, Refinement, VotePlan, final_size, round_rows
+from strategies.refinement import REFINED, Refined, Refinement, RefinementContext, VotePlan, final_size, round_rows
 
 log = get_logger("fedsyn")
 HISTOGRAM = "similarity"

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from common.config import RunConfig
-from strategies.refinement import Refined, RefinementContext, Refinement, VotePlan, final_size
+from strategies.refinement import Refined, Refinement, RefinementContext, VotePlan, final_size
 from strategies.resampling import resample_by_code
 from strategies.writers import better_writer
 

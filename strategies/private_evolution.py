@@ -29,7 +29,7 @@ import numpy as np
 
 from common.config import RunConfig
 from common.logs import get_logger
-from strategies.refinement import Refined, RefinementContext, Refinement, VotePlan, round_rows
+from strategies.refinement import Refined, Refinement, RefinementContext, VotePlan, round_rows
 from strategies.resampling import resample_by_code
 from strategies.writers import better_writer
 

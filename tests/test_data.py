@@ -10,9 +10,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from common import data as D
-from common import partitioning as P
-from common import tables as T
+from common import data as D, partitioning as P, tables as T
 from common.data import TextData
 
 BBC_TOPICS = ["business", "entertainment", "politics", "sport", "tech"]
@@ -73,8 +71,9 @@ def test_rotten_tomatoes_table_is_sentiment_labelled_short_text():
 
 
 def test_rotten_tomatoes_preset_names_the_shipped_set_and_its_label():
-    import tomllib
     from pathlib import Path
+
+    import tomllib
 
     from common.codes import make_prompt
 
@@ -85,8 +84,9 @@ def test_rotten_tomatoes_preset_names_the_shipped_set_and_its_label():
 
 
 def test_movie_review_source_is_labelled_by_who_wrote_it_not_by_the_verdict():
-    import tomllib
     from pathlib import Path
+
+    import tomllib
 
     from common.codes import make_prompt
 

@@ -26,16 +26,24 @@ import subprocess
 import sys
 import tempfile
 import time
-import tomllib
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from common.io import read_jsonl
 from fedsyn_server.flwr_runner import (
-    APP_DIR, alive, flwr_env, free_port, processes, stop_pids, stop_processes_of, toml_value, with_descendants,
+    APP_DIR,
+    alive,
+    flwr_env,
+    free_port,
+    processes,
+    stop_pids,
+    stop_processes_of,
+    toml_value,
+    with_descendants,
 )
 
 pytestmark = pytest.mark.flwr

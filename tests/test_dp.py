@@ -7,8 +7,15 @@ import pytest
 from scipy import optimize, stats
 
 from common.dp import (
-    analytic_gaussian_sigma, dpsgd_epsilon, dpsgd_noise_multiplier, gaussian_release, paper_delta,
-    gaussian_event, phase_epsilon, pld_epsilon, split_budget,
+    analytic_gaussian_sigma,
+    dpsgd_epsilon,
+    dpsgd_noise_multiplier,
+    gaussian_event,
+    gaussian_release,
+    paper_delta,
+    phase_epsilon,
+    pld_epsilon,
+    split_budget,
 )
 
 

@@ -7,10 +7,10 @@ import os
 import subprocess
 import sys
 import time
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from common.io import atomic_symlink
 from fedsyn_server.flwr_args import app_dir, effective_run_config, with_absolute_paths
@@ -244,10 +244,10 @@ def test_plan_prints_each_phases_cost_and_one_line_per_problem(tmp_path, capsys)
     assert "train: epsilon 3, delta 1e-05, DP-SGD noise multiplier" in out and "q = 0.032" in out
     assert "vote: epsilon 3 in 1 round(s)" in out and "profile: epsilon 1" in out and "nothing was spent" in out
     assert "writers: each code's pool 50% by the pretrained model, 50% by the finetuned one" in out and "1 voter(s)" in out
-    from common.dp import analytic_gaussian_sigma
-
     # the default contrastive votes, K = 4: sensitivity sqrt(8)
     import re
+
+    from common.dp import analytic_gaussian_sigma
 
     basic = analytic_gaussian_sigma(3.0, 1e-5 * 3 / 4, 8 ** 0.5)  # basic: its share 3/4 of the policy's delta (issue 60)
     assert f"sigma {basic:.3g} per round (sensitivity sqrt(2K) = 2.83; basic; " in out

@@ -21,7 +21,6 @@ are refused with the gate's fixed text, the ledgers stay empty and no record rea
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -32,7 +31,7 @@ import pytest
 
 from fedsyn_client.fab_gate import REFUSAL
 from fedsyn_server.flwr_runner import APP_DIR
-from tests.test_deployment import BIN, CONNECTION, TINY, Deployment, _deploy, _ledger
+from tests.test_deployment import CONNECTION, TINY, Deployment, _deploy, _ledger
 
 pytestmark = pytest.mark.flwr
 

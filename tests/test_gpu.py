@@ -145,8 +145,9 @@ def test_fedsyn_run_trains_strong_nodes_on_the_gpu(tmp_path):
 
 
 def test_the_gpu_preset_is_a_valid_run_config():
-    import tomllib
     from pathlib import Path
+
+    import tomllib
 
     from common.config import RunConfig
 

@@ -9,10 +9,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from common.rows import schema_from_dict
-from common import dp
-from common import marginals as Mg
 from benchmarks.baselines import mst as M
+from common import dp, marginals as Mg
+from common.rows import schema_from_dict
 
 SCHEMA = schema_from_dict({"columns": [
     {"name": "y", "type": "categorical", "categories": ["a", "b", "c"]},

@@ -24,13 +24,30 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from hypothesis import HealthCheck, example, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from common import records as R
-from tests.neighbours import (ADD_KINDS, ADDED, BUDGET, CODES, FORMATS, MAX_RECORDS, OPS, PATHS, POSITIONS,
-                              Neighbour, Shape, Step, applies, first_difference, play_pair, sizes, view_difference,
-                              write_neighbours, write_pair)
+from tests.neighbours import (
+    ADD_KINDS,
+    ADDED,
+    BUDGET,
+    CODES,
+    FORMATS,
+    MAX_RECORDS,
+    OPS,
+    PATHS,
+    POSITIONS,
+    Neighbour,
+    Shape,
+    Step,
+    applies,
+    first_difference,
+    play_pair,
+    sizes,
+    view_difference,
+    write_neighbours,
+    write_pair,
+)
 
 EXAMPLES = int(os.environ.get("FEDSYN_NEIGHBOUR_EXAMPLES", "12"))
 X, Y, Z = CODES

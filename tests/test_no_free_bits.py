@@ -105,9 +105,10 @@ def test_an_embedder_that_cannot_load_is_refused_before_the_reservation(pair, tm
     original = neighbours._send
 
     def with_policy(step_, data, state_, arrays, table):  # the node allows that embedder; it is not installed
+        from flwr.app import ConfigRecord, Message, RecordDict
+
         import fedsyn_client.client_app as ca
         from tests.fakes import client_node, set_task_identity
-        from flwr.app import ConfigRecord, Message, RecordDict
 
         rc = {**neighbours.base_run_config(data), **dict(step_.rc)}
         config = {"tier": "weak", "data-path": data, "max-records": 100, "state-dir": str(state_), "epsilon": BUDGET,

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.lm_loss import conditional_lm_loss, encode_examples, pair_objective, sequence_nll
+from common.lm_loss import conditional_lm_loss, pair_objective, sequence_nll
 from common.models import tiny_gpt2
 from common.weights import prepare_model, trainable_state
 from fedsyn_client import training

@@ -20,9 +20,12 @@ from common.dp import analytic_gaussian_sigma, dpsgd_noise_multiplier
 from common.records import ERR_BUDGET
 from fedsyn_client.ledger import PrivacyLedger
 from fedsyn_client.policy import PolicyError, policy_from_node_config as load_policy
+from tests import test_strategy
 from tests.fakes import set_task_identity
 from tests.test_sovereign import BUDGET, VOCAB, _csv, _node, _rc
-from tests.test_strategy import dataset  # noqa: F401 - a fixture
+
+# test_strategy's data set: a fixture, bound to its name here so that pytest finds it for this module's tests
+dataset = test_strategy.dataset
 
 DELTA = 1e-5
 EPS_PROFILE = 2.0  # _rc's epsilon-profile; a weak node's vote gets BUDGET - EPS_PROFILE

@@ -20,7 +20,11 @@ from strategies.popri import preference_pairs
 from strategies.private_evolution import next_generation
 from strategies.refinement import Refinement, build_refinement, final_size
 from strategies.resampling import resample_by_code
-from tests.test_strategy import dataset, nodes_for, run, run_config  # noqa: F401 - dataset is a fixture
+from tests import test_strategy
+from tests.test_strategy import nodes_for, run, run_config
+
+# test_strategy's data set: a fixture, bound to its name here so that pytest finds it for this module's tests
+dataset = test_strategy.dataset
 
 
 # --------------------------------------------------------------------------- pure maths

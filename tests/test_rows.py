@@ -340,6 +340,6 @@ def test_grammar_constraint_masks_to_the_rule_and_ends_with_the_models_end_mass(
     assert torch.isfinite(out[1]).sum() == 1 and out[1, tok.eos_token_id] == 0
 
     # and in a whole generation, every continuation is a value (the model is random)
-    prompts = [f"n is" for _ in range(24)]
+    prompts = ["n is" for _ in range(24)]
     texts = generate_samples(model, tok, prompts, max_new_tokens=8, seed=3, rules=[ValueRule(column)] * 24)
     assert all(column.complete(t) for t, _ in texts), texts

@@ -7,9 +7,8 @@ no lock, the server's budget, a vocabulary yes/no, q in the reply, an endless ca
 
 from __future__ import annotations
 
-import re
-
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -23,9 +22,9 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 
 from common import records as R
 from common.config import RunConfig
-from fedsyn_client.ledger import PrivacyLedger
 from common.records import ERR_BUDGET, ERR_CONFIG, ERR_POLICY
 from fedsyn_client.client_app import app
+from fedsyn_client.ledger import PrivacyLedger
 from tests.fakes import FakeGrid, client_node, set_task_identity
 
 VOCAB = ["topic=x", "topic=y"]
@@ -384,8 +383,8 @@ def test_a_repeated_training_round_is_replayed_and_only_the_latest_round_is_kept
 
 
 def test_a_strong_node_killed_mid_round_rejoins_later_rounds_without_paying_twice(data, tmp_path, monkeypatch):
-    from fedsyn_client.ledger import PrivacyLedger as Ledger
     from fedsyn_client import training
+    from fedsyn_client.ledger import PrivacyLedger as Ledger
 
     train = _trainer(data, tmp_path, _rc(data, **{"num-server-rounds": 3}))
 

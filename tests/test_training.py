@@ -15,9 +15,9 @@ import torch
 
 from common.codes import code_prompt
 from common.dp import dpsgd_noise_multiplier
+from common.lm_loss import conditional_lm_loss, encode_examples
 from common.models import tiny_gpt2
 from common.weights import load_trainable_state, prepare_model, trainable_state
-from common.lm_loss import conditional_lm_loss, encode_examples
 from fedsyn_client.training import TrainSettings, dp_train
 
 DELTA = 1e-5

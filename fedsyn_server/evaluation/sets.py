@@ -15,10 +15,16 @@ from typing import TYPE_CHECKING, Any
 
 from common.codes import parse_code
 from common.data import CODE_FIELD, TextData, to_text_data
-from common.tables import load_table
 from common.io import atomic_write_json
-from fedsyn_server.evaluation.alignment import (MAUVE_MISSING, allocation_error, frechet_distance,
-                                                 knn_precision_recall, mauve_available, mauve_score)
+from common.tables import load_table
+from fedsyn_server.evaluation.alignment import (
+    MAUVE_MISSING,
+    allocation_error,
+    frechet_distance,
+    knn_precision_recall,
+    mauve_available,
+    mauve_score,
+)
 from fedsyn_server.evaluation.utility import CLASSIFIERS, downstream_utility, label_agreement, transformer_utility
 
 if TYPE_CHECKING:

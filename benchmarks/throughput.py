@@ -171,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--max-length", type=int, default=64)
-    ap.add_argument("--generate", type=int, default=120, help="texts to generate (64 new tokens each; 120 = the default pool)")
+    ap.add_argument("--generate", type=int, default=120,
+                    help="texts to generate (64 new tokens each; 120 = the default pool)")
     ap.add_argument("--embed", type=int, default=256, help="texts to embed")
     ap.add_argument("--default-run", action="store_true", help="also time one default flwr run")
     ap.add_argument("--json", default=None, help="write the results here as JSON")
@@ -184,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     # The machine's own limits first: every later figure is read against them.
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         slow = name == "bf16" and not out["native_bf16"]  # emulated: a small matrix says enough
-        out[f"peak_matmul_{name}_gflops"] = round(matmul_peak(dtype, n=512 if slow else 2048, repeat=2 if slow else 10), 1)
+        out[f"peak_matmul_{name}_gflops"] = round(matmul_peak(dtype, n=512 if slow else 2048,
+                                                          repeat=2 if slow else 10), 1)
         if slow:
             # emulated bf16 (0.3 GFLOP/s on an AVX2 CPU) would take minutes per forward; training and
             # generation do not use it here either (precision = auto)

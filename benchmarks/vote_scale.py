@@ -122,7 +122,8 @@ def measure(bounds: list[int], replies: int, pool: int, build_up_to: int, before
     for bound in bounds:
         data, vocabulary, texts, codes = write_node(folder, bound, pool)
         seed = folder / f"seed-{bound}"
-        row: dict[str, Any] = {"bound": bound, "pool": pool, **_forked(_prepare, data, seed, bound, bound <= build_up_to)}
+        row: dict[str, Any] = {"bound": bound, "pool": pool,
+                               **_forked(_prepare, data, seed, bound, bound <= build_up_to)}
         if bound <= build_up_to:
             rate = row["build_s"] / bound
         elif rate is not None:
@@ -164,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "seconds": round(time.time() - started),
               "embedder": RunConfig().embedder, "window": RunConfig().vote_window, "rows": rows}
     atomic_write_json(args.out, result)
-    print("| max-records | view kept | snapshot (once) | matrix build (once) | vote before | vote after (median, min-max) |")
+    print("| max-records | view kept | snapshot (once) | matrix build (once) | vote before | "
+          "vote after (median, min-max) |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         build = (f"{r['build_s']:.0f} s" if r["build_s"] == r["build_s"]

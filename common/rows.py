@@ -249,7 +249,8 @@ def schema_from_dict(data: Mapping[str, Any]) -> Schema:
             try:
                 lo, hi = (None if v is None else _date(str(v), name).isoformat() for v in (lo, hi))
             except RowError:
-                raise SchemaError(f"column {name!r}: 'min' and 'max' of a date column are ISO dates (2024-01-31)") from None
+                raise SchemaError(f"column {name!r}: 'min' and 'max' of a date column are ISO dates "
+                                  "(2024-01-31)") from None
         elif kind in ("integer", "float"):
             try:
                 lo, hi = (None if v is None else float(v) for v in (lo, hi))

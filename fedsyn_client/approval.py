@@ -262,7 +262,8 @@ def gate_status(clientapp_user: str | None = None, same_user: bool = False) -> s
                              f"checkout again: fedsyn node approve CHECKOUT --allow-list {allow}")
     uid, gids, user = _user(clientapp_user)
     venv = Path(sys.prefix)
-    problems = trust_problems([*launchers, allow, *(Path(p) for p in pythons)], [trees, venv, *{p.parent for p in launchers}],
+    problems = trust_problems([*launchers, allow, *(Path(p) for p in pythons)],
+                              [trees, venv, *{p.parent for p in launchers}],
                               uid, gids, same_user)
     if problems:
         raise ValueError(f"the ClientApp user {user} could change what decides which code runs on the records: "

@@ -134,7 +134,8 @@ def train(msg: Message, node: Node, cfg: RunConfig, req: Request) -> RecordDict:
 
     state = node.ledger.accountant_state(accountant_key(req.run_id))
     free_text = cfg.free_text is not None  # a table's free-text column: DP-SGD reads that column alone
-    mechanism = DpSgdRound(cfg, lambda: node.records(req.vocabulary, free_text), msg.content.array_records.get(R.ARRAYS),
+    mechanism = DpSgdRound(cfg, lambda: node.records(req.vocabulary, free_text),
+                           msg.content.array_records.get(R.ARRAYS),
                            state, msg.metadata.dst_node_id,
                            phase_reserved=node.ledger.spent(run_id=req.run_id, phase=TRAIN) > 0,
                            bound=node.bound)

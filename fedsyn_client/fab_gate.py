@@ -10,7 +10,8 @@ and imports a folder named from the *server-stated* ``fab_id``/``fab_version``. 
 every call that imports app code, and where this gate covers it, is in ``docs/privacy.md``.
 
 ``fedsyn node install-launcher DIR --allow-list FILE`` writes one launcher per task-process name,
-and one for ``flower-supernode``, into ``DIR``: this file, run by the node venv's Python in isolated mode (``-I``: no current
+and one for ``flower-supernode``, into ``DIR``: this file, run by the node venv's Python in isolated
+mode (``-I``: no current
 directory, no ``PYTHON*`` variables), with its role, the allow-list and the folder of approved
 trees fixed in it. With ``DIR`` first in the SuperExec's PATH, every task process starts here:
 
@@ -339,7 +340,8 @@ class ClientAppGate:
             why = str(err)
         if why:
             return self._refuse(f"FAB {digest} is approved but its installed tree is not its bytes ({why}); "
-                                f"refused. Approve it again: fedsyn node approve CHECKOUT --allow-list {self.allow_list}")
+                                "refused. Approve it again: "
+                                f"fedsyn node approve CHECKOUT --allow-list {self.allow_list}")
         self.approved = (digest, tree)
         self.log(f"fedsyn FAB gate: FAB {digest} approved; its ClientApp loads from {tree} only")
         return tree

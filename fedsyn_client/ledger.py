@@ -115,7 +115,8 @@ class PrivacyLedger:
 
     # ----------------------------------------------------------------- opening
     @classmethod
-    def open(cls, state_dir: str | Path, budget: float, ledger_id: str = "", data_fingerprint: str = "") -> PrivacyLedger:
+    def open(cls, state_dir: str | Path, budget: float, ledger_id: str = "",
+             data_fingerprint: str = "") -> PrivacyLedger:
         """Open the node's ledger with its total ``budget`` (the node policy's), or create it.
 
         Raises ``LedgerError`` when the stored budget differs (a budget changes only by
@@ -250,7 +251,8 @@ class PrivacyLedger:
         admission.check(self._load(), epsilon, what)
 
     # ----------------------------------------------------------------- updates
-    def hold(self, run_id: str, needed: float, token: str = "", max_unconfirmed: int = MAX_UNCONFIRMED_HOLDS) -> Preflight:
+    def hold(self, run_id: str, needed: float, token: str = "",
+             max_unconfirmed: int = MAX_UNCONFIRMED_HOLDS) -> Preflight:
         """The pre-flight, atomically: if this node can pay the ``needed`` epsilon of run
         ``run_id`` (what it already spent in that run counts), hold it for that run (shortfall
         0; ``fedsyn_client.holds``: when, how long, and at most ``max_unconfirmed`` unconfirmed

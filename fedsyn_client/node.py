@@ -304,7 +304,8 @@ def _check_requirements(policy: NodePolicy, node_config: dict[str, Any]) -> None
             load(name)
         except Exception as err:  # noqa: BLE001 - any failure to load is the operator's to fix
             raise NodeSetupError(f"node-config {key} allows {name!r}, which cannot be loaded here "
-                                 f"({type(err).__name__}: {str(err)[:200]}); install it or take it out of {key}") from None
+                                 f"({type(err).__name__}: {str(err)[:200]}); "
+                                 f"install it or take it out of {key}") from None
 
 
 def _deployed_policy(node_config: dict[str, Any]) -> NodePolicy:

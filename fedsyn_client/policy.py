@@ -38,7 +38,7 @@ line naming the key.
 (``fedsyn_client.release.authorise``) before it touches data, for the tier query and every
 release alike, so a new message type cannot skip it. A refusal is a ``PolicyRefused`` whose
 ``rule`` is a fixed text (the server's reply) and whose message is the detail (the node's log).
-"""
+"""  # noqa: E501 - a markdown table: one row a line
 
 from __future__ import annotations
 

@@ -133,7 +133,8 @@ class DpSgdRound(Mechanism):
             try:  # q = 1 needs the most noise: if it can be calibrated there, any view's q can
                 rdp_noise(request.phase_budget, request.delta, 1.0, self.total_steps)
             except ValueError as err:
-                raise ConfigError(f"train: epsilon_train = {request.phase_budget:g} at delta = {request.delta:g} cannot "
+                raise ConfigError(f"train: epsilon_train = {request.phase_budget:g} at delta = {request.delta:g} "
+                                  "cannot "
                                   f"be reached in {self.total_steps} DP-SGD steps ({err}); raise epsilon or lower "
                                   "num-server-rounds x local-steps") from None
 
@@ -147,7 +148,8 @@ class DpSgdRound(Mechanism):
             if not np.isfinite(arr).all():
                 raise BadWeights(f"train: weight {name} has non-finite values")
             if arr.size and float(np.abs(arr).max()) > WEIGHT_LIMIT:
-                raise BadWeights(f"train: weight {name} has |w| up to {float(np.abs(arr).max()):.3g} > {WEIGHT_LIMIT:g}")
+                raise BadWeights(f"train: weight {name} has |w| up to {float(np.abs(arr).max()):.3g} "
+                                 f"> {WEIGHT_LIMIT:g}")
         model, self.tokenizer = load_generator(self.cfg.model, seed=self.cfg.seed)
         self.model = prepare_model(model, self.cfg.finetune, self.cfg.lora_rank, seed=self.cfg.seed,
                                    lora_layers=self.cfg.lora_layers)

@@ -12,7 +12,7 @@
 | ``config.json`` | the validated run config |
 | ``model/`` | the finetuned trainable weights (a peft adapter or a full model folder) |
 | ``plots/*.png`` | votes per code, allocation vs. final counts, each writer's texts in the pool and kept per code, held-out loss per round |
-"""
+"""  # noqa: E501 - a markdown table: one row a line
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The server's model work: initial weights, generation and variation (the refinements' ``Generator``), held-out loss."""
+"""The server's model work: initial weights, generation and variation (the refinements' ``Generator``),
+held-out loss."""
 
 from __future__ import annotations
 
@@ -119,7 +120,8 @@ class ServerModel(Generator):
             load_trainable_state(self.model, R.state_from_arrays(arrays))
         return self.model
 
-    def generate(self, allocation: Mapping[str, int], seed: int, prompt: str | None = None) -> tuple[list[str], list[str]]:
+    def generate(self, allocation: Mapping[str, int], seed: int,
+                 prompt: str | None = None) -> tuple[list[str], list[str]]:
         """s_j samples for each code c_j, prompted by the code (paper eq. 3); (texts, codes).
         ``prompt``: the prompt style (run-config ``prompt`` values) to write with, the run's by
         default; the pretrained writer of a mixed pool writes with the instruction
@@ -176,7 +178,8 @@ class ServerModel(Generator):
         self._report = {"requested": len(codes), "written": len(kept), "dropped": len(todo),
                         "rejected": dict(rejected), "attempts": 1 + REGENERATE,
                         "spares": {"written": len(spares), "used": used},
-                        "per_code": {c: {"allocated": int(n), "written": written.get(c, 0)} for c, n in allocation.items()}}
+                        "per_code": {c: {"allocated": int(n), "written": written.get(c, 0)}
+                                     for c, n in allocation.items()}}
         if todo:
             log.warning("[generate] dropped %d of %d texts still unusable after %d attempts (%s)", len(todo),
                         len(codes), 1 + REGENERATE, dict(rejected))
@@ -319,7 +322,8 @@ class ServerModel(Generator):
                     nll = fused_sequence_nll(decoder(**inputs).last_hidden_state, head.weight, part["labels"])[0]
                     total += float(nll.sum())
                 else:
-                    total += float(conditional_lm_loss(model(**inputs).logits, part["labels"])) * part["labels"].shape[0]
+                    total += (float(conditional_lm_loss(model(**inputs).logits, part["labels"]))
+                              * part["labels"].shape[0])
         loss = {"heldout_loss": total / len(sub)}
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -338,7 +342,8 @@ class ServerModel(Generator):
 
         trainable = trainable_state(self.model)
         if self._frozen_digest is None:
-            self._frozen_digest = _tensors_digest({k: v for k, v in self.model.state_dict().items() if k not in trainable})
+            self._frozen_digest = _tensors_digest({k: v for k, v in self.model.state_dict().items()
+                                                   if k not in trainable})
         device = next(self.model.parameters()).device.type
         return [self._frozen_digest, _tensors_digest(trainable), list(sub.texts), list(sub.codes),
                 [self.prompt(c) for c in sorted(set(sub.codes))], self.cfg.max_length, self.cfg.precision, device,

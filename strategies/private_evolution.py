@@ -81,14 +81,17 @@ class PrivateEvolution(Refinement):
         votes = np.zeros(len(texts))
         for t in range(1, rounds + 1):
             votes = ctx.vote(texts, codes, **plan.request())
-            notes.append({"round": t, "population": len(texts), "mean_votes": float(np.mean(votes)) if len(votes) else 0.0})
-            log.info("[pe] round %d/%d: %d texts voted, mean noisy votes %.2f", t, rounds, len(texts), notes[-1]["mean_votes"])
+            notes.append({"round": t, "population": len(texts),
+                          "mean_votes": float(np.mean(votes)) if len(votes) else 0.0})
+            log.info("[pe] round %d/%d: %d texts voted, mean noisy votes %.2f", t, rounds, len(texts),
+                     notes[-1]["mean_votes"])
             if t == rounds:
                 history += round_rows(t, texts, codes, votes, writer=writers)
                 break
             survivors, parents = next_generation(codes, votes)
             kept = set(survivors)
-            history += round_rows(t, texts, codes, votes, writer=writers, survived=[i in kept for i in range(len(texts))],
+            history += round_rows(t, texts, codes, votes, writer=writers,
+                                  survived=[i in kept for i in range(len(texts))],
                                   children=np.bincount(parents, minlength=len(texts)).tolist())
             children = ctx.generator.variation([texts[i] for i in parents], [codes[i] for i in parents],
                                                seed=ctx.cfg.seed + t)

@@ -79,7 +79,8 @@ def test_split_budget_is_appendix_b():
 
 def test_tight_accounting_is_below_basic_composition():
     d = 1e-5
-    events = [gaussian_event(analytic_gaussian_sigma(2.0, d, 1), 1.0), gaussian_event(analytic_gaussian_sigma(6.0, d, 2), 2.0)]
+    events = [gaussian_event(analytic_gaussian_sigma(2.0, d, 1), 1.0),
+              gaussian_event(analytic_gaussian_sigma(6.0, d, 2), 2.0)]
     tight = pld_epsilon(events, 2 * d)
     assert 0 < tight < 8.0
     # A single release: the PLD epsilon at the same delta is (up to discretisation) the release's.

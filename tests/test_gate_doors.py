@@ -167,7 +167,8 @@ def test_every_door_into_a_gated_node_is_shut(tmp_path):
         run_id = _start_chat_run(dep, _agent_fab(root, marker))
         status = _wait_finished(dep, run_id)
         diag = f"{status}\n{dep.log('superlink')[-3000:]}{dep.diagnostics()}"
-        assert "Start `flwr-agentapp` process" not in node_logs() or "this node approves no agent app" in node_logs(), diag
+        assert ("Start `flwr-agentapp` process" not in node_logs()
+                or "this node approves no agent app" in node_logs()), diag
         assert node_logs().count("this node approves no agent app") >= 2, diag  # each node's door was knocked on
         assert on_nodes() == [], f"the agent app ran on a node: {on_nodes()}"
         replies = (marker.parent / "agent-replies.json")

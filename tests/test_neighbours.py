@@ -192,7 +192,8 @@ def test_the_corpus_is_identical_on_neighbours(steps, remove):
 ADDED_WEAK = [Step(R.MSG_PROFILE, conf=_conf((X, Y, Z), "a", 0, 1e-5), tier="weak"),
               Step(R.MSG_VOTE, conf=_conf((X, Y), "a", 1, 1e-5, histogram="contrastive-vote", **{"num-votes": 1}),
                    tier="weak", candidates=(("a text about x", X), ("one about y", Y)))]
-ADDED_STRONG = [Step(R.MSG_TRAIN, conf=_conf((X, Y, Z), "b", 1, 1e-5)), Step(R.MSG_TRAIN, conf=_conf((X,), "b", 2, 1e-5))]
+ADDED_STRONG = [Step(R.MSG_TRAIN, conf=_conf((X, Y, Z), "b", 1, 1e-5)),
+                Step(R.MSG_TRAIN, conf=_conf((X,), "b", 2, 1e-5))]
 
 
 @pytest.mark.parametrize("steps", [ADDED_WEAK, ADDED_STRONG], ids=["profile-vote", "train"])

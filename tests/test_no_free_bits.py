@@ -169,4 +169,5 @@ def test_the_audit_folder_is_checked_first_and_a_failing_write_is_a_fixed_text(p
     monkeypatch.setattr(audit, "jsonl_line", lambda obj: (_ for _ in ()).throw(OSError(28, "No space left", "/x")))
     (seen,) = play([profile], pair[0], tmp_path / "s2")
     assert seen.error == (R.ERR_INTERNAL, "failed on the node (see the node's log); a reserved release stays spent")
-    assert PrivacyLedger(tmp_path / "s2" / "ledger.json").spent() == pytest.approx(1.0, abs=1e-3)  # pld: its PLD epsilon
+    # pld: its PLD epsilon
+    assert PrivacyLedger(tmp_path / "s2" / "ledger.json").spent() == pytest.approx(1.0, abs=1e-3)

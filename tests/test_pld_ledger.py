@@ -182,6 +182,7 @@ def test_a_whole_run_under_pld_spends_each_nodes_budget_by_pld_and_never_more(da
     assert strong[0]["phase"] == "profile" and set(phases) == {TRAIN, VOTE}
     assert phases == sorted(phases, key=lambda p: p == VOTE)  # every DP-SGD release before the first vote
     train, cfg = strong[1], RunConfig.from_flower(rc)
-    alone = pld_noise((), Planned(TRAIN, DPSGD, train["epsilon"], train["delta"], sample_rate=train["private"]["sample_rate"],
+    alone = pld_noise((), Planned(TRAIN, DPSGD, train["epsilon"], train["delta"],
+                                  sample_rate=train["private"]["sample_rate"],
                                   steps=cfg.num_server_rounds * cfg.local_steps), cfg.resolve_delta(0))
     assert train["private"]["noise_multiplier"] < 0.97 * alone

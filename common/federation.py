@@ -42,6 +42,7 @@ def _benchmark(dataset: str, text_column: str, control_columns: tuple[str, ...],
     df = load_table(dataset)
     if table_schema:
         schema = RunConfig(table_schema=table_schema, control_columns=control_columns).schema()
+        assert schema is not None  # a table-schema is given
         vocabulary = (code_vocabulary(df, list(control_columns), list(control_codes)) if control_codes
                       else schema_vocabulary(schema, control_columns))
         data = table_text_data(df, schema, control_columns, seed)

@@ -83,7 +83,7 @@ class _FusedHeadNll(torch.autograd.Function):
     """sum_i w_i * NLL(softmax(h_i W^T), y_i) with dL/dh computed in the forward, chunk by chunk."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, row_weights):  # noqa: D102
+    def forward(ctx, hidden, weight, targets, row_weights):  # noqa: D102 - torch.autograd.Function's
         total = hidden.new_zeros((), dtype=torch.float32)
         grad = torch.empty_like(hidden, dtype=torch.float32)
         # The two matmuls run in whatever precision an enclosing autocast asks for; the softmax
@@ -105,7 +105,7 @@ class _FusedHeadNll(torch.autograd.Function):
         return total
 
     @staticmethod
-    def backward(ctx, grad_output):  # noqa: D102
+    def backward(ctx, grad_output):  # noqa: D102 - torch.autograd.Function's
         (grad,) = ctx.saved_tensors
         return (grad * grad_output).to(ctx.hidden_dtype), None, None, None
 

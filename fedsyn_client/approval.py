@@ -230,14 +230,14 @@ def gate_status(clientapp_user: str | None = None, same_user: bool = False) -> s
         if launcher is None:
             raise ValueError(f"no {name} on PATH: the SuperExec would fail open to whatever it finds later; {fix}")
         try:
-            role, allow, python, current = launcher_facts(launcher)
+            role, listed, python, current = launcher_facts(launcher)
         except ValueError as err:
             raise ValueError(f"{err}; {fix}") from None
         if role != name or not current:
             raise ValueError(f"{launcher} is not this fedsyn's gate for {name} (edited, renamed or from another "
                              f"version); {fix}")
         launchers.append(Path(launcher))
-        allow_lists.add(allow)
+        allow_lists.add(listed)
         pythons.add(python)
     if len(allow_lists) != 1:
         raise ValueError(f"the launchers on PATH name different allow-lists ({', '.join(sorted(allow_lists))}); {fix}")

@@ -59,14 +59,13 @@ import os
 import re
 import struct
 import sys
+import tomllib
 import zipfile
 import zlib
 from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 # The Flower releases whose doors this gate was read against, exactly: the hooks are Flower-internal,
 # so another release (a patch release included) is refused until someone reads it again.
@@ -148,19 +147,19 @@ def fab_bounds(fab: bytes) -> str:
     try:
         # the very record ZipFile reads next, found by its own search (a private helper: the gate
         # runs on the node venv's Python, and fails closed if it is gone)
-        end = zipfile._EndRecData(io.BytesIO(fab))  # type: ignore[attr-defined]
+        end = zipfile._EndRecData(io.BytesIO(fab))  # type: ignore[attr-defined]  # zipfile's own private reader, not in typeshed
         if end is None:
             return "the FAB is not a zip archive"
-        entries, directory = end[zipfile._ECD_ENTRIES_TOTAL], end[zipfile._ECD_SIZE]  # type: ignore[attr-defined]
+        entries, directory = end[zipfile._ECD_ENTRIES_TOTAL], end[zipfile._ECD_SIZE]  # type: ignore[attr-defined]  # as above
     except (AttributeError, TypeError, OSError, ValueError) as err:
         return f"the FAB's end record cannot be read ({type(err).__name__})"
-    if end[0] != zipfile.stringEndArchive:
+    if end[0] != zipfile.stringEndArchive:  # type: ignore[attr-defined]  # zipfile's constant, not in typeshed
         return "the FAB is a zip64 archive (no FAB within the bounds needs one)"
     if entries > MAX_ENTRIES or directory > MAX_CENTRAL_DIRECTORY:
         return (f"the FAB states {entries:,} entries in {directory:,} bytes of central directory, over the bounds "
                 f"of {MAX_ENTRIES:,} and {MAX_CENTRAL_DIRECTORY:,}")
     # the stated count is not what zipfile walks: it walks the directory's bytes, header by header
-    counted = _directory_entries(fab, end[zipfile._ECD_LOCATION] - directory, directory)  # type: ignore[attr-defined]
+    counted = _directory_entries(fab, end[zipfile._ECD_LOCATION] - directory, directory)  # type: ignore[attr-defined]  # zipfile's constant, not in typeshed
     if counted < 0:
         return "the FAB's central directory is not a zip's"
     if counted > MAX_ENTRIES:
@@ -190,7 +189,7 @@ def _directory_entries(fab: bytes, start: int, size: int) -> int:
     meets something that is not a header."""
     pos, count = start, 0
     while pos < start + size and count <= MAX_ENTRIES:
-        if pos < 0 or pos + 46 > len(fab) or fab[pos:pos + 4] != zipfile.stringCentralDir:
+        if pos < 0 or pos + 46 > len(fab) or fab[pos:pos + 4] != zipfile.stringCentralDir:  # type: ignore[attr-defined]  # as above
             return -1
         names, extra, comment = struct.unpack_from("<3H", fab, pos + 28)
         pos += 46 + names + extra + comment
@@ -221,7 +220,7 @@ def read_member(archive: zipfile.ZipFile, name: str) -> bytes:
     # a probe that declares one byte more lets the stream show that it goes on (its CRC is checked
     # here, on the bytes as declared)
     probe = copy.copy(member)
-    probe.file_size, probe.CRC = member.file_size + 1, None
+    probe.file_size, probe.CRC = member.file_size + 1, None  # type: ignore[assignment]  # None: zipfile checks no CRC on the probe
     data = bytearray()
     with archive.open(probe) as stream:
         while chunk := stream.read(_CHUNK):
@@ -446,7 +445,7 @@ def supernode_hook(allow_list: str | Path, log: Callable[[str], None], flower_ve
                            "get_fused_config_from_fab; this gate cannot bound it")
     gate = SuperNodeGate(allow_list, log, original)
     _rebind(original, gate.fused_config)
-    internal.get_fused_config_from_fab = gate.fused_config
+    internal.get_fused_config_from_fab = gate.fused_config  # type: ignore[attr-defined]  # Flower's function (checked present above)
     return internal
 
 
@@ -491,10 +490,10 @@ def check_hook(role: str, flower_version: str) -> Any:
     # name (flwr.supercore.task_process.agent.run_agentapp) would hand back the function
     if role == CLIENTAPP:
         runner = importlib.import_module("flwr.supernode.runtime.run_clientapp")
-        from flwr.clientapp.client_app import ClientApp, LoadClientAppError  # noqa: F401  (ClientAppGate.load's)
-        from flwr.supercore.object_ref import load_app  # noqa: F401
+        from flwr.clientapp.client_app import ClientApp, LoadClientAppError  # noqa: F401 - ClientAppGate.load's imports, loaded now
+        from flwr.supercore.object_ref import load_app  # noqa: F401 - as above
         calls = runner.run_clientapp.__code__.co_names
-        needed = ("install_from_fab", "get_load_client_app_fn")
+        needed: tuple[str, ...] = ("install_from_fab", "get_load_client_app_fn")
     elif role == AGENTAPP:
         runner = importlib.import_module("flwr.supercore.task_process.agent.run_agentapp")
         calls = (runner._AgentAppTaskLifecycle._prepare_task_app.__code__.co_names

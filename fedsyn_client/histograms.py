@@ -78,7 +78,7 @@ def local_embeddings(records: TextData, embedder_name: str, max_tokens: int | No
                                precision=precision)
         return cache[key]
     # the work of ``bound`` rows padded to the window (record_matrix.embed_slots); the filler's rows dropped
-    return embed_slots(records.texts, embedder, max_tokens or embedder.max_seq_length,
+    return embed_slots(records.texts, embedder, max_tokens or embedder.max_seq_length,  # type: ignore[arg-type]  # the embedders' limit is set (typed Optional)
                        max(len(records), bound), precision=precision)[:len(records)]
 
 

@@ -417,22 +417,23 @@ def reset_ledger(state_dir: str | Path, reason: str, ledger_id: str = "", budget
                                  "say the node's budget with --budget EPSILON")
             previous: Any = (admission.spent(data["releases"]) if data is not None
                              else "unknown (ledger damaged or missing)")
+            kept: Path | None = archive
             if data is not None:
                 atomic_write_json(archive, data)
             elif ledger.path.exists():
                 os.replace(ledger.path, archive)
             else:
-                archive = None
+                kept = None
             old = data or {}
             atomic_write_json(ledger.path, {
                 "format": FORMAT, "budget": float(budget) if budget is not None else old["budget"], "releases": [],
                 "ref": old.get("ref") or uuid.uuid4().hex, "accountants": {}, "budget_changes": [], "data": [],
                 "created": time.time(), "resets": old.get("resets", []) + [{
                     "time": time.time(), "reason": reason.strip(), "previous_epsilon_spent": previous,
-                    "archive": str(archive) if archive else None, "user": os.environ.get("USER", "")}]})
+                    "archive": str(kept) if kept else None, "user": os.environ.get("USER", "")}]})
         finally:
             fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
-    return archive
+    return kept
 
 
 def set_budget(state_dir: str | Path, budget: float, reason: str, ledger_id: str = "") -> float:

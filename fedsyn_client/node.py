@@ -81,7 +81,7 @@ class Node:
     snapshot: Snapshot | None = None  # a deployed node's view on disk (None in simulation)
     _views: dict[tuple[tuple[str, ...], bool], TextData] = field(default_factory=dict, repr=False)
     _positions: dict[tuple[str, ...], np.ndarray] = field(default_factory=dict, repr=False)
-    _matrices: dict[tuple[bool, str, int], np.ndarray] = field(default_factory=dict, repr=False)
+    _matrices: dict[tuple[bool, str, int, bool], np.ndarray] = field(default_factory=dict, repr=False)
 
     @property
     def tier(self) -> str:
@@ -129,8 +129,9 @@ class Node:
 
         embedder = EMBEDDER_ALIASES.get(embedder, embedder)  # one matrix per model, whichever alias named it
         model = load_embedder(embedder)
-        window = min(int(window), int(model.max_seq_length))
-        bf16 = uses_bf16(getattr(model, "inner", model), precision)
+        window = min(int(window), int(model.max_seq_length))  # type: ignore[arg-type]  # a node's embedders have a token limit
+        inner: Any = getattr(model, "inner", model)
+        bf16 = uses_bf16(inner, precision)
         key = (free_text, embedder, window, bf16)
         if key in self._matrices:
             return self._matrices[key]
@@ -297,7 +298,7 @@ def _check_requirements(policy: NodePolicy, node_config: dict[str, Any]) -> None
     from fedsyn_client.audit import audit_folder, check_audit_dir
 
     check_audit_dir(audit_folder(node_config))
-    wanted = [("embedder", name, load_embedder) for name in policy.embedders]
+    wanted: list[tuple[str, str, Callable[..., Any]]] = [("embedder", name, load_embedder) for name in policy.embedders]
     wanted += [("model", name, load_generator) for name in policy.models] if policy.tier == STRONG else []
     for key, name, load in wanted:
         try:

@@ -44,12 +44,11 @@ from __future__ import annotations
 
 import functools
 import math
+import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from common.config import ACCOUNTING, DEFAULT_ACCOUNTING
 from common.dp import TIERS

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from flwr.app import ArrayRecord
@@ -49,6 +49,10 @@ from common.dp import DPSGD, TRAIN, poisson_sample_rate
 from common.logs import get_logger
 from fedsyn_client.refusals import BadWeights
 from fedsyn_client.release import Mechanism, Output, Request
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
 
 log = get_logger(__name__)
 _TOL = 1e-6
@@ -76,12 +80,13 @@ class DpSgdRound(Mechanism):
         # holds either way, because the noise multiplier is calibrated for all R x tau steps and
         # the ledger never lets the run take more.
         self.phase_reserved = phase_reserved
-        self.model = self.tokenizer = None
+        self.model: torch.nn.Module | None = None
+        self.tokenizer: PreTrainedTokenizerBase | None = None
         self.base: Base = ()  # under pld: the ledger's earlier releases the phase's noise is solved on
         self._view: TextData | None = None
         self._fixed: tuple[float, float, float] | None = None
 
-    def binding(self, request: Request) -> dict[str, Any]:  # noqa: D102
+    def binding(self, request: Request) -> dict[str, Any]:  # noqa: D102 - documented on Mechanism
         cfg = self.cfg
         return {"epsilon": float(request.phase_budget), "delta": float(request.delta), "rounds": cfg.num_server_rounds,
                 "local_steps": cfg.local_steps, "batch_size": cfg.batch_size, "model": cfg.model,
@@ -158,20 +163,20 @@ class DpSgdRound(Mechanism):
         except ValueError as err:
             raise BadWeights(f"train: {err}") from None
 
-    def cost(self, request: Request) -> tuple[float, float]:  # noqa: D102
+    def cost(self, request: Request) -> tuple[float, float]:  # noqa: D102 - documented on Mechanism
         if not self.cfg.private:
             return math.inf, request.delta
         return (0.0, 0.0) if self.phase_reserved else (request.phase_budget, request.delta)
 
-    def public(self, request: Request) -> dict[str, Any]:  # noqa: D102
+    def public(self, request: Request) -> dict[str, Any]:  # noqa: D102 - documented on Mechanism
         return {"steps": self.cfg.local_steps, "max_grad_norm": self.cfg.max_grad_norm,
                 "covers": f"phase 1: {self.cfg.num_server_rounds} rounds x {self.cfg.local_steps} steps",
                 **request.rule.terms(request.policy_delta)}
 
-    def steps(self, request: Request) -> tuple[int, int]:  # noqa: D102
+    def steps(self, request: Request) -> tuple[int, int]:  # noqa: D102 - documented on Mechanism
         return self.cfg.local_steps, self.total_steps
 
-    def release(self, request: Request) -> Output:  # noqa: D102
+    def release(self, request: Request) -> Output:  # noqa: D102 - documented on Mechanism
         from fedsyn_client.training import TrainSettings, dp_train
 
         cfg = self.cfg
@@ -194,6 +199,7 @@ class DpSgdRound(Mechanism):
         if self.model is None:
             self.check(request)
         model, tokenizer = self.model, self.tokenizer
+        assert model is not None and tokenizer is not None  # loaded by check()
         log.info("round %d: DP-SGD on %s", request.round, model_device(model))
         settings = TrainSettings(
             local_steps=cfg.local_steps, batch_size=cfg.batch_size, learning_rate=cfg.learning_rate,

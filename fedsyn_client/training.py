@@ -154,6 +154,7 @@ def dp_train(model, tokenizer, texts: list[str], codes: list[str], settings: Tra
     # level. It only post-processes the privatised gradient, so the DP guarantee holds. Its
     # moments restart every round (the node starts from new global weights). "sgd" is
     # paper A.3's literal step (e).
+    optimizer: torch.optim.Optimizer
     if settings.optimizer == "adamw":
         optimizer = torch.optim.AdamW(params, lr=settings.learning_rate, weight_decay=0.0)
     else:
@@ -312,7 +313,7 @@ def _private_steps(model, optimizer, slots: Slots, q, settings, history, sampler
     # batch that works for an empty dataset too.
     gsm, dp_optimizer, _ = engine.make_private(
         module=model, optimizer=optimizer,
-        data_loader=DataLoader(range(settings.batch_size), batch_size=settings.batch_size),
+        data_loader=DataLoader(range(settings.batch_size), batch_size=settings.batch_size),  # type: ignore[arg-type]  # a range is a map-style dataset
         noise_multiplier=settings.noise_multiplier, max_grad_norm=settings.max_grad_norm,
         poisson_sampling=False, noise_generator=noise_rng,
     )
@@ -324,7 +325,7 @@ def _private_steps(model, optimizer, slots: Slots, q, settings, history, sampler
             # The embedding's backward hook fires on an integer input: harmless, torch warns.
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
             trim = settings.records_bound is None  # no public bound (simulation): drop all-padding columns
-            losses = _run(lambda b: _private_step(gsm, dp_optimizer, *b, settings.precision,
+            losses = _run(lambda b: _private_step(gsm, dp_optimizer, *b, settings.precision,  # type: ignore[call-arg]  # b: a Slots.batch, (tensors, real)
                                                   settings.contrastive_weight, trim),
                           (slots.batch(s) for s in poisson_slots(len(slots), q, sampler_rng)), settings.local_steps,
                           "DP-SGD")
@@ -479,7 +480,7 @@ def _loss(model, tensors, precision: str = "auto", weight: float = 0.0, trim: bo
             loss = _pair_loss(model, split, inputs, labels, weight)
         elif split is not None:
             decoder, head = split
-            loss = fused_conditional_lm_loss(decoder(**inputs).last_hidden_state, head.weight, labels)
+            loss = fused_conditional_lm_loss(decoder(**inputs).last_hidden_state, head.weight, labels)  # type: ignore[arg-type]  # a Linear's weight (nn.Module's __getattr__ says Tensor | Module)
         else:
             loss = conditional_lm_loss(model(**inputs).logits, labels)
     loss.backward()

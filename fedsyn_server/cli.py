@@ -330,7 +330,7 @@ class OneLineParser(argparse.ArgumentParser):
     """An argparse parser whose errors are one line naming the problem and where help is
     (argparse's default reprints the whole usage block before it)."""
 
-    def error(self, message: str):  # noqa: D102
+    def error(self, message: str):  # noqa: D102 - argparse.ArgumentParser's
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} -h`)\n")
 
 

@@ -38,13 +38,13 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import tomllib
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import tomllib
 from tqdm.auto import tqdm
 
 from common.config import RunConfig

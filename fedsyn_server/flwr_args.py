@@ -10,10 +10,9 @@ with Flower's own parser for ``--run-config`` (key=value pairs, or one TOML file
 from __future__ import annotations
 
 import json
+import tomllib
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from common.tables import names_a_file
 

@@ -84,10 +84,10 @@ class ValueRule:
         self.column = column
         self.alphabet = frozenset(" ") | column.characters()
 
-    def allows(self, text: str) -> bool:  # noqa: D102
+    def allows(self, text: str) -> bool:  # noqa: D102 - documented on generation.TextRule
         return text.startswith(" ") and self.column.could_start(text[1:])
 
-    def done(self, text: str) -> bool:  # noqa: D102
+    def done(self, text: str) -> bool:  # noqa: D102 - documented on generation.TextRule
         return text.startswith(" ") and self.column.complete(text[1:])
 
 
@@ -145,6 +145,7 @@ class ServerModel(Generator):
         prompts = [self.prompt(c) for c in codes + spares]
         unconditional = [self.unconditional_prompt(c) for c in codes + spares]  # guidance's other branch
         texts: list[str | None] = [None] * len(prompts)
+        rejected: Counter[str]
         todo, rejected, used = list(range(len(prompts))), Counter(), 0
         limit = self.new_tokens(prompts)
         for attempt in range(1 + REGENERATE):
@@ -183,9 +184,9 @@ class ServerModel(Generator):
         if todo:
             log.warning("[generate] dropped %d of %d texts still unusable after %d attempts (%s)", len(todo),
                         len(codes), 1 + REGENERATE, dict(rejected))
-        return [texts[i] for i in kept], [codes[i] for i in kept]
+        return [texts[i] for i in kept], [codes[i] for i in kept]  # type: ignore[misc]  # kept: the written (not None) texts
 
-    def generation_report(self) -> dict[str, Any]:  # noqa: D102
+    def generation_report(self) -> dict[str, Any]:  # noqa: D102 - documented on Generator
         return dict(self._report)
 
     def variation(self, texts: list[str], codes: list[str], seed: int) -> list[str]:
@@ -226,6 +227,7 @@ class ServerModel(Generator):
         """
         del max_new_tokens  # a value's own limit applies
         rng = np.random.default_rng(seed)
+        assert self.row_schema is not None  # rows are written for a table run only
         columns = self.row_schema.columns
         kept = kept or [[] for _ in prompts]
         rows = [SEP.join(f"{n}{IS}{v}" for n, v in pairs) for pairs in kept]
@@ -319,7 +321,7 @@ class ServerModel(Generator):
                           "position_ids": part["position_ids"], "use_cache": False}
                 if split is not None:
                     decoder, head = split
-                    nll = fused_sequence_nll(decoder(**inputs).last_hidden_state, head.weight, part["labels"])[0]
+                    nll = fused_sequence_nll(decoder(**inputs).last_hidden_state, head.weight, part["labels"])[0]  # type: ignore[arg-type]  # a Linear's weight (nn.Module's __getattr__ says Tensor | Module)
                     total += float(nll.sum())
                 else:
                     total += (float(conditional_lm_loss(model(**inputs).logits, part["labels"]))

@@ -83,7 +83,7 @@ class GRPO(Refinement):
         """T = ``refinement-rounds`` rounds of similarity scores (the rewards), each at epsilon_vote / T."""
         return VotePlan(cfg.refinement_rounds, HISTOGRAM)
 
-    def refine(self, ctx: RefinementContext) -> Refined:  # noqa: D102
+    def refine(self, ctx: RefinementContext) -> Refined:  # noqa: D102 - documented on Refinement
         import torch
         from datasets import Dataset
         from trl import GRPOConfig, GRPOTrainer
@@ -149,7 +149,7 @@ class GRPO(Refinement):
                               seed=cfg.seed, logging_steps=1, use_cpu=on_cpu,
                               bf16=not on_cpu and torch.cuda.is_bf16_supported(), gradient_checkpointing=False,
                               shuffle_dataset=False)
-            trainer = GRPOTrainer(model=gen.model, reward_funcs=reward, args=args,
+            trainer = GRPOTrainer(model=gen.model, reward_funcs=reward, args=args,  # type: ignore[arg-type]  # trl: list[float | None]; a list[float] is one
                                   train_dataset=Dataset.from_dict({"prompt": rows}),
                                   processing_class=gen.tokenizer, rollout_func=rollout)
             result = trainer.train()

@@ -70,7 +70,7 @@ class PrivateEvolution(Refinement):
         """T = ``refinement-rounds`` rounds of ``histogram``, each at epsilon_vote / T."""
         return VotePlan(cfg.refinement_rounds, self.histogram, dict(self.histogram_params))
 
-    def refine(self, ctx: RefinementContext) -> Refined:  # noqa: D102
+    def refine(self, ctx: RefinementContext) -> Refined:  # noqa: D102 - documented on Refinement
         plan = self.vote_plan(ctx.cfg)
         rounds = plan.rounds
         # the population starts as the pool, both writers' texts (strategies.writers); a child is

@@ -10,11 +10,11 @@ read or anything is spent; and everything inside the list still works.
 from __future__ import annotations
 
 import json
+import tomllib
 from pathlib import Path
 
 import pandas as pd
 import pytest
-import tomllib
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 
 from common import records as R

@@ -71,9 +71,8 @@ def test_rotten_tomatoes_table_is_sentiment_labelled_short_text():
 
 
 def test_rotten_tomatoes_preset_names_the_shipped_set_and_its_label():
-    from pathlib import Path
-
     import tomllib
+    from pathlib import Path
 
     from common.codes import make_prompt
 
@@ -84,9 +83,8 @@ def test_rotten_tomatoes_preset_names_the_shipped_set_and_its_label():
 
 
 def test_movie_review_source_is_labelled_by_who_wrote_it_not_by_the_verdict():
-    from pathlib import Path
-
     import tomllib
+    from pathlib import Path
 
     from common.codes import make_prompt
 

@@ -26,12 +26,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-import tomllib
 
 from common.io import read_jsonl
 from fedsyn_server.flwr_runner import (

@@ -155,10 +155,10 @@ def test_flwr_run_of_the_table_preset_writes_a_typed_table_of_the_schema(tmp_pat
     """``presets/table-breast-cancer.toml`` end to end (with the tiny model, and PE on rows, the
     federated Tab-PE): every written row is a row of the public schema, typed, and the run's
     evaluation has its table section."""
+    import tomllib
     from pathlib import Path
 
     import pandas as pd
-    import tomllib
 
     from common.rows import load_schema
     from fedsyn_server.evaluation.tables import table_rows

@@ -7,10 +7,10 @@ import os
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
-import tomllib
 
 from common.io import atomic_symlink
 from fedsyn_server.flwr_args import app_dir, effective_run_config, with_absolute_paths

@@ -145,9 +145,8 @@ def test_fedsyn_run_trains_strong_nodes_on_the_gpu(tmp_path):
 
 
 def test_the_gpu_preset_is_a_valid_run_config():
-    from pathlib import Path
-
     import tomllib
+    from pathlib import Path
 
     from common.config import RunConfig
 

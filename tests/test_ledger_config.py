@@ -221,9 +221,8 @@ def test_format_1_ledgers_are_carried_over(tmp_path):
 
 
 def test_default_config_is_valid_and_round_trips():
-    from pathlib import Path
-
     import tomllib
+    from pathlib import Path
 
     raw = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     cfg = RunConfig.from_flower(raw)

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 import math
+import tomllib
 from pathlib import Path
 
 import pandas as pd
 import pytest
-import tomllib
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 
 from common import records as R

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import json
 import math
+import tomllib
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
-import tomllib
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 
 from common import records as R

@@ -9,7 +9,8 @@ quality preset's (``benchmarks/accounting_quality_{bbc,rt}.toml``, BBC's basic c
 gone; and for each run recomputes every node's spend from its own ledger (``DIR``: the simulated nodes'
 state root, ``$FEDSYN_STATE_DIR`` or ``<tmp>/fedsyn-sim``) with ``dp_accounting`` alone, not
 through ``common.calibration``: the PLD composition of all the run's releases (what the pld
-rule promises), as a share of the node's budget. Writes ``<out>_results.csv`` (one row per run and node) and prints the markdown table
+rule promises), as a share of the node's budget. Writes ``<out>_results.csv`` (one row per run and node)
+and prints the markdown table
 of accuracy, label fidelity and MAUVE per rule with the vote's sigma, the DP-SGD noise
 multiplier and the budget share used.
 """
@@ -25,8 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from common.io import atomic_write_csv
 from benchmarks.writer_grid import LABEL, NAMES, _float, _results
+from common.io import atomic_write_csv
 
 ROOT = Path(__file__).resolve().parents[1]
 # (dataset, preset, rule, grid file, the grid's method of that rule)
@@ -39,7 +40,8 @@ SOURCES = [("bbc", "default", "basic", "benchmarks/writer_grid_bbc.toml", "mixed
            ("rt", "quality", "basic", "benchmarks/accounting_quality_rt.toml", "quality-mixed"),
            ("rt", "quality", "pld", "benchmarks/accounting_quality_rt.toml", "quality-mixed-pld")]
 PRESETS = ("default", "quality")
-COLUMNS = ["dataset", "preset", "rule", "seed", "accuracy", "label_fidelity", "mauve", "node", "tier", "budget", "charged",
+COLUMNS = ["dataset", "preset", "rule", "seed", "accuracy", "label_fidelity", "mauve", "node", "tier", "budget",
+           "charged",
            "pld_spent", "share_used", "vote_sigma", "noise_multiplier"]
 
 
@@ -114,7 +116,8 @@ def read_rows(state: Path, root: Path = ROOT, earlier: Path | None = None) -> li
 
 def markdown(rows: list[dict]) -> str:
     """Per preset, dataset and rule: the run metrics (mean ± std over seeds) and the nodes' noise and spend."""
-    lines = ["| dataset | preset | rule | runs | accuracy | label fidelity | MAUVE | weak vote σ | DP-SGD noise multiplier | "
+    lines = ["| dataset | preset | rule | runs | accuracy | label fidelity | MAUVE | weak vote σ | "
+             "DP-SGD noise multiplier | "
              "budget used by PLD (min–max over nodes) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for dataset, preset, rule in ((d, p, r) for p in PRESETS for d in NAMES for r in ("basic", "pld")):
         mine = [r for r in rows if (r["dataset"], r["preset"], r["rule"]) == (dataset, preset, rule)]
@@ -129,7 +132,8 @@ def markdown(rows: list[dict]) -> str:
         weak = [r for r in mine if r["tier"] == "weak"]
         strong = [r for r in mine if r["tier"] == "strong"]
         used = np.array([r["share_used"] for r in mine], dtype=np.float64)
-        lines.append(f"| {NAMES[dataset]} | {preset} | {rule} | {len(runs)} | {stat('accuracy', list(runs.values()))} | "
+        lines.append(f"| {NAMES[dataset]} | {preset} | {rule} | {len(runs)} | "
+                     f"{stat('accuracy', list(runs.values()))} | "
                      f"{stat('label_fidelity', list(runs.values()))} | {stat('mauve', list(runs.values()))} | "
                      f"{np.nanmean([r['vote_sigma'] for r in weak]):.3f} | "
                      f"{np.nanmean([r['noise_multiplier'] for r in strong]):.3f} | "

@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     on_front = {id(p) for p in front(points)}
     print(f"| method | n | {args.metric} | seconds, median (min–max) | on the front |\n|---|---|---|---|---|")
     for p in sorted(points, key=lambda p: (id(p) not in on_front, p["t"])):
-        print(f"| {p['label']} | {p['n']} | {p['y']:.3f} ± {p['y_std']:.3f} | {p['t']:.0f} ({p['t_min']:.0f}–{p['t_max']:.0f}) | "
+        print(f"| {p['label']} | {p['n']} | {p['y']:.3f} ± {p['y_std']:.3f} | "
+              f"{p['t']:.0f} ({p['t_min']:.0f}–{p['t_max']:.0f}) | "
               f"{'yes' if id(p) in on_front else ''} |")
     print("plot:", plot(points, args.metric, args.limit or None, args.out))
     return 0 if all(math.isfinite(p["y"]) for p in points) else 1

@@ -41,9 +41,24 @@ from pathlib import Path
 from typing import Any
 
 from common.io import atomic_write_json
-from tests.neighbours import (ADD_KINDS, FORMATS, MAX_RECORDS, PATHS, POSITIONS, VOTE_KINDS, Neighbour, Shape,
-                              applies, every_release, first_difference, play_pair, sensitivity_check, sizes,
-                              view_difference, write_neighbours)
+from tests.neighbours import (
+    ADD_KINDS,
+    FORMATS,
+    MAX_RECORDS,
+    PATHS,
+    POSITIONS,
+    VOTE_KINDS,
+    Neighbour,
+    Shape,
+    applies,
+    every_release,
+    first_difference,
+    play_pair,
+    sensitivity_check,
+    sizes,
+    view_difference,
+    write_neighbours,
+)
 
 BOUNDS = (20, MAX_RECORDS)
 

@@ -168,9 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     """Diagnose every run under the given folder; write the CSV, print the table. Exit 0/1."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs_dir", type=Path)
-    ap.add_argument("--out", type=Path, default=None, help="CSV file (default: <runs-dir>/../refinement_diagnostics.csv)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="CSV file (default: <runs-dir>/../refinement_diagnostics.csv)")
     args = ap.parse_args(argv)
-    runs = sorted(p for p in args.runs_dir.iterdir() if not p.is_symlink() and (p / "pool.jsonl").exists() and (p / "heldout.jsonl").exists())
+    runs = sorted(p for p in args.runs_dir.iterdir()
+                  if not p.is_symlink() and (p / "pool.jsonl").exists() and (p / "heldout.jsonl").exists())
     if not runs:
         print(f"no finished runs (with pool.jsonl and heldout.jsonl) under {args.runs_dir}", file=sys.stderr)
         return 1
@@ -187,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     metrics = FIELDS[5:]
     print("| partitioning | method | seeds | " + " | ".join(metrics) + " |")
     print("|---|---|---|" + "---|" * len(metrics))
-    for entry in sorted(summarise(rows, ["partitioning", "method"], metrics), key=lambda e: (e["partitioning"], e["method"])):
+    for entry in sorted(summarise(rows, ["partitioning", "method"], metrics),
+                        key=lambda e: (e["partitioning"], e["method"])):
         cells = ["—" if math.isnan(mu) else f"{mu:.3f}" + (f" ± {sd:.3f}" if entry["n"] > 1 else "")
                  for mu, sd in (entry[m] for m in metrics)]
         print(f"| {entry['partitioning']} | {entry['method']} | {entry['n']} | " + " | ".join(cells) + " |")

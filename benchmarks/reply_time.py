@@ -6,7 +6,8 @@ Usage: python -m benchmarks.reply_time [--replies 24] [--bound 2000] [--sizes 10
 Flower's SuperNode times each message from the ClientApp pulling it to the ClientApp pushing the
 reply (``supernode/servicer/runtime/runtime_handlers.py``) and sends that time to the SuperLink with
 the reply. This times the same span of the real ClientApp (``fedsyn_client.client_app.app``, called
-through Flower's ``ClientApp``, in a process forked for the reply) on a deployed node holding the first ``size`` BBC News articles
+through Flower's ``ClientApp``, in a process forked for the reply) on a deployed node holding the first
+``size`` BBC News articles
 under one ``max-records`` bound: a profile, a contrastive vote over 60 candidates, a DP-SGD round
 (the run's defaults). Each reply runs in a fresh process on a fresh ledger, as a SuperNode's
 ClientApp does; it loads the models before the clock starts (their loading is the same public work
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import shutil
 import sys
 import tempfile
@@ -49,7 +49,8 @@ PEAKS: dict[tuple[str, str, int], list[float]] = {}  # peak resident MiB per rep
 MESSAGES = {"profile": R.MSG_PROFILE, "vote": R.MSG_VOTE, "train": R.MSG_TRAIN}
 
 
-def write_nodes(folder: Path, sizes: list[int], candidates: int = 60) -> tuple[dict[int, str], list[str], list[str], list[str]]:
+def write_nodes(folder: Path, sizes: list[int],
+                candidates: int = 60) -> tuple[dict[int, str], list[str], list[str], list[str]]:
     """One CSV per size (the first ``size`` BBC News articles), the vocabulary and ``candidates``
     public candidate texts with their codes (articles after every node's)."""
     cfg = RunConfig()
@@ -284,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|")
     for (kind, variant), _ in {(k, v): 0 for k, v, _ in PEAKS}.items():
         cells = [PEAKS[(kind, variant, size)] for size in args.sizes]
-        print(f"| {kind} | {variant} | " + " | ".join(f"{np.median(c):.0f} ({min(c):.0f}-{max(c):.0f})" for c in cells) + " |")
+        print(f"| {kind} | {variant} | "
+              + " | ".join(f"{np.median(c):.0f} ({min(c):.0f}-{max(c):.0f})" for c in cells) + " |")
     result["peak_mib"] = {f"{k} {v} {n}": p for (k, v, n), p in PEAKS.items()}
     atomic_write_json(args.out, result)
     for kind in times:

@@ -1,6 +1,7 @@
 """How a run's cost grows: time and peak memory against nodes, synthetic texts and records.
 
-Usage: python -m benchmarks.scale [--runs nodes,texts] [--default-model NODES] [--marginals NODES] [--kernel] [--out docs]
+Usage: python -m benchmarks.scale [--runs nodes,texts] [--default-model NODES] [--marginals NODES] [--kernel]
+                                  [--out docs]
 
 - ``--runs``: real ``flwr run`` simulations of the tiny model (one phase-1 round of 2 steps, so
   the per-message machinery, not training, is what grows): nodes 10, 30, 100 at 120 texts, and
@@ -99,8 +100,8 @@ def measure_run(nodes: int, texts: int, out: Path, default_model: bool = False, 
     or (``default_model``) the default one with 1 round of 1 step: memory does not depend on the
     steps, and the defaults' 2 x 12 at 100 nodes would take hours on 2 cores; or (``marginals``)
     a Breast Cancer table by federated marginals, ``texts`` rows (no model at all)."""
-    from common.federation import simulation_tiers
     from common.config import RunConfig
+    from common.federation import simulation_tiers
     from fedsyn_client.node import STATE_ENV
     from fedsyn_client.placement import PLACEMENT_FILE
     from fedsyn_server.flwr_runner import run_app
@@ -122,7 +123,8 @@ def measure_run(nodes: int, texts: int, out: Path, default_model: bool = False, 
     from common.federation import benchmark
 
     records = len(benchmark(RunConfig.from_flower({**(settings if marginals else TINY)})).train) // nodes  # per node
-    row = {"sweep": "run-default" if default_model else "run-marginals" if marginals else "run", "nodes": nodes, "texts": texts, "records": records, "variant": f"{weak} weak",
+    row = {"sweep": "run-default" if default_model else "run-marginals" if marginals else "run", "nodes": nodes,
+           "texts": texts, "records": records, "variant": f"{weak} weak",
            "seconds": round(res.seconds, 1), "peak_mib": round(mem.peak), "workers": len(workers)}
     row.update({k: round(float(timings.get(k, 0.0)), 1) for k in FIELDS[8:]})
     return row
@@ -187,7 +189,8 @@ def plot(rows: list[dict], path: Path) -> None:
     ax = axes[2]
     for variant, style in (("blocks", "o-"), ("whole", "x--")):
         for texts in TEXTS:
-            pts = sorted((r for r in rows if r["sweep"] == "kernel" and r["variant"] == variant and r["texts"] == texts),
+            pts = sorted((r for r in rows
+                          if r["sweep"] == "kernel" and r["variant"] == variant and r["texts"] == texts),
                          key=lambda r: r["records"])
             if pts:
                 ax.plot([r["records"] for r in pts], [r["peak_mib"] for r in pts], style,

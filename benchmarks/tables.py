@@ -87,7 +87,8 @@ def baseline_rows(cfg: Any, num_nodes: int, rows: int, synthesisers: dict[str, A
             synthetic = synthesise(own, schema, cfg.epsilon, cfg.resolve_delta(len(own)), rows, seed)
             scores = pick(evaluate_table(synthetic, test, schema, target, real_train=train, seed=cfg.seed))
             _clear_jit_caches()
-            print(f"  {name} {key} seed {cfg.seed}: {len(own)} rows in, {time.perf_counter() - start:.0f} s", flush=True)
+            print(f"  {name} {key} seed {cfg.seed}: {len(own)} rows in, {time.perf_counter() - start:.0f} s",
+                  flush=True)
             if path is not None:
                 atomic_write_text(path, json.dumps(scores))
             return scores
@@ -163,7 +164,8 @@ def grpo_diagnostics(run_dir: Path, cfg: Any, num_nodes: int) -> dict[str, float
     sigmas = [x["sigma"] for n in report["nodes"] for x in n["releases"] if x["phase"] == "vote" and "sigma" in x]
     voters = max(1, len({n["node_id"] for n in report["nodes"] if n["tier"] == "weak"}))
     out["signal_std_in_group"] = float(np.mean(spreads)) if spreads else math.nan
-    out["noise_sigma"] = float(np.sqrt(voters) * np.mean(sigmas)) if sigmas else math.nan  # the sum of the voters' noise
+    # the sum of the voters' noise
+    out["noise_sigma"] = float(np.sqrt(voters) * np.mean(sigmas)) if sigmas else math.nan
     return out
 
 
@@ -231,12 +233,15 @@ def summary(rows: list[dict[str, Any]]) -> str:
     for row in rows:
         groups.setdefault((row["method"], row["epsilon"], row.get("partitioning", "iid")), []).append(row)
     names = [m for m in METRICS if m != "rows"]
-    lines = ["| method | ε | partitioning | seeds | rows | " + " | ".join(names) + " |", "|---" * (5 + len(names)) + "|"]
+    lines = ["| method | ε | partitioning | seeds | rows | " + " | ".join(names) + " |",
+             "|---" * (5 + len(names)) + "|"]
     for (method, eps, part), group in sorted(groups.items(), key=lambda kv: (kv[0][2], kv[0][0])):
         cells = []
         for name in names:
             values = np.array([g[name] for g in group], dtype=float)
-            cells.append("–" if np.isnan(values).all() else f"{np.nanmean(values):.3f} ± {np.nanstd(values, ddof=1) if np.isfinite(values).sum() > 1 else 0.0:.3f}")
+            cells.append("–" if np.isnan(values).all() else
+                         f"{np.nanmean(values):.3f} ± "
+                         f"{np.nanstd(values, ddof=1) if np.isfinite(values).sum() > 1 else 0.0:.3f}")
         rows_mean = np.nanmean([g["rows"] for g in group])
         lines.append(f"| {method} | {eps} | {part} | {len(group)} | {rows_mean:.0f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -116,8 +116,7 @@ def train_throughput(model_name: str, finetune: str, private: bool, batch: int, 
 def generation_throughput(model_name: str, prompts: int, max_new_tokens: int) -> tuple[float, int]:
     """(new tokens/s, batch size) of generating ``prompts`` texts at the automatic batch size."""
     from common.models import load_generator
-    from fedsyn_server.generation import generate_texts
-    from fedsyn_server.generation import auto_batch_size
+    from fedsyn_server.generation import auto_batch_size, generate_texts
 
     model, tok = load_generator(model_name)
     batch = auto_batch_size(model, prompts, 8 + max_new_tokens)
@@ -172,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--max-length", type=int, default=64)
-    ap.add_argument("--generate", type=int, default=120, help="texts to generate (64 new tokens each; 120 = the default pool)")
+    ap.add_argument("--generate", type=int, default=120,
+                    help="texts to generate (64 new tokens each; 120 = the default pool)")
     ap.add_argument("--embed", type=int, default=256, help="texts to embed")
     ap.add_argument("--default-run", action="store_true", help="also time one default flwr run")
     ap.add_argument("--json", default=None, help="write the results here as JSON")
@@ -185,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     # The machine's own limits first: every later figure is read against them.
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         slow = name == "bf16" and not out["native_bf16"]  # emulated: a small matrix says enough
-        out[f"peak_matmul_{name}_gflops"] = round(matmul_peak(dtype, n=512 if slow else 2048, repeat=2 if slow else 10), 1)
+        out[f"peak_matmul_{name}_gflops"] = round(matmul_peak(dtype, n=512 if slow else 2048,
+                                                          repeat=2 if slow else 10), 1)
         if slow:
             # emulated bf16 (0.3 GFLOP/s on an AVX2 CPU) would take minutes per forward; training and
             # generation do not use it here either (precision = auto)

@@ -56,10 +56,9 @@ def write_node(folder: Path, records: int, pool: int) -> tuple[str, list[str], l
 
 def _prepare(data: str, state: Path, bound: int, build: bool) -> dict[str, float]:
     """The node's snapshot, then its matrix (built, or filled at random under its stamp): seconds of each."""
-    from fedsyn_client import node as node_module
-    from fedsyn_client import record_matrix
-    from fedsyn_client.policy import policy_from_node_config
     from benchmarks.reply_time import node_config
+    from fedsyn_client import node as node_module, record_matrix
+    from fedsyn_client.policy import policy_from_node_config
 
     cfg = RunConfig()
     policy = policy_from_node_config(node_config("vote", data, state, bound))
@@ -113,10 +112,9 @@ def measure(bounds: list[int], replies: int, pool: int, build_up_to: int, before
     """One row per bound: snapshot, build, and the vote's seconds after and before."""
     import shutil
 
-    from benchmarks.reply_time import _forked
-
     import sentence_transformers  # noqa: F401 - imported once, before the forks (as reply_time does)
 
+    from benchmarks.reply_time import _forked
     from fedsyn_client import client_app  # noqa: F401
     rows = []
     rate = None  # seconds per row of a build, measured at the largest built bound
@@ -124,7 +122,8 @@ def measure(bounds: list[int], replies: int, pool: int, build_up_to: int, before
     for bound in bounds:
         data, vocabulary, texts, codes = write_node(folder, bound, pool)
         seed = folder / f"seed-{bound}"
-        row: dict[str, Any] = {"bound": bound, "pool": pool, **_forked(_prepare, data, seed, bound, bound <= build_up_to)}
+        row: dict[str, Any] = {"bound": bound, "pool": pool,
+                               **_forked(_prepare, data, seed, bound, bound <= build_up_to)}
         if bound <= build_up_to:
             rate = row["build_s"] / bound
         elif rate is not None:
@@ -166,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "seconds": round(time.time() - started),
               "embedder": RunConfig().embedder, "window": RunConfig().vote_window, "rows": rows}
     atomic_write_json(args.out, result)
-    print("| max-records | view kept | snapshot (once) | matrix build (once) | vote before | vote after (median, min-max) |")
+    print("| max-records | view kept | snapshot (once) | matrix build (once) | vote before | "
+          "vote after (median, min-max) |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         build = (f"{r['build_s']:.0f} s" if r["build_s"] == r["build_s"]

@@ -75,7 +75,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("runs", nargs="+", type=Path)
     ap.add_argument("--draws", type=int, default=20)
-    ap.add_argument("--window", type=int, default=0, help="tokens of the window (default: the run's vote window, 2 x max-length)")
+    ap.add_argument("--window", type=int, default=0,
+                    help="tokens of the window (default: the run's vote window, 2 x max-length)")
     args = ap.parse_args()
     diffs: dict[str, list[float]] = {}
     for run in args.runs:

@@ -109,7 +109,8 @@ def summary(rows: list[dict]) -> list[dict]:
     out = []
     for cell in cells(rows):
         methods = dict.fromkeys(r["method"] for r in rows if (r["dataset"], r["partitioning"]) == cell)
-        for method in sorted(methods, key=lambda m: (m not in ONE_WRITER, ONE_WRITER.index(m) if m in ONE_WRITER else 0, m)):
+        for method in sorted(methods,
+                             key=lambda m: (m not in ONE_WRITER, ONE_WRITER.index(m) if m in ONE_WRITER else 0, m)):
             mine = [r for r in rows if (r["dataset"], r["partitioning"], r["method"]) == (*cell, method)]
             entry = {"dataset": cell[0], "partitioning": cell[1], "method": method, "n": len(mine)}
             for key in ("accuracy", "label_fidelity", "mauve", "kept_pretrained", "seconds"):
@@ -141,7 +142,8 @@ def markdown(table: list[dict]) -> str:
     for e in table:
         lines.append(f"| {NAMES[e['dataset']]} | {e['partitioning']} | {e['method']} | {e['n']} | "
                      f"{e['accuracy']:.3f} ± {e['accuracy_std']:.3f} | {' / '.join(map(str, e['per_seed']))} | "
-                     f"{e['label_fidelity']:.3f} | {e['mauve']:.3f} | {e['kept_pretrained']:.2f} | {e['seconds']:.0f} |")
+                     f"{e['label_fidelity']:.3f} | {e['mauve']:.3f} | {e['kept_pretrained']:.2f} | "
+                     f"{e['seconds']:.0f} |")
     mixed = [m for m in dict.fromkeys(e["method"] for e in table) if m.startswith(MIXED.split("-")[0])]
     lines += ["", "| dataset | split | " + " | ".join(f"{m} ≥ the better one-writer method − 0.01" for m in mixed)
               + " |", "|---|---|" + "---|" * len(mixed)]

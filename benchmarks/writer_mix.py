@@ -12,7 +12,8 @@ builds the mixed pools a run with ``pretrained-share`` = 0, 0.25, 0.5, 0.75, 1 w
 those two pools (per code, the first texts of each writer's pool, the allocation of the finetuned
 run), and the larger pools of ``num-synthetic`` = 1.5 s and 2 s at ``pretrained-share`` = 1/3 and
 1/2 (the finetuned model's s texts and θ⁰'s 0.5 s or s beside them: 1.5 or 2 times the generation
-and the vote's candidates) at the rate that keeps the final size r·s. Each is judged as a run judges it: every weak node's contrastive
+and the vote's candidates) at the rate that keeps the final size r·s. Each is judged as a run judges it:
+every weak node's contrastive
 votes (the simulation's own partition of the records, K = num-votes, the vote window) with the
 analytic Gaussian noise of its ε_vote, summed, then A.4 at the run's rate; the kept set's accuracy
 is the run's classifier on the real held-out split. ``--draws`` noise and A.4 draws per variant.
@@ -155,7 +156,8 @@ def study_mixed_run(run: Path, draws: int, embedders: dict[str, Any]) -> list[di
              "better": lambda v, d: resample_by_code(codes, v, rate, seed=cfg.seed + 1000 * d,
                                                      among=better_writer(codes, writers, v)),
              "finetuned only": among("finetuned"), "pretrained only": among("pretrained")}
-    return [{"variant": name, "share": 0.5, "pool": len(texts), **judge.judge(texts, codes, writers, rule, draws, exact)}
+    return [{"variant": name, "share": 0.5, "pool": len(texts),
+             **judge.judge(texts, codes, writers, rule, draws, exact)}
             for name, rule in rules.items()]
 
 

@@ -24,8 +24,17 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from common.calibration import (Base, Planned, base_epsilon, basic_delta, calibrate_basic, calibrate_pld,
-                                ledger_epsilon, pld_charge, pld_noise)
+from common.calibration import (
+    Base,
+    Planned,
+    base_epsilon,
+    basic_delta,
+    calibrate_basic,
+    calibrate_pld,
+    ledger_epsilon,
+    pld_charge,
+    pld_noise,
+)
 from common.dp import DPSGD, dpsgd_epsilon, dpsgd_noise_multiplier
 
 
@@ -92,34 +101,34 @@ class Basic(Accounting):
     name = "basic"
     composes_ledger = False
 
-    def noises(self, planned: tuple[Planned, ...], delta: float) -> tuple[float, ...]:  # noqa: D102
+    def noises(self, planned: tuple[Planned, ...], delta: float) -> tuple[float, ...]:  # noqa: D102 - documented on Accounting
         return calibrate_basic(planned)
 
-    def release_delta(self, requested: float, epsilon: float, budget: float,  # noqa: D102
+    def release_delta(self, requested: float, epsilon: float, budget: float,  # noqa: D102 - documented on Accounting
                       policy_delta: float) -> float:
         return basic_delta(requested, epsilon, budget, policy_delta)
 
-    def composed_at(self, requested: float, policy_delta: float) -> float:  # noqa: D102
+    def composed_at(self, requested: float, policy_delta: float) -> float:  # noqa: D102 - documented on Accounting
         return float(requested)
 
-    def terms(self, policy_delta: float) -> dict[str, Any]:  # noqa: D102
+    def terms(self, policy_delta: float) -> dict[str, Any]:  # noqa: D102 - documented on Accounting
         return {}
 
-    def gaussian_multiplier(self, earlier: Base, phase: Planned,  # noqa: D102
+    def gaussian_multiplier(self, earlier: Base, phase: Planned,  # noqa: D102 - documented on Accounting
                             policy_delta: float) -> float | None:
         return None
 
-    def gaussian_charge(self, base: Base, sigma: float, sensitivity: float, policy_delta: float,  # noqa: D102
+    def gaussian_charge(self, base: Base, sigma: float, sensitivity: float, policy_delta: float,  # noqa: D102 - documented on Accounting
                         asked: float) -> float | None:
         return None
 
-    def dpsgd_noise(self, base: Base, phase: Planned, delta: float) -> float:  # noqa: D102
+    def dpsgd_noise(self, base: Base, phase: Planned, delta: float) -> float:  # noqa: D102 - documented on Accounting
         return rdp_noise(phase.share, delta, phase.sample_rate, phase.steps)
 
-    def dpsgd_epsilon(self, history: list[list[float]], delta: float, base: Base) -> float:  # noqa: D102
+    def dpsgd_epsilon(self, history: list[list[float]], delta: float, base: Base) -> float:  # noqa: D102 - documented on Accounting
         return dpsgd_epsilon(history, delta)
 
-    def ledger_epsilon(self, entries: Sequence[dict[str, Any]], delta: float) -> float | None:  # noqa: D102
+    def ledger_epsilon(self, entries: Sequence[dict[str, Any]], delta: float) -> float | None:  # noqa: D102 - documented on Accounting
         return None
 
 
@@ -130,37 +139,37 @@ class Pld(Accounting):
     name = "pld"
     composes_ledger = True
 
-    def noises(self, planned: tuple[Planned, ...], delta: float) -> tuple[float, ...]:  # noqa: D102
+    def noises(self, planned: tuple[Planned, ...], delta: float) -> tuple[float, ...]:  # noqa: D102 - documented on Accounting
         return calibrate_pld(planned, delta)
 
-    def release_delta(self, requested: float, epsilon: float, budget: float,  # noqa: D102
+    def release_delta(self, requested: float, epsilon: float, budget: float,  # noqa: D102 - documented on Accounting
                       policy_delta: float) -> float:
         return float(requested)  # stated; every release is composed at the policy's delta
 
-    def composed_at(self, requested: float, policy_delta: float) -> float:  # noqa: D102
+    def composed_at(self, requested: float, policy_delta: float) -> float:  # noqa: D102 - documented on Accounting
         return float(policy_delta)
 
-    def terms(self, policy_delta: float) -> dict[str, Any]:  # noqa: D102
+    def terms(self, policy_delta: float) -> dict[str, Any]:  # noqa: D102 - documented on Accounting
         return {"accounting": self.name, "composed_delta": policy_delta}
 
-    def gaussian_multiplier(self, earlier: Base, phase: Planned,  # noqa: D102
+    def gaussian_multiplier(self, earlier: Base, phase: Planned,  # noqa: D102 - documented on Accounting
                             policy_delta: float) -> float | None:
         return pld_noise(earlier, phase, policy_delta)
 
-    def gaussian_charge(self, base: Base, sigma: float, sensitivity: float, policy_delta: float,  # noqa: D102
+    def gaussian_charge(self, base: Base, sigma: float, sensitivity: float, policy_delta: float,  # noqa: D102 - documented on Accounting
                         asked: float) -> float | None:
         return math.inf if sigma == 0 else pld_charge(base, sigma, sensitivity, policy_delta, asked)
 
-    def dpsgd_noise(self, base: Base, phase: Planned, delta: float) -> float:  # noqa: D102
+    def dpsgd_noise(self, base: Base, phase: Planned, delta: float) -> float:  # noqa: D102 - documented on Accounting
         return pld_noise(base, phase, delta) or rdp_noise(phase.share, delta, phase.sample_rate, phase.steps)
 
-    def dpsgd_epsilon(self, history: list[list[float]], delta: float, base: Base) -> float:  # noqa: D102
+    def dpsgd_epsilon(self, history: list[list[float]], delta: float, base: Base) -> float:  # noqa: D102 - documented on Accounting
         if any(float(h[0]) == 0 for h in history):
             return math.inf
         steps = tuple((DPSGD, float(nm), float(q), int(n), 0.0) for nm, q, n in history)
         return base_epsilon(tuple(base) + steps, delta) - base_epsilon(tuple(base), delta)
 
-    def ledger_epsilon(self, entries: Sequence[dict[str, Any]], delta: float) -> float | None:  # noqa: D102
+    def ledger_epsilon(self, entries: Sequence[dict[str, Any]], delta: float) -> float | None:  # noqa: D102 - documented on Accounting
         return ledger_epsilon(entries, delta)
 
 

@@ -29,7 +29,8 @@ Everything here reads public inputs only (shares, delta, sensitivities, T, steps
 q = B / max-records with the noise multiplier solved from it): never a record count. A deployed
 node's q is its public bound's (``max-records`` is required and the server may learn it); a
 simulated node's is its partition's, which the server chose. So a vote after DP-SGD may compose
-with it, and its stated sigma, a function of q, says nothing the server could not know. The solver searches the noise because the
+with it, and its stated sigma, a function of q, says nothing the server could not know. The solver
+searches the noise because the
 composed epsilon falls as the noise grows and ``dp_accounting`` has no inverse for a composition
 of several mechanisms (Brent's method from scipy on a bracket, kept on the side that fits).
 """

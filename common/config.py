@@ -13,8 +13,7 @@ from dataclasses import dataclass, fields
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from common.accounting import DEFAULT as DEFAULT_ACCOUNTING
-from common.accounting import RULES as ACCOUNTING_RULES
+from common.accounting import DEFAULT as DEFAULT_ACCOUNTING, RULES as ACCOUNTING_RULES
 from common.dp import BudgetSplit, paper_delta, phase_epsilon, split_budget
 from common.plugins import AGGREGATORS, FINETUNE_MODES, REFINEMENTS, is_class_path
 
@@ -65,7 +64,8 @@ class RunConfig:
     precision: str = "auto"  # auto: bf16 autocast where the device computes bf16 natively; fp32: never
     dataset: str = "bbc-news"
     table_schema: str = ""  # a table run: the public schema as inline JSON ("" = a text column; see _schema)
-    table_method: str = "auto"  # TABLE_METHODS: "auto" (marginals with a table-schema), "rows" (the LLM writes rows), "marginals"
+    # TABLE_METHODS: "auto" (marginals with a table-schema), "rows" (the LLM writes rows), "marginals"
+    table_method: str = "auto"
     marginal_bins: int = 16  # marginals: a number or date column is cut into this many equal bins of its declared range
     # marginals: measurement rounds; 1 measured better on Breast Cancer than 2 (docs/results.md#tables)
     marginal_rounds: int = 1
@@ -223,18 +223,21 @@ class RunConfig:
                                                f"({[c.name for c in schema.columns if c.type == 'categorical']})"))
                 if any(CODE_FIELD_SEP in v or CODE_KV_SEP in v for v in schema.column(name).categories):
                     raise ConfigError(f"invalid run config: table-schema: the categories of control column {name!r} "
-                                      f"may not contain '{CODE_FIELD_SEP}' or '{CODE_KV_SEP}' (they are written into codes)")
+                                      f"may not contain '{CODE_FIELD_SEP}' or '{CODE_KV_SEP}' "
+                                      "(they are written into codes)")
             if len(self.control_columns) == len(schema.structured().columns) and not self.marginals:
                 raise ConfigError(_message("control-columns", ",".join(self.control_columns),
                                            "fewer columns than table-schema has: the others are what is generated"))
             if schema.text_column is not None and not self.marginals:
-                raise ConfigError(_message("table-method", self.table_method, "'marginals' for a table with a free-text "
+                raise ConfigError(_message("table-method", self.table_method,
+                                           "'marginals' for a table with a free-text "
                                            f"column ({schema.text_column!r}): the sites measure the other columns' "
                                            "marginals and the language model writes the text from each sampled row"))
             if self.marginals:
                 _check_measurable(schema.structured(), self.marginal_bins)
         elif self.marginals:
-            raise ConfigError(_message("table-method", self.table_method, "'auto' (the default) for a text run: 'marginals' needs a "
+            raise ConfigError(_message("table-method", self.table_method,
+                                       "'auto' (the default) for a text run: 'marginals' needs a "
                                        "table-schema (the public columns whose marginals the sites count)"))
         try:
             self.resolve_delta(num_records=2)
@@ -402,7 +405,7 @@ def parse_pairs(values: list[str], flag: str) -> dict[str, Any]:
 
     try:
         return dict(parse_config_args(values))
-    except (ClickException, ValueError) as err:
+    except (ClickException, ValueError):
         bare = [tok.split("=", 1) for v in values for tok in v.split()
                 if "=" in tok and not _toml_scalar(tok.split("=", 1)[1])]
         quoted = [f'{k}="{v}"' for k, v in bare]

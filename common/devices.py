@@ -13,10 +13,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
-import contextlib
 from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path

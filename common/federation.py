@@ -14,9 +14,9 @@ from functools import lru_cache
 
 from common.config import RunConfig
 from common.data import TextData, code_vocabulary, schema_vocabulary, table_text_data, to_text_data
+from common.dp import STRONG, WEAK
 from common.partitioning import partition, train_test_split
 from common.tables import load_table
-from common.dp import STRONG, WEAK
 
 
 def simulation_tiers(num_nodes: int, strong_fraction: float) -> list[str]:
@@ -42,6 +42,7 @@ def _benchmark(dataset: str, text_column: str, control_columns: tuple[str, ...],
     df = load_table(dataset)
     if table_schema:
         schema = RunConfig(table_schema=table_schema, control_columns=control_columns).schema()
+        assert schema is not None  # a table-schema is given
         vocabulary = (code_vocabulary(df, list(control_columns), list(control_codes)) if control_codes
                       else schema_vocabulary(schema, control_columns))
         data = table_text_data(df, schema, control_columns, seed)

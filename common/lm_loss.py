@@ -83,7 +83,7 @@ class _FusedHeadNll(torch.autograd.Function):
     """sum_i w_i * NLL(softmax(h_i W^T), y_i) with dL/dh computed in the forward, chunk by chunk."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, row_weights):  # noqa: D102
+    def forward(ctx, hidden, weight, targets, row_weights):  # noqa: D102 - torch.autograd.Function's
         total = hidden.new_zeros((), dtype=torch.float32)
         grad = torch.empty_like(hidden, dtype=torch.float32)
         # The two matmuls run in whatever precision an enclosing autocast asks for; the softmax
@@ -105,7 +105,7 @@ class _FusedHeadNll(torch.autograd.Function):
         return total
 
     @staticmethod
-    def backward(ctx, grad_output):  # noqa: D102
+    def backward(ctx, grad_output):  # noqa: D102 - torch.autograd.Function's
         (grad,) = ctx.saved_tensors
         return (grad * grad_output).to(ctx.hidden_dtype), None, None, None
 
@@ -168,13 +168,15 @@ def sequence_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tens
     ``logits`` [n, L, V] and unshifted ``labels`` [n, L]; a row with no label token has NLL 0."""
     logits = logits[:, :-1].float()
     target = labels[:, 1:]
-    nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=IGNORE, reduction="none")
+    nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=IGNORE,
+                          reduction="none")
     count = (target != IGNORE).sum(dim=1)
     return nll.view(target.shape).sum(dim=1) / count.clamp(min=1), count
 
 
 @torch.no_grad()
-def fused_sequence_nll(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_sequence_nll(hidden: torch.Tensor, weight: torch.Tensor,
+                       labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``sequence_nll(hidden @ weight.T, labels)`` without the full logits, and without a gradient
     (the values that set ``fused_weighted_nll``'s row weights)."""
     target = labels[:, 1:]
@@ -184,7 +186,8 @@ def fused_sequence_nll(hidden: torch.Tensor, weight: torch.Tensor, labels: torch
     nll = torch.empty(len(y), dtype=torch.float32, device=hidden.device)
     for s in range(0, len(y), CHUNK_ROWS):
         logits = (h[s : s + CHUNK_ROWS] @ weight.T).float()
-        nll[s : s + CHUNK_ROWS] = torch.logsumexp(logits, dim=-1) - logits.gather(1, y[s : s + CHUNK_ROWS, None]).squeeze(1)
+        nll[s : s + CHUNK_ROWS] = (torch.logsumexp(logits, dim=-1)
+                                   - logits.gather(1, y[s : s + CHUNK_ROWS, None]).squeeze(1))
     rows = torch.arange(labels.shape[0], device=labels.device)[:, None].expand_as(target)[keep]
     total = torch.zeros(labels.shape[0], dtype=torch.float32, device=hidden.device).index_add_(0, rows, nll)
     return total / count.clamp(min=1), count

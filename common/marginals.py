@@ -23,7 +23,8 @@ from common.rows import Column, Schema
 def _range(column: Column) -> tuple[float, float]:
     """The declared [min, max] of a number or date column (dates as day ordinals)."""
     if column.min is None or column.max is None:
-        raise ValueError(f"column {column.name!r}: marginals (table-method = 'marginals', MST, AIM) need declared ranges: give the {column.type} column "
+        raise ValueError(f"column {column.name!r}: marginals (table-method = 'marginals', MST, AIM) need declared "
+                         f"ranges: give the {column.type} column "
                          "a 'min' and a 'max' in the schema (bins are cut from them, never from the data)")
     if column.type == "date":
         return (float(dt.date.fromisoformat(str(column.min)).toordinal()),
@@ -195,7 +196,7 @@ def typed_like(out: pd.DataFrame, frame: pd.DataFrame, schema: Schema) -> pd.Dat
             out[column.name] = (days.dt.tz_localize(tz) if tz is not None else days).astype(dtype)
         elif column.type == "categorical" and isinstance(dtype, pd.CategoricalDtype):
             out[column.name] = pd.Categorical(out[column.name], categories=list(column.categories))
-        elif column.type == "categorical" and dtype != object:
+        elif column.type == "categorical" and dtype != object:  # noqa: E721 - np.dtype("O") == object; `is` is never true
             out[column.name] = out[column.name].astype(dtype)  # pandas 3's str dtype
     return out
 
@@ -239,7 +240,8 @@ def joined_marginals(codes: pd.DataFrame, cliques: list[tuple[str, ...]], sizes:
     return np.concatenate([marginal_counts(codes, clique, sizes) for clique in cliques])
 
 
-def split_marginals(vector: np.ndarray, cliques: list[tuple[str, ...]], sizes: dict[str, int]) -> dict[tuple[str, ...], np.ndarray]:
+def split_marginals(vector: np.ndarray, cliques: list[tuple[str, ...]],
+                    sizes: dict[str, int]) -> dict[tuple[str, ...], np.ndarray]:
     """The inverse of ``joined_marginals``: one vector back into each clique's counts. ``ValueError``
     when its length is not the cliques' cells together (a malformed reply)."""
     lengths = [cells(c, sizes) for c in cliques]

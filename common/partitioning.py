@@ -145,12 +145,12 @@ def partition(
         raise ValueError(f"seed must be in [0, 2**32), got {seed}")
 
     if kind == "iid":
-        parts = _iid_split(list(range(len(data))), num_partitions, seed, what="records")
+        parts: list[list[int]] = _iid_split(list(range(len(data))), num_partitions, seed, what="records")
     elif kind == "dirichlet":
-        parts = _dirichlet_split(data.codes, num_partitions, float(argument), seed)
+        parts = _dirichlet_split(data.codes, num_partitions, float(argument), seed)  # type: ignore[arg-type]  # parse_partitioning's alpha: a float
     else:
         vocab = sorted(set(data.codes)) if vocabulary is None else list(vocabulary)
-        strong_codes = set(resolve_codes(argument, vocab))  # type: ignore[arg-type]
+        strong_codes = set(resolve_codes(argument, vocab))  # type: ignore[arg-type]  # parse_partitioning's codes: a list of str
         strong_nodes = [i for i, t in enumerate(tiers) if t == STRONG]
         weak_nodes = [i for i, t in enumerate(tiers) if t == WEAK]
         if not strong_nodes or not weak_nodes:
@@ -163,7 +163,7 @@ def partition(
         weak_idx = [i for i, c in enumerate(data.codes) if c not in strong_codes]
         strong_what = f"records with codes {sorted(strong_codes)} for strong nodes"
         weak_what = "records with the other codes for weak nodes"
-        parts: list[list[int]] = [[] for _ in range(num_partitions)]
+        parts = [[] for _ in range(num_partitions)]
         for nodes, idx, what in (
             (strong_nodes, strong_idx, strong_what),
             (weak_nodes, weak_idx, weak_what),

@@ -168,7 +168,7 @@ class Column:
 
     def _check_range(self, value: float | str) -> None:
         # ISO dates compare as strings in calendar order
-        if (self.min is not None and value < self.min) or (self.max is not None and value > self.max):
+        if (self.min is not None and value < self.min) or (self.max is not None and value > self.max):  # type: ignore[operator]  # a column's bounds are of its values' type (floats, or ISO dates as str)
             raise RowError(OUT_OF_RANGE, self.name)
 
 
@@ -249,7 +249,8 @@ def schema_from_dict(data: Mapping[str, Any]) -> Schema:
             try:
                 lo, hi = (None if v is None else _date(str(v), name).isoformat() for v in (lo, hi))
             except RowError:
-                raise SchemaError(f"column {name!r}: 'min' and 'max' of a date column are ISO dates (2024-01-31)") from None
+                raise SchemaError(f"column {name!r}: 'min' and 'max' of a date column are ISO dates "
+                                  "(2024-01-31)") from None
         elif kind in ("integer", "float"):
             try:
                 lo, hi = (None if v is None else float(v) for v in (lo, hi))
@@ -257,7 +258,7 @@ def schema_from_dict(data: Mapping[str, Any]) -> Schema:
                 raise SchemaError(f"column {name!r}: 'min' and 'max' must be numbers") from None
         elif lo is not None or hi is not None:
             raise SchemaError(f"column {name!r}: a {kind} column has no 'min'/'max'")
-        if lo is not None and hi is not None and lo > hi:
+        if lo is not None and hi is not None and lo > hi:  # type: ignore[operator]  # both dates (str) or both floats, by the kind
             raise SchemaError(f"column {name!r}: min {lo} > max {hi}")
         decimals = c.get("decimals", 2)
         if isinstance(decimals, bool) or not isinstance(decimals, int) or not 0 <= decimals <= 8:
@@ -334,7 +335,7 @@ def parse(text: str, schema: Schema) -> dict[str, Any]:
     found = list(marker.finditer(text))
     if not found or text[:found[0].start()].strip(" ,"):
         raise RowError(NO_COLUMN)
-    values: dict[str, Any] = {}
+    values = {}  # typed by parse's result above
     for hit, nxt in zip(found, found[1:] + [None]):
         name = hit.group("name")
         if name in values:

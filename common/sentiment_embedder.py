@@ -69,7 +69,7 @@ class SentimentEmbedder:
     @property
     def max_seq_length(self) -> int:
         """The inner model's token limit; `common.models.embed` sets it to the vote window."""
-        return self.inner.max_seq_length
+        return self.inner.max_seq_length  # type: ignore[return-value]  # MiniLM's limit is set (sentence-transformers types it Optional)
 
     @max_seq_length.setter
     def max_seq_length(self, value: int) -> None:
@@ -77,7 +77,7 @@ class SentimentEmbedder:
 
     def get_sentence_embedding_dimension(self) -> int:
         """MiniLM's dimension plus the polarity axis."""
-        return int(self.inner.get_sentence_embedding_dimension()) + 1
+        return int(self.inner.get_sentence_embedding_dimension()) + 1  # type: ignore[arg-type]  # MiniLM's dimension is known (typed Optional)
 
     get_embedding_dimension = get_sentence_embedding_dimension
 

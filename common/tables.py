@@ -21,7 +21,6 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-
 DEFAULT_DATASET = "bbc-news"
 # A table (issue 25): Breast Cancer Wisconsin (Diagnostic), 569 patients, shipped inside
 # scikit-learn (a dependency already), so it loads offline.
@@ -242,7 +241,8 @@ def _fair_affairs_table() -> pd.DataFrame:
     try:
         from statsmodels.datasets import fair
     except ImportError:
-        raise DatasetLoadError("dataset 'fair-affairs' ships inside statsmodels: pip install 'fedsyn[tables]'") from None
+        raise DatasetLoadError("dataset 'fair-affairs' ships inside statsmodels: "
+                               "pip install 'fedsyn[tables]'") from None
     raw = fair.load_pandas().data
     frame = pd.DataFrame({"affair": np.where(raw["affairs"] > 0, "yes", "no")})
     for source, (name, words) in _FAIR_CODES.items():

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from common.config import RunConfig
-from strategies.refinement import Refined, RefinementContext, Refinement, VotePlan
+from strategies.refinement import Refined, Refinement, RefinementContext, VotePlan
 
 
 class TopVoted(Refinement):

@@ -92,7 +92,9 @@ def check(data: dict[str, Any], epsilon: float, what: str, run_id: str | None = 
     entries = counted(data["releases"])
     now = rule.accounting.ledger_epsilon(entries, rule.delta) if rule is not None and candidate is not None else None
     if now is not None:  # the rule composes the ledger: its composition with the candidate is what is spent
+        assert rule is not None and candidate is not None  # `now` is computed only with both
         after = rule.accounting.ledger_epsilon([*entries, candidate], rule.delta)
+        assert after is not None  # a rule that composes the ledger composes it with the candidate too
         if after > budget - other + TOLERANCE:
             raise BudgetExceeded(refusals.BUDGET, (
                 f"{what}: refused, every release of this node composed with it at the policy's delta = {rule.delta:g} "

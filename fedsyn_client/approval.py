@@ -25,8 +25,18 @@ from pathlib import Path
 
 from common.io import atomic_write_text
 from fedsyn_client.fab_gate import (
-    AGENTAPP, CLIENTAPP, FLOWER, LAUNCHERS, apps_dir, check_hook, fab_manifest, fab_sha256, launcher_facts,
-    launcher_source, read_allow_list, tree_differs,
+    AGENTAPP,
+    CLIENTAPP,
+    FLOWER,
+    LAUNCHERS,
+    apps_dir,
+    check_hook,
+    fab_manifest,
+    fab_sha256,
+    launcher_facts,
+    launcher_source,
+    read_allow_list,
+    tree_differs,
 )
 
 
@@ -220,14 +230,14 @@ def gate_status(clientapp_user: str | None = None, same_user: bool = False) -> s
         if launcher is None:
             raise ValueError(f"no {name} on PATH: the SuperExec would fail open to whatever it finds later; {fix}")
         try:
-            role, allow, python, current = launcher_facts(launcher)
+            role, listed, python, current = launcher_facts(launcher)
         except ValueError as err:
             raise ValueError(f"{err}; {fix}") from None
         if role != name or not current:
             raise ValueError(f"{launcher} is not this fedsyn's gate for {name} (edited, renamed or from another "
                              f"version); {fix}")
         launchers.append(Path(launcher))
-        allow_lists.add(allow)
+        allow_lists.add(listed)
         pythons.add(python)
     if len(allow_lists) != 1:
         raise ValueError(f"the launchers on PATH name different allow-lists ({', '.join(sorted(allow_lists))}); {fix}")
@@ -252,7 +262,8 @@ def gate_status(clientapp_user: str | None = None, same_user: bool = False) -> s
                              f"checkout again: fedsyn node approve CHECKOUT --allow-list {allow}")
     uid, gids, user = _user(clientapp_user)
     venv = Path(sys.prefix)
-    problems = trust_problems([*launchers, allow, *(Path(p) for p in pythons)], [trees, venv, *{p.parent for p in launchers}],
+    problems = trust_problems([*launchers, allow, *(Path(p) for p in pythons)],
+                              [trees, venv, *{p.parent for p in launchers}],
                               uid, gids, same_user)
     if problems:
         raise ValueError(f"the ClientApp user {user} could change what decides which code runs on the records: "

@@ -67,8 +67,8 @@ def describe_reply(reply: Message) -> dict[str, Any]:
         records[key] = {"kind": "array", "arrays": {k: {"shape": list(a.shape), "dtype": a.dtype}
                                                     for k, a in rec.items()}}
     for kind, group in (("metric", reply.content.metric_records), ("config", reply.content.config_records)):
-        for key, rec in group.items():
-            records[key] = {"kind": kind, "values": {k: _plain(v) for k, v in rec.items()}}
+        for key, values in group.items():
+            records[key] = {"kind": kind, "values": {k: _plain(v) for k, v in values.items()}}
     out["records"] = records
     return out
 

@@ -108,7 +108,8 @@ def add_node(subparsers: argparse._SubParsersAction) -> None:
     a.add_argument("--allow-list", required=True, help="the node's allow-list file (created if missing)")
     a.add_argument("--note", default="", help="who reviewed it, or why (kept as a comment)")
     i = sub.add_parser("install-launcher", help="write the gate into DIR, one launcher per task process Flower starts "
-                                                "(flwr-clientapp, flwr-agentapp, ...); put DIR first in the SuperNode's PATH")
+                                                "(flwr-clientapp, flwr-agentapp, ...); "
+                                                "put DIR first in the SuperNode's PATH")
     i.add_argument("dir")
     i.add_argument("--allow-list", required=True, help="the node's allow-list file")
     p.set_defaults(handler=_run_node)
@@ -151,7 +152,8 @@ def _run_ledger(args: argparse.Namespace) -> int:
             return 0
         if args.set_budget is not None:
             old = set_budget(args.state_dir, args.set_budget, args.reason, args.ledger_id)
-            print(f"budget changed: epsilon {old:g} -> {args.set_budget:g}; set node-config epsilon={args.set_budget:g}")
+            print(f"budget changed: epsilon {old:g} -> {args.set_budget:g}; "
+                  f"set node-config epsilon={args.set_budget:g}")
             return 0
         path = ledger_path(args.state_dir, args.ledger_id)
         if not path.exists():

@@ -17,7 +17,8 @@ from __future__ import annotations
 import json
 import logging
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -26,11 +27,10 @@ from common import records as R
 from common.config import ConfigError, RunConfig
 from common.dp import MARGINALS, PROFILE, STRONG, TRAIN, VOTE
 from common.logs import get_logger, plain_console
-from common.phases import phase as phase_named
-from common.phases import phases
+from common.models import load_embedder
+from common.phases import phase as phase_named, phases
 from fedsyn_client import refusals
 from fedsyn_client.audit import audit_dir, audit_mod, check_audit_dir
-from common.models import load_embedder
 from fedsyn_client.histograms import marginals_histogram, vote_histogram
 from fedsyn_client.node import Node, node_policy, open_node, readable_schema
 from fedsyn_client.placement import record_placement
@@ -135,7 +135,8 @@ def train(msg: Message, node: Node, cfg: RunConfig, req: Request) -> RecordDict:
 
     state = node.ledger.accountant_state(accountant_key(req.run_id))
     free_text = cfg.free_text is not None  # a table's free-text column: DP-SGD reads that column alone
-    mechanism = DpSgdRound(cfg, lambda: node.records(req.vocabulary, free_text), msg.content.array_records.get(R.ARRAYS),
+    mechanism = DpSgdRound(cfg, lambda: node.records(req.vocabulary, free_text),
+                           msg.content.array_records.get(R.ARRAYS),  # type: ignore[arg-type]  # None: refused as bad weights by its check
                            state, msg.metadata.dst_node_id,
                            phase_reserved=node.ledger.spent(run_id=req.run_id, phase=TRAIN) > 0,
                            bound=node.bound)
@@ -164,7 +165,7 @@ def vote(msg: Message, node: Node, cfg: RunConfig, req: Request) -> RecordDict:
     cand = msg.content.config_records.get(R.CANDIDATES)
     if cand is None:
         raise ConfigError("the vote request carries no candidates")
-    texts, codes = [str(t) for t in cand["texts"]], [str(c) for c in cand["codes"]]
+    texts, codes = [str(t) for t in cand["texts"]], [str(c) for c in cand["codes"]]  # type: ignore[union-attr]  # lists (flwr types a value as any scalar or list)
     if len(texts) != len(codes):
         raise ConfigError(f"{len(texts)} candidate texts but {len(codes)} codes")
     name = str(req.params.get("histogram", "knn-vote"))
@@ -185,7 +186,9 @@ def marginals(msg: Message, node: Node, cfg: RunConfig, req: Request) -> RecordD
     """A marginals round (issue 48): the counts of the requested cliques' marginals over the public
     schema's bins + Gaussian noise at L2 sensitivity sqrt(number of cliques). ``authorise`` has
     checked the cliques against the schema and the policy's measurable columns."""
-    schema = readable_schema(cfg.schema(), node.policy)  # the columns the node's view was read with
+    table = cfg.schema()
+    assert table is not None  # a marginals request is a table run's
+    schema = readable_schema(table, node.policy)  # the columns the node's view was read with
     cliques = R.read_cliques(req.params)
     compute, sensitivity = marginals_histogram(node.records(req.vocabulary), cliques, schema, cfg.control_columns,
                                                cfg.marginal_bins, bound=node.bound)
@@ -200,7 +203,7 @@ def ledger(msg: Message, node: Node, cfg: RunConfig, req: Request) -> RecordDict
     """This run's releases as the node's ledger has them (statements only; free): the
     server's privacy report is built from the node's own book, including releases whose
     reply was lost. Ends the run's hold when the request carries the run's ``hold-token``."""
-    conf = msg.content.config_records.get(R.CONFIG, {})
+    conf: Mapping[str, Any] = msg.content.config_records.get(R.CONFIG, {})
     statements = node.ledger.run_statements(req.run_id)
     node.ledger.release_hold(req.run_id, str(conf.get("hold-token", "")))
     return RecordDict({R.LEDGER: ConfigRecord({

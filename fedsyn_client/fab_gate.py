@@ -10,7 +10,8 @@ and imports a folder named from the *server-stated* ``fab_id``/``fab_version``. 
 every call that imports app code, and where this gate covers it, is in ``docs/privacy.md``.
 
 ``fedsyn node install-launcher DIR --allow-list FILE`` writes one launcher per task-process name,
-and one for ``flower-supernode``, into ``DIR``: this file, run by the node venv's Python in isolated mode (``-I``: no current
+and one for ``flower-supernode``, into ``DIR``: this file, run by the node venv's Python in isolated
+mode (``-I``: no current
 directory, no ``PYTHON*`` variables), with its role, the allow-list and the folder of approved
 trees fixed in it. With ``DIR`` first in the SuperExec's PATH, every task process starts here:
 
@@ -56,7 +57,6 @@ import importlib
 import io
 import os
 import re
-import stat
 import struct
 import sys
 import tomllib
@@ -147,19 +147,19 @@ def fab_bounds(fab: bytes) -> str:
     try:
         # the very record ZipFile reads next, found by its own search (a private helper: the gate
         # runs on the node venv's Python, and fails closed if it is gone)
-        end = zipfile._EndRecData(io.BytesIO(fab))  # type: ignore[attr-defined]
+        end = zipfile._EndRecData(io.BytesIO(fab))  # type: ignore[attr-defined]  # zipfile's own private reader, not in typeshed
         if end is None:
             return "the FAB is not a zip archive"
-        entries, directory = end[zipfile._ECD_ENTRIES_TOTAL], end[zipfile._ECD_SIZE]  # type: ignore[attr-defined]
+        entries, directory = end[zipfile._ECD_ENTRIES_TOTAL], end[zipfile._ECD_SIZE]  # type: ignore[attr-defined]  # as above
     except (AttributeError, TypeError, OSError, ValueError) as err:
         return f"the FAB's end record cannot be read ({type(err).__name__})"
-    if end[0] != zipfile.stringEndArchive:
+    if end[0] != zipfile.stringEndArchive:  # type: ignore[attr-defined]  # zipfile's constant, not in typeshed
         return "the FAB is a zip64 archive (no FAB within the bounds needs one)"
     if entries > MAX_ENTRIES or directory > MAX_CENTRAL_DIRECTORY:
         return (f"the FAB states {entries:,} entries in {directory:,} bytes of central directory, over the bounds "
                 f"of {MAX_ENTRIES:,} and {MAX_CENTRAL_DIRECTORY:,}")
     # the stated count is not what zipfile walks: it walks the directory's bytes, header by header
-    counted = _directory_entries(fab, end[zipfile._ECD_LOCATION] - directory, directory)  # type: ignore[attr-defined]
+    counted = _directory_entries(fab, end[zipfile._ECD_LOCATION] - directory, directory)  # type: ignore[attr-defined]  # zipfile's constant, not in typeshed
     if counted < 0:
         return "the FAB's central directory is not a zip's"
     if counted > MAX_ENTRIES:
@@ -189,7 +189,7 @@ def _directory_entries(fab: bytes, start: int, size: int) -> int:
     meets something that is not a header."""
     pos, count = start, 0
     while pos < start + size and count <= MAX_ENTRIES:
-        if pos < 0 or pos + 46 > len(fab) or fab[pos:pos + 4] != zipfile.stringCentralDir:
+        if pos < 0 or pos + 46 > len(fab) or fab[pos:pos + 4] != zipfile.stringCentralDir:  # type: ignore[attr-defined]  # as above
             return -1
         names, extra, comment = struct.unpack_from("<3H", fab, pos + 28)
         pos += 46 + names + extra + comment
@@ -220,7 +220,7 @@ def read_member(archive: zipfile.ZipFile, name: str) -> bytes:
     # a probe that declares one byte more lets the stream show that it goes on (its CRC is checked
     # here, on the bytes as declared)
     probe = copy.copy(member)
-    probe.file_size, probe.CRC = member.file_size + 1, None
+    probe.file_size, probe.CRC = member.file_size + 1, None  # type: ignore[assignment]  # None: zipfile checks no CRC on the probe
     data = bytearray()
     with archive.open(probe) as stream:
         while chunk := stream.read(_CHUNK):
@@ -339,7 +339,8 @@ class ClientAppGate:
             why = str(err)
         if why:
             return self._refuse(f"FAB {digest} is approved but its installed tree is not its bytes ({why}); "
-                                f"refused. Approve it again: fedsyn node approve CHECKOUT --allow-list {self.allow_list}")
+                                "refused. Approve it again: "
+                                f"fedsyn node approve CHECKOUT --allow-list {self.allow_list}")
         self.approved = (digest, tree)
         self.log(f"fedsyn FAB gate: FAB {digest} approved; its ClientApp loads from {tree} only")
         return tree
@@ -444,7 +445,7 @@ def supernode_hook(allow_list: str | Path, log: Callable[[str], None], flower_ve
                            "get_fused_config_from_fab; this gate cannot bound it")
     gate = SuperNodeGate(allow_list, log, original)
     _rebind(original, gate.fused_config)
-    internal.get_fused_config_from_fab = gate.fused_config
+    internal.get_fused_config_from_fab = gate.fused_config  # type: ignore[attr-defined]  # Flower's function (checked present above)
     return internal
 
 
@@ -489,10 +490,10 @@ def check_hook(role: str, flower_version: str) -> Any:
     # name (flwr.supercore.task_process.agent.run_agentapp) would hand back the function
     if role == CLIENTAPP:
         runner = importlib.import_module("flwr.supernode.runtime.run_clientapp")
-        from flwr.clientapp.client_app import ClientApp, LoadClientAppError  # noqa: F401  (ClientAppGate.load's)
-        from flwr.supercore.object_ref import load_app  # noqa: F401
+        from flwr.clientapp.client_app import ClientApp, LoadClientAppError  # noqa: F401 - ClientAppGate.load's imports, loaded now
+        from flwr.supercore.object_ref import load_app  # noqa: F401 - as above
         calls = runner.run_clientapp.__code__.co_names
-        needed = ("install_from_fab", "get_load_client_app_fn")
+        needed: tuple[str, ...] = ("install_from_fab", "get_load_client_app_fn")
     elif role == AGENTAPP:
         runner = importlib.import_module("flwr.supercore.task_process.agent.run_agentapp")
         calls = (runner._AgentAppTaskLifecycle._prepare_task_app.__code__.co_names

@@ -78,7 +78,7 @@ def local_embeddings(records: TextData, embedder_name: str, max_tokens: int | No
                                precision=precision)
         return cache[key]
     # the work of ``bound`` rows padded to the window (record_matrix.embed_slots); the filler's rows dropped
-    return embed_slots(records.texts, embedder, max_tokens or embedder.max_seq_length,
+    return embed_slots(records.texts, embedder, max_tokens or embedder.max_seq_length,  # type: ignore[arg-type]  # the embedders' limit is set (typed Optional)
                        max(len(records), bound), precision=precision)[:len(records)]
 
 
@@ -106,8 +106,9 @@ _CANDIDATES: dict[str, Any] = {}
 
 # --- federated marginals (issue 48) ---------------------------------------------------------------
 
-def marginals_histogram(records: TextData, cliques: list[tuple[str, ...]], schema: Any, control_columns: tuple[str, ...],
-                        bins: int, bound: int | None = None) -> tuple[Compute, float]:
+def marginals_histogram(records: TextData, cliques: list[tuple[str, ...]], schema: Any,
+                        control_columns: tuple[str, ...], bins: int,
+                        bound: int | None = None) -> tuple[Compute, float]:
     """The node's counts of each clique's marginal over the schema's bins, joined in the request's
     order (as ``common.marginals.joined_marginals``); L2 sensitivity sqrt(number of cliques), since
     one record adds 1 to one cell of each. The records' rows are read back from their texts and

@@ -115,7 +115,8 @@ class PrivacyLedger:
 
     # ----------------------------------------------------------------- opening
     @classmethod
-    def open(cls, state_dir: str | Path, budget: float, ledger_id: str = "", data_fingerprint: str = "") -> PrivacyLedger:
+    def open(cls, state_dir: str | Path, budget: float, ledger_id: str = "",
+             data_fingerprint: str = "") -> PrivacyLedger:
         """Open the node's ledger with its total ``budget`` (the node policy's), or create it.
 
         Raises ``LedgerError`` when the stored budget differs (a budget changes only by
@@ -250,7 +251,8 @@ class PrivacyLedger:
         admission.check(self._load(), epsilon, what)
 
     # ----------------------------------------------------------------- updates
-    def hold(self, run_id: str, needed: float, token: str = "", max_unconfirmed: int = MAX_UNCONFIRMED_HOLDS) -> Preflight:
+    def hold(self, run_id: str, needed: float, token: str = "",
+             max_unconfirmed: int = MAX_UNCONFIRMED_HOLDS) -> Preflight:
         """The pre-flight, atomically: if this node can pay the ``needed`` epsilon of run
         ``run_id`` (what it already spent in that run counts), hold it for that run (shortfall
         0; ``fedsyn_client.holds``: when, how long, and at most ``max_unconfirmed`` unconfirmed
@@ -415,22 +417,23 @@ def reset_ledger(state_dir: str | Path, reason: str, ledger_id: str = "", budget
                                  "say the node's budget with --budget EPSILON")
             previous: Any = (admission.spent(data["releases"]) if data is not None
                              else "unknown (ledger damaged or missing)")
+            kept: Path | None = archive
             if data is not None:
                 atomic_write_json(archive, data)
             elif ledger.path.exists():
                 os.replace(ledger.path, archive)
             else:
-                archive = None
+                kept = None
             old = data or {}
             atomic_write_json(ledger.path, {
                 "format": FORMAT, "budget": float(budget) if budget is not None else old["budget"], "releases": [],
                 "ref": old.get("ref") or uuid.uuid4().hex, "accountants": {}, "budget_changes": [], "data": [],
                 "created": time.time(), "resets": old.get("resets", []) + [{
                     "time": time.time(), "reason": reason.strip(), "previous_epsilon_spent": previous,
-                    "archive": str(archive) if archive else None, "user": os.environ.get("USER", "")}]})
+                    "archive": str(kept) if kept else None, "user": os.environ.get("USER", "")}]})
         finally:
             fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
-    return archive
+    return kept
 
 
 def set_budget(state_dir: str | Path, budget: float, reason: str, ledger_id: str = "") -> float:

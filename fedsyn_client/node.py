@@ -17,10 +17,10 @@ import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -30,12 +30,12 @@ from common.data import TextData, dataset_fingerprint, load_node_data
 from common.logs import get_logger
 from common.rows import Schema, canonical, load_schema, split_record
 from fedsyn_client import refusals
+from fedsyn_client.fixed_work import row_bytes
 from fedsyn_client.ledger import PrivacyLedger
 from fedsyn_client.policy import NodePolicy, PolicyError, is_simulated, policy_from_node_config, simulation_policy
+from fedsyn_client.record_matrix import embed_slots, embedder_identity, gathered, matrix_path, read_matrix, write_matrix
 from fedsyn_client.refusals import NodeSetupError
 from fedsyn_client.replies import ReplyStore
-from fedsyn_client.fixed_work import row_bytes
-from fedsyn_client.record_matrix import embed_slots, embedder_identity, gathered, matrix_path, read_matrix, write_matrix
 from fedsyn_client.view import bounded, cut_view, read_snapshot, view_retention, view_seed, write_snapshot
 
 log = get_logger(__name__)
@@ -81,7 +81,7 @@ class Node:
     snapshot: Snapshot | None = None  # a deployed node's view on disk (None in simulation)
     _views: dict[tuple[tuple[str, ...], bool], TextData] = field(default_factory=dict, repr=False)
     _positions: dict[tuple[str, ...], np.ndarray] = field(default_factory=dict, repr=False)
-    _matrices: dict[tuple[bool, str, int], np.ndarray] = field(default_factory=dict, repr=False)
+    _matrices: dict[tuple[bool, str, int, bool], np.ndarray] = field(default_factory=dict, repr=False)
 
     @property
     def tier(self) -> str:
@@ -129,8 +129,9 @@ class Node:
 
         embedder = EMBEDDER_ALIASES.get(embedder, embedder)  # one matrix per model, whichever alias named it
         model = load_embedder(embedder)
-        window = min(int(window), int(model.max_seq_length))
-        bf16 = uses_bf16(getattr(model, "inner", model), precision)
+        window = min(int(window), int(model.max_seq_length))  # type: ignore[arg-type]  # a node's embedders have a token limit
+        inner: Any = getattr(model, "inner", model)
+        bf16 = uses_bf16(inner, precision)
         key = (free_text, embedder, window, bf16)
         if key in self._matrices:
             return self._matrices[key]
@@ -297,14 +298,15 @@ def _check_requirements(policy: NodePolicy, node_config: dict[str, Any]) -> None
     from fedsyn_client.audit import audit_folder, check_audit_dir
 
     check_audit_dir(audit_folder(node_config))
-    wanted = [("embedder", name, load_embedder) for name in policy.embedders]
+    wanted: list[tuple[str, str, Callable[..., Any]]] = [("embedder", name, load_embedder) for name in policy.embedders]
     wanted += [("model", name, load_generator) for name in policy.models] if policy.tier == STRONG else []
     for key, name, load in wanted:
         try:
             load(name)
         except Exception as err:  # noqa: BLE001 - any failure to load is the operator's to fix
             raise NodeSetupError(f"node-config {key} allows {name!r}, which cannot be loaded here "
-                                 f"({type(err).__name__}: {str(err)[:200]}); install it or take it out of {key}") from None
+                                 f"({type(err).__name__}: {str(err)[:200]}); "
+                                 f"install it or take it out of {key}") from None
 
 
 def _deployed_policy(node_config: dict[str, Any]) -> NodePolicy:

@@ -38,7 +38,7 @@ line naming the key.
 (``fedsyn_client.release.authorise``) before it touches data, for the tier query and every
 release alike, so a new message type cannot skip it. A refusal is a ``PolicyRefused`` whose
 ``rule`` is a fixed text (the server's reply) and whose message is the detail (the node's log).
-"""
+"""  # noqa: E501 - a markdown table: one row a line
 
 from __future__ import annotations
 
@@ -52,13 +52,22 @@ from typing import Any
 
 from common.config import ACCOUNTING, DEFAULT_ACCOUNTING
 from common.dp import TIERS
-from common.phases import is_phase
-from common.phases import phases as registered_phases
-from common.phases import phase as phase_named
-from common.records import ERR_POLICY
+from common.phases import is_phase, phase as phase_named, phases as registered_phases
 from common.plugins import FINETUNE_MODES
-from fedsyn_client.refusals import (RULE_CAP, RULE_COLUMNS, RULE_DELTA, RULE_EMBEDDER, RULE_EPSILON,
-                                     RULE_FINETUNE, RULE_MAX_LENGTH, RULE_MODEL, RULE_PHASE, RULE_VOCABULARY, Refusal)
+from common.records import ERR_POLICY
+from fedsyn_client.refusals import (
+    RULE_CAP,
+    RULE_COLUMNS,
+    RULE_DELTA,
+    RULE_EMBEDDER,
+    RULE_EPSILON,
+    RULE_FINETUNE,
+    RULE_MAX_LENGTH,
+    RULE_MODEL,
+    RULE_PHASE,
+    RULE_VOCABULARY,
+    Refusal,
+)
 
 DEFAULT_DELTA = 1e-5
 # The offline models the project ships (common.models): what a node runs unless its institution

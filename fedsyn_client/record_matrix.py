@@ -58,7 +58,8 @@ def read_matrix(path: str | Path, stamp: dict[str, Any]) -> np.ndarray | None:
     if found is None:
         return None
     head, body = found
-    rows, dim = head.get("rows"), head.get("dim")
+    rows: Any = head.get("rows")  # checked below
+    dim: Any = head.get("dim")
     if not all(isinstance(v, int) and v >= 0 for v in (rows, dim)) or len(body) != rows * dim * 4:
         return None
     return np.frombuffer(body, dtype="<f4").reshape(rows, dim)

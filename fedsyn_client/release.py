@@ -36,14 +36,12 @@ import numpy as np
 from flwr.app import ConfigRecord, Context, Message
 
 from common import records as R
-from common.config import ConfigError, RunConfig
-from common.accounting import DEFAULT as DEFAULT_ACCOUNTING
-from common.accounting import Accounting
-from common.accounting import rule as accounting_rule
+from common.accounting import DEFAULT as DEFAULT_ACCOUNTING, Accounting, rule as accounting_rule
 from common.calibration import Planned, basic_delta, release_base, rounds_of
+from common.config import ConfigError, RunConfig
 from common.dp import GAUSSIAN, MARGINALS, PHASES, analytic_gaussian_sigma, gaussian_release
-from common.phases import phases
 from common.logs import get_logger
+from common.phases import phases
 from common.rows import canonical
 from fedsyn_client.admission import Rule
 from fedsyn_client.ledger import Release
@@ -104,7 +102,7 @@ def authorise(msg: Message, context: Context, policy: NodePolicy, cfg: RunConfig
     key = run_key(msg, context)
     if kind == LEDGER:  # the node's own book of this run: free, and touches no record
         return Request(run_id=key, phase=LEDGER, epsilon=0.0, delta=0.0, phase_budget=0.0, vocabulary=())
-    conf = dict(msg.content.config_records[R.CONFIG]) if R.CONFIG in msg.content.config_records else {}
+    conf: dict[str, Any] = dict(msg.content.config_records[R.CONFIG]) if R.CONFIG in msg.content.config_records else {}
     vocabulary = tuple(str(c) for c in conf.get("codes", []))
     needs = {p.name: p.share(cfg, policy.tier) for p in phases()}
     if kind == TIER:
@@ -293,13 +291,13 @@ class GaussianHistogram(Mechanism):
         None under basic, where ``public`` solves it per request."""
         return None if self.noise_multiplier is None else self.noise_multiplier * self.sensitivity
 
-    def charge(self, request: Request, before: list[dict[str, Any]]) -> float | None:  # noqa: D102
+    def charge(self, request: Request, before: list[dict[str, Any]]) -> float | None:  # noqa: D102 - documented on Mechanism
         if self.sigma is None:  # its request's epsilon prices it
             return None
         return request.rule.gaussian_charge(release_base(before), self.sigma, self.sensitivity, request.policy_delta,
                                             request.delta)
 
-    def public(self, request: Request) -> dict[str, Any]:  # noqa: D102
+    def public(self, request: Request) -> dict[str, Any]:  # noqa: D102 - documented on Mechanism
         if self.sigma is None:  # basic: ``release`` has split delta already
             basic = analytic_gaussian_sigma(request.epsilon, request.delta, self.sensitivity)
             return {"histogram": self.histogram, "sensitivity": self.sensitivity, "sigma": basic}
@@ -311,7 +309,7 @@ class GaussianHistogram(Mechanism):
                 "sigma_basic": analytic_gaussian_sigma(request.epsilon, split, self.sensitivity),
                 "composed_delta": request.policy_delta}
 
-    def release(self, request: Request) -> Output:  # noqa: D102
+    def release(self, request: Request) -> Output:  # noqa: D102 - documented on Mechanism
         sigma = self.public(request)["sigma"]
         return Output(gaussian_release(self.compute(), sigma, np.random.default_rng()))
 
@@ -341,7 +339,7 @@ def release(node: Node, request: Request, mechanism: Mechanism) -> tuple[Any, Co
     rule = Rule(request.rule, request.policy_delta)
     entry = node.ledger.reserve(rel, request.phase_budget, steps=mechanism.steps(request), cap=request.cap,
                                 binding=mechanism.binding(request), digest=request.digest,
-                                charge=None if priced is None else (lambda entries: mechanism.charge(request, entries)),
+                                charge=None if priced is None else (lambda entries: mechanism.charge(request, entries)),  # type: ignore[arg-type, return-value]  # priced: the charge is a float
                                 rule=rule)
     if priced is not None:
         rel = replace(rel, epsilon=node.ledger.charged(entry))

@@ -61,14 +61,14 @@ def request_digest(content: RecordDict, terms: dict[str, Any] | None = None) -> 
     h.update(json.dumps(terms or {}, sort_keys=True, default=str).encode())
     for name, rec in sorted(content.config_records.items()):
         h.update(json.dumps([name, dict(rec)], sort_keys=True, default=str).encode())
-    for name, rec in sorted(content.array_records.items()):
+    for name, arrays in sorted(content.array_records.items()):
         h.update(name.encode())
-        for key in rec.keys():
-            arr = rec[key]
+        for key in arrays.keys():
+            arr = arrays[key]
             h.update(f"{key}:{arr.dtype}:{arr.shape}".encode())
             h.update(arr.data)
-    for name, rec in sorted(content.metric_records.items()):
-        h.update(json.dumps([name, dict(rec)], sort_keys=True, default=str).encode())
+    for name, metrics in sorted(content.metric_records.items()):
+        h.update(json.dumps([name, dict(metrics)], sort_keys=True, default=str).encode())
     return h.hexdigest()
 
 

@@ -34,21 +34,25 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from flwr.app import ArrayRecord
 
 from common import records as R
 from common.accounting import rdp_noise
+from common.calibration import Base, Planned, release_base
 from common.config import ConfigError, RunConfig
 from common.data import TextData
 from common.devices import hidden_gpu_warning, model_device
-from common.calibration import Base, Planned, release_base
 from common.dp import DPSGD, TRAIN, poisson_sample_rate
 from common.logs import get_logger
 from fedsyn_client.refusals import BadWeights
 from fedsyn_client.release import Mechanism, Output, Request
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
 
 log = get_logger(__name__)
 _TOL = 1e-6
@@ -76,12 +80,13 @@ class DpSgdRound(Mechanism):
         # holds either way, because the noise multiplier is calibrated for all R x tau steps and
         # the ledger never lets the run take more.
         self.phase_reserved = phase_reserved
-        self.model = self.tokenizer = None
+        self.model: torch.nn.Module | None = None
+        self.tokenizer: PreTrainedTokenizerBase | None = None
         self.base: Base = ()  # under pld: the ledger's earlier releases the phase's noise is solved on
         self._view: TextData | None = None
         self._fixed: tuple[float, float, float] | None = None
 
-    def binding(self, request: Request) -> dict[str, Any]:  # noqa: D102
+    def binding(self, request: Request) -> dict[str, Any]:  # noqa: D102 - documented on Mechanism
         cfg = self.cfg
         return {"epsilon": float(request.phase_budget), "delta": float(request.delta), "rounds": cfg.num_server_rounds,
                 "local_steps": cfg.local_steps, "batch_size": cfg.batch_size, "model": cfg.model,
@@ -133,7 +138,8 @@ class DpSgdRound(Mechanism):
             try:  # q = 1 needs the most noise: if it can be calibrated there, any view's q can
                 rdp_noise(request.phase_budget, request.delta, 1.0, self.total_steps)
             except ValueError as err:
-                raise ConfigError(f"train: epsilon_train = {request.phase_budget:g} at delta = {request.delta:g} cannot "
+                raise ConfigError(f"train: epsilon_train = {request.phase_budget:g} at delta = {request.delta:g} "
+                                  "cannot "
                                   f"be reached in {self.total_steps} DP-SGD steps ({err}); raise epsilon or lower "
                                   "num-server-rounds x local-steps") from None
 
@@ -147,7 +153,8 @@ class DpSgdRound(Mechanism):
             if not np.isfinite(arr).all():
                 raise BadWeights(f"train: weight {name} has non-finite values")
             if arr.size and float(np.abs(arr).max()) > WEIGHT_LIMIT:
-                raise BadWeights(f"train: weight {name} has |w| up to {float(np.abs(arr).max()):.3g} > {WEIGHT_LIMIT:g}")
+                raise BadWeights(f"train: weight {name} has |w| up to {float(np.abs(arr).max()):.3g} "
+                                 f"> {WEIGHT_LIMIT:g}")
         model, self.tokenizer = load_generator(self.cfg.model, seed=self.cfg.seed)
         self.model = prepare_model(model, self.cfg.finetune, self.cfg.lora_rank, seed=self.cfg.seed,
                                    lora_layers=self.cfg.lora_layers)
@@ -156,20 +163,20 @@ class DpSgdRound(Mechanism):
         except ValueError as err:
             raise BadWeights(f"train: {err}") from None
 
-    def cost(self, request: Request) -> tuple[float, float]:  # noqa: D102
+    def cost(self, request: Request) -> tuple[float, float]:  # noqa: D102 - documented on Mechanism
         if not self.cfg.private:
             return math.inf, request.delta
         return (0.0, 0.0) if self.phase_reserved else (request.phase_budget, request.delta)
 
-    def public(self, request: Request) -> dict[str, Any]:  # noqa: D102
+    def public(self, request: Request) -> dict[str, Any]:  # noqa: D102 - documented on Mechanism
         return {"steps": self.cfg.local_steps, "max_grad_norm": self.cfg.max_grad_norm,
                 "covers": f"phase 1: {self.cfg.num_server_rounds} rounds x {self.cfg.local_steps} steps",
                 **request.rule.terms(request.policy_delta)}
 
-    def steps(self, request: Request) -> tuple[int, int]:  # noqa: D102
+    def steps(self, request: Request) -> tuple[int, int]:  # noqa: D102 - documented on Mechanism
         return self.cfg.local_steps, self.total_steps
 
-    def release(self, request: Request) -> Output:  # noqa: D102
+    def release(self, request: Request) -> Output:  # noqa: D102 - documented on Mechanism
         from fedsyn_client.training import TrainSettings, dp_train
 
         cfg = self.cfg
@@ -192,6 +199,7 @@ class DpSgdRound(Mechanism):
         if self.model is None:
             self.check(request)
         model, tokenizer = self.model, self.tokenizer
+        assert model is not None and tokenizer is not None  # loaded by check()
         log.info("round %d: DP-SGD on %s", request.round, model_device(model))
         settings = TrainSettings(
             local_steps=cfg.local_steps, batch_size=cfg.batch_size, learning_rate=cfg.learning_rate,

@@ -27,9 +27,17 @@ from tqdm.auto import tqdm
 from common.codes import make_prompt
 from common.config import PRECISIONS
 from common.devices import autocast, to_device
-from common.lm_loss import (conditional_lm_loss, encode_examples, fused_conditional_lm_loss, fused_sequence_nll,
-                            fused_weighted_nll, head_and_decoder, pair_objective, sequence_nll)
 from common.dp import dpsgd_epsilon, poisson_sample_rate
+from common.lm_loss import (
+    conditional_lm_loss,
+    encode_examples,
+    fused_conditional_lm_loss,
+    fused_sequence_nll,
+    fused_weighted_nll,
+    head_and_decoder,
+    pair_objective,
+    sequence_nll,
+)
 from common.logs import get_logger
 from common.weights import trainable_state
 from fedsyn_client import fixed_work
@@ -82,7 +90,8 @@ class TrainSettings:
         if self.local_steps < 1 or self.batch_size < 1:
             raise ValueError(f"local_steps and batch_size must be >= 1, got {self.local_steps}, {self.batch_size}")
         if not self.learning_rate > 0 or not self.max_grad_norm > 0:
-            raise ValueError(f"learning_rate and max_grad_norm must be > 0, got {self.learning_rate}, {self.max_grad_norm}")
+            raise ValueError(f"learning_rate and max_grad_norm must be > 0, "
+                             f"got {self.learning_rate}, {self.max_grad_norm}")
         if self.noise_multiplier < 0 or (self.private and self.noise_multiplier == 0):
             raise ValueError(f"noise_multiplier must be > 0 when private (>= 0 otherwise), got {self.noise_multiplier}")
         if self.precision not in PRECISIONS:
@@ -145,6 +154,7 @@ def dp_train(model, tokenizer, texts: list[str], codes: list[str], settings: Tra
     # level. It only post-processes the privatised gradient, so the DP guarantee holds. Its
     # moments restart every round (the node starts from new global weights). "sgd" is
     # paper A.3's literal step (e).
+    optimizer: torch.optim.Optimizer
     if settings.optimizer == "adamw":
         optimizer = torch.optim.AdamW(params, lr=settings.learning_rate, weight_decay=0.0)
     else:
@@ -302,7 +312,8 @@ def _private_steps(model, optimizer, slots: Slots, q, settings, history, sampler
     # it derives, and its accountant hook) are replaced below, so it gets a placeholder of one
     # batch that works for an empty dataset too.
     gsm, dp_optimizer, _ = engine.make_private(
-        module=model, optimizer=optimizer, data_loader=DataLoader(range(settings.batch_size), batch_size=settings.batch_size),
+        module=model, optimizer=optimizer,
+        data_loader=DataLoader(range(settings.batch_size), batch_size=settings.batch_size),  # type: ignore[arg-type]  # a range is a map-style dataset
         noise_multiplier=settings.noise_multiplier, max_grad_norm=settings.max_grad_norm,
         poisson_sampling=False, noise_generator=noise_rng,
     )
@@ -314,8 +325,8 @@ def _private_steps(model, optimizer, slots: Slots, q, settings, history, sampler
             # The embedding's backward hook fires on an integer input: harmless, torch warns.
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
             trim = settings.records_bound is None  # no public bound (simulation): drop all-padding columns
-            losses = _run(lambda b: _private_step(gsm, dp_optimizer, *b, settings.precision, settings.contrastive_weight,
-                                                  trim),
+            losses = _run(lambda b: _private_step(gsm, dp_optimizer, *b, settings.precision,  # type: ignore[call-arg]  # b: a Slots.batch, (tensors, real)
+                                                  settings.contrastive_weight, trim),
                           (slots.batch(s) for s in poisson_slots(len(slots), q, sampler_rng)), settings.local_steps,
                           "DP-SGD")
     finally:
@@ -402,7 +413,8 @@ def group_samples(params, rows_per_record: int) -> None:
     for p in params:
         g = getattr(p, "grad_sample", None)
         if g is not None:
-            p.grad_sample = g.view(g.shape[0] // rows_per_record, rows_per_record, *g.shape[1:]).sum(dim=1) / rows_per_record
+            p.grad_sample = (g.view(g.shape[0] // rows_per_record, rows_per_record, *g.shape[1:]).sum(dim=1)
+                             / rows_per_record)
 
 
 def zero_nonfinite_samples(params) -> int:
@@ -422,7 +434,8 @@ def zero_nonfinite_samples(params) -> int:
     if bad.any():
         for g in samples:
             g[bad] = 0
-        log.warning("DP-SGD: %d record(s) had a non-finite gradient; it was set to zero before clipping", int(bad.sum()))
+        log.warning("DP-SGD: %d record(s) had a non-finite gradient; it was set to zero before clipping",
+                    int(bad.sum()))
     return int(bad.sum())
 
 
@@ -459,14 +472,15 @@ def _loss(model, tensors, precision: str = "auto", weight: float = 0.0, trim: bo
     width = max(int(tensors[1].sum(dim=-1).max()), 1) if trim else tensors[0].shape[-1]
     tensors = [t[..., :width].reshape(-1, width) for t in tensors]
     input_ids, attention_mask, labels, position_ids = to_device(tensors, model)
-    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids, "use_cache": False}
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+              "use_cache": False}
     split = head_and_decoder(model)
     with autocast(model, precision):
         if pairs:
             loss = _pair_loss(model, split, inputs, labels, weight)
         elif split is not None:
             decoder, head = split
-            loss = fused_conditional_lm_loss(decoder(**inputs).last_hidden_state, head.weight, labels)
+            loss = fused_conditional_lm_loss(decoder(**inputs).last_hidden_state, head.weight, labels)  # type: ignore[arg-type]  # a Linear's weight (nn.Module's __getattr__ says Tensor | Module)
         else:
             loss = conditional_lm_loss(model(**inputs).logits, labels)
     loss.backward()

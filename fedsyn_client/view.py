@@ -31,7 +31,6 @@ import struct
 from pathlib import Path
 from typing import Any
 
-
 from common.data import TextData, dataset_fingerprint
 from common.io import atomic_write_text, read_stamped, write_stamped
 from fedsyn_client.fixed_work import cut
@@ -134,7 +133,8 @@ def read_snapshot(path: str | Path, stamp: dict[str, Any]) -> tuple[TextData, st
     if found is None:
         return None
     head, body = found
-    rows, text_bytes, code_bytes, records = (head.get(k) for k in ("rows", "text-bytes", "code-bytes", "records"))
+    fields: list[Any] = [head.get(k) for k in ("rows", "text-bytes", "code-bytes", "records")]  # checked below
+    rows, text_bytes, code_bytes, records = fields
     if not all(isinstance(v, int) and v >= 0 for v in (rows, text_bytes, code_bytes, records)) or records > rows \
             or len(body) != rows * (_LENGTHS + text_bytes + code_bytes):
         return None

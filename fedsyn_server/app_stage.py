@@ -43,7 +43,7 @@ def app_files(app: Path) -> dict[str, Path]:
             path = Path(folder) / name
             if not path.is_symlink():
                 found[(rel / name).as_posix()] = path
-    return {k: Path(v) for k, v in filter_paths_for_publish(found).items()}
+    return {k: Path(v) for k, v in filter_paths_for_publish(found).items()}  # type: ignore[arg-type]  # flwr keeps the values it is given: our Paths
 
 
 def _dropped(folder: Path, ignored) -> bool:

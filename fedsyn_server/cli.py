@@ -40,7 +40,8 @@ def at_least(low: float, kind: type = int):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {'a whole number' if kind is int else 'a number'}") from None
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not {'a whole number' if kind is int else 'a number'}") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"{text} is below {low:g}; give a value >= {low:g}")
         return value
@@ -228,7 +229,8 @@ def _add_export(subparsers: argparse._SubParsersAction) -> None:
 def _run_export(args: argparse.Namespace) -> int:
     from fedsyn_server.export import export_run
 
-    print(f"exported to {export_run(args.run_dir, args.out)} (datasets.load_from_disk; Parquet in data/; card README.md)")
+    print(f"exported to {export_run(args.run_dir, args.out)} "
+          "(datasets.load_from_disk; Parquet in data/; card README.md)")
     return 0
 
 
@@ -328,7 +330,7 @@ class OneLineParser(argparse.ArgumentParser):
     """An argparse parser whose errors are one line naming the problem and where help is
     (argparse's default reprints the whole usage block before it)."""
 
-    def error(self, message: str):  # noqa: D102
+    def error(self, message: str):  # noqa: D102 - argparse.ArgumentParser's
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} -h`)\n")
 
 

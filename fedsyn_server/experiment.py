@@ -243,7 +243,8 @@ def plot_metric_vs_strong_fraction(grid: Grid, rows: list[dict[str, Any]]) -> Pa
     fig, axes = plt.subplots(1, len(eps_values), figsize=(5 * len(eps_values), 3.6), squeeze=False)
     for ax, eps in zip(axes[0], eps_values):
         for method in sorted({r["method"] for r in rows}):
-            sel = [r for r in rows if r["method"] == method and str(r.get("epsilon", "8.0")) == eps and grid.metric in r]
+            sel = [r for r in rows
+                   if r["method"] == method and str(r.get("epsilon", "8.0")) == eps and grid.metric in r]
             by_f: dict[float, list[float]] = defaultdict(list)
             for r in sel:
                 by_f[float(r["strong-fraction"])].append(r[grid.metric])

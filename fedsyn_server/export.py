@@ -50,6 +50,7 @@ def dataset_card(run_dir: Path, rows: list[dict[str, Any]]) -> str:
                "composition of every release the institution's own ledger recorded). Noise was added on each "
                "institution's own machine before anything left it." if private else
                "**NOT PRIVATE**: this run used epsilon = inf (no noise). Do not publish it as private data.")
+    control_columns = ", ".join(cfg.control_columns)
     return f"""---
 pretty_name: fedsyn synthetic text ({cfg.dataset})
 tags:
@@ -70,7 +71,7 @@ size_categories:
 - **Method:** fedsyn (resource-adaptive federated DP text generation): DP federated finetuning of
   `{cfg.model}` ({cfg.finetune}, {cfg.num_server_rounds} rounds × {cfg.local_steps} DP-SGD steps) on the strong
   institutions, DP profiles and `{cfg.refinement}` refinement with DP votes of the others.
-- **Source data:** `{cfg.dataset}` (text column `{cfg.text_column}`, control columns `{', '.join(cfg.control_columns)}`);
+- **Source data:** `{cfg.dataset}` (text column `{cfg.text_column}`, control columns `{control_columns}`);
   the texts here are generated, not copied, but carry whatever the pretrained model already knew.
 - **Rows:** {len(rows)} (`text`, `control_code`, one column per control column, `writer`: the
   weights that wrote the row, `pretrained` (the public model, zero-shot) or `finetuned` (DP-finetuned);

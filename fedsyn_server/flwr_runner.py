@@ -138,7 +138,7 @@ def _run_to(cmd: list[str], env: dict[str, str], out, timeout: float) -> tuple[i
         timer = threading.Timer(timeout, stop)
         timer.start()
         try:
-            for line in proc.stdout:  # type: ignore[union-attr]
+            for line in proc.stdout:  # type: ignore[union-attr]  # Popen(stdout=PIPE): never None
                 out.write(_ANSI.sub(b"", line))
                 out.flush()
             code = proc.wait()

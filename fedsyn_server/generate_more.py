@@ -106,7 +106,7 @@ def generate_more(run_dir: str | Path, n: int | None = None, allocation: str | N
         counts = run_allocation(run_dir, n)
     else:
         raise ValueError("-n must be a whole number >= 1 (or give --allocation)")
-    seed = int(np.random.SeedSequence().entropy % 2**31) if seed is None else seed
+    seed = int(np.random.SeedSequence().entropy % 2**31) if seed is None else seed  # type: ignore[operator]  # a fresh SeedSequence draws an int
     total = sum(counts.values())
     target = Path(out) if out else run_dir / MORE / f"{time.strftime('%Y%m%d-%H%M%S')}-n{total}.jsonl"
     model = ServerModel(cfg)

@@ -36,7 +36,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from functools import lru_cache
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 import numpy as np
 import torch
@@ -81,7 +81,7 @@ class InverseCdfSampler(LogitsProcessor):
         if order is not None:
             token = order.gather(1, token)
         out = torch.full_like(scores, float("-inf"))
-        return out.scatter_(1, token, 0.0)
+        return out.scatter_(1, token, 0.0)  # type: ignore[return-value]  # transformers' signature says FloatTensor, torch returns Tensor
 
 
 class TextRule(Protocol):
@@ -121,7 +121,7 @@ class GrammarConstraint(LogitsProcessor):
             if self.eos in ids:  # finished: transformers pads it from here
                 out[r, self.eos] = 0.0
                 continue
-            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            text = cast(str, self.tokenizer.decode(ids, skip_special_tokens=True))  # one sequence: one str
             nxt = [i for i in candidates(self.tokenizer, rule.alphabet) if rule.allows(text + self.pieces[i])]
             if nxt:
                 keep = torch.tensor(nxt, dtype=torch.long, device=scores.device)
@@ -130,13 +130,13 @@ class GrammarConstraint(LogitsProcessor):
                 out[r, self.eos] = torch.logsumexp(scores[r, ends].float(), 0).to(scores.dtype)
             elif not nxt:
                 out[r, self.eos] = 0.0
-        return out
+        return out  # type: ignore[return-value]  # transformers' signature says FloatTensor, torch returns Tensor
 
 
 @lru_cache(maxsize=4)
 def token_pieces(tokenizer: PreTrainedTokenizerBase) -> tuple[str, ...]:
     """Each token id's own text (decoded alone; ~0.2 s for SmolLM2's 49,152 once per tokenizer)."""
-    return tuple(tokenizer.decode([i]) for i in range(len(tokenizer)))
+    return tuple(cast(str, tokenizer.decode([i])) for i in range(len(tokenizer)))  # one sequence: one str
 
 
 @lru_cache(maxsize=4)
@@ -210,7 +210,7 @@ class _StepProgress(StoppingCriteria):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
         self.bar.update(1)
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)  # type: ignore[return-value]  # transformers' signature says BoolTensor, torch returns Tensor
 
 
 def generate_texts(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[str],
@@ -265,7 +265,7 @@ def generate_samples(
     if rules is not None and len(rules) != len(prompts):
         raise ValueError(f"{len(rules)} rules for {len(prompts)} prompts")
     guided = guidance != 1.0 and unconditional is not None
-    if guided and len(unconditional) != len(prompts):
+    if guided and unconditional is not None and len(unconditional) != len(prompts):
         raise ValueError(f"{len(unconditional)} unconditional prompts for {len(prompts)} prompts")
     # Batching prompts of similar length wastes less compute on padding.
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
@@ -289,12 +289,13 @@ def generate_samples(
                     GrammarConstraint(tokenizer, [rules[i] for i in idx], enc["input_ids"].shape[1])]
                 guide = []
                 if guided:
+                    assert unconditional is not None  # guided needs it
                     un = to_device(tokenizer([unconditional[i] for i in idx], return_tensors="pt", padding=True,
                                              padding_side="left"), device)
                     guide = [UnbatchedClassifierFreeGuidanceLogitsProcessor(guidance, model, un["input_ids"],
                                                                             un["attention_mask"])]
                 processors = LogitsProcessorList(guide + grammar + sampler)
-                new = model.generate(**enc, **settings, logits_processor=processors,
+                new = model.generate(**enc, **settings, logits_processor=processors,  # type: ignore[operator]  # PreTrainedModel.generate, typed through nn.Module's __getattr__
                                      stopping_criteria=StoppingCriteriaList([_StepProgress(bar)]))
                 new = new[:, enc["input_ids"].shape[1] :]
                 bar.update(max_new_tokens - new.shape[1])  # a batch that ended early

@@ -12,7 +12,7 @@
 | ``config.json`` | the validated run config |
 | ``model/`` | the finetuned trainable weights (a peft adapter or a full model folder) |
 | ``plots/*.png`` | votes per code, allocation vs. final counts, each writer's texts in the pool and kept per code, held-out loss per round |
-"""
+"""  # noqa: E501 - a markdown table: one row a line
 
 from __future__ import annotations
 
@@ -148,14 +148,14 @@ def write_plots(plot_dir: Path, vocabulary: list[str], res: FedSynResult, final_
     shares = writers_summary(res)["kept_share"]
     if len({w for s in shares.values() for w in s}) > 1:
         names = sorted({w for s in shares.values() for w in s})
-        codes = list(shares)
+        kept_codes = list(shares)
         fig, ax = plt.subplots(figsize=(7, 3.5))
-        bottom = np.zeros(len(codes))
+        bottom = np.zeros(len(kept_codes))
         for name in names:
-            part = np.asarray([shares[c].get(name, 0.0) for c in codes])
-            ax.bar(np.arange(len(codes)), part, 0.6, bottom=bottom, label=name)
+            part = np.asarray([shares[c].get(name, 0.0) for c in kept_codes])
+            ax.bar(np.arange(len(kept_codes)), part, 0.6, bottom=bottom, label=name)
             bottom += part
-        ax.set_xticks(np.arange(len(codes)), [c.split("=", 1)[-1] for c in codes], rotation=30, ha="right")
+        ax.set_xticks(np.arange(len(kept_codes)), [c.split("=", 1)[-1] for c in kept_codes], rotation=30, ha="right")
         ax.set_ylabel("share of the kept texts")
         ax.set_title(f"Who wrote the final set (pool: {res.pretrained_share:.0%} pretrained)")
         ax.legend()

@@ -29,9 +29,8 @@ from typing import TYPE_CHECKING, Any
 from common.accounting import Pld, calibrate
 from common.calibration import Planned, basic_delta
 from common.config import ConfigError, RunConfig
-from common.phases import Pricing, phases
-from common.phases import phase as phase_named
 from common.dp import MARGINALS, PROFILE, STRONG, TRAIN, VOTE, analytic_gaussian_sigma, dpsgd_noise_multiplier
+from common.phases import Pricing, phase as phase_named, phases
 
 if TYPE_CHECKING:
     from strategies.result import FedSynResult
@@ -241,9 +240,11 @@ def _phase_lines(cfg: RunConfig, tier: str, records: int | None, delta: float, s
         rate = speed.get("embedding_vote_window_texts_per_s") or speed.get("embedding_texts_per_s")
         after_unknown_q = bool(eps_train and cfg.trains and records is None)  # composed with DP-SGD on the node
         lines.append(f"vote: epsilon {eps_vote:g} in {rounds} round(s), delta {delta:g}, Gaussian sigma "
-                     f"{analytic_gaussian_sigma(eps_vote / rounds, split(eps_vote) / rounds, sens):.3g} per round (sensitivity "
+                     f"{analytic_gaussian_sigma(eps_vote / rounds, split(eps_vote) / rounds, sens):.3g} "
+                     "per round (sensitivity "
                      f"{formula} = {sens:.3g}; basic; {'at most ' if after_unknown_q else ''}{pld[VOTE]:.3g} under "
-                     "accounting = pld" + (", less composed with DP-SGD at the node's q" if after_unknown_q else "") + ")"
+                     "accounting = pld"
+                     + (", less composed with DP-SGD at the node's q" if after_unknown_q else "") + ")"
                      + (f"; embedding {records} rows, about {records / rate:.0f} s" if rate and records else ""))
     elif eps_vote:
         lines.append(f"vote: epsilon {eps_vote:g} in the rounds refinement {cfg.refinement!r} asks for (never more)")
@@ -275,7 +276,8 @@ def _marginal_lines(cfg: RunConfig, delta: float, z: float) -> list[str]:
     lines = [f"marginals: epsilon {total:g} in {rounds} round(s), delta {delta:g}"]
     for rnd, k in enumerate(planned_marginals(cfg), start=1):
         what = "1- and 2-way marginals" if rnd == 1 else "marginals of the tree the round-1 sums choose"
-        lines.append(f"  round {rnd}: {k} {what}, Gaussian sigma {analytic_gaussian_sigma(eps, delta / rounds, k ** 0.5):.3g} "
+        lines.append(f"  round {rnd}: {k} {what}, "
+                     f"Gaussian sigma {analytic_gaussian_sigma(eps, delta / rounds, k ** 0.5):.3g} "
                      f"per cell (sensitivity sqrt({k}); basic; {z * k ** 0.5:.3g} under accounting = pld)")
     return lines
 

@@ -1,4 +1,5 @@
-"""The server's model work: initial weights, generation and variation (the refinements' ``Generator``), held-out loss."""
+"""The server's model work: initial weights, generation and variation (the refinements' ``Generator``),
+held-out loss."""
 
 from __future__ import annotations
 
@@ -13,13 +14,13 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord
 
-from common.logs import get_logger
 from common import records as R
 from common.codes import make_prompt, unconditional_prompt
 from common.config import RunConfig
 from common.data import TextData
 from common.devices import to_device
 from common.io import atomic_write_json
+from common.logs import get_logger
 from common.models import load_generator, public_cache_path
 from common.rows import IS, SEP, Column, RowError, Schema, generated_part, parse, written_pairs
 from common.weights import load_trainable_state, prepare_model, trainable_state, without_idle_adapter
@@ -83,10 +84,10 @@ class ValueRule:
         self.column = column
         self.alphabet = frozenset(" ") | column.characters()
 
-    def allows(self, text: str) -> bool:  # noqa: D102
+    def allows(self, text: str) -> bool:  # noqa: D102 - documented on generation.TextRule
         return text.startswith(" ") and self.column.could_start(text[1:])
 
-    def done(self, text: str) -> bool:  # noqa: D102
+    def done(self, text: str) -> bool:  # noqa: D102 - documented on generation.TextRule
         return text.startswith(" ") and self.column.complete(text[1:])
 
 
@@ -119,7 +120,8 @@ class ServerModel(Generator):
             load_trainable_state(self.model, R.state_from_arrays(arrays))
         return self.model
 
-    def generate(self, allocation: Mapping[str, int], seed: int, prompt: str | None = None) -> tuple[list[str], list[str]]:
+    def generate(self, allocation: Mapping[str, int], seed: int,
+                 prompt: str | None = None) -> tuple[list[str], list[str]]:
         """s_j samples for each code c_j, prompted by the code (paper eq. 3); (texts, codes).
         ``prompt``: the prompt style (run-config ``prompt`` values) to write with, the run's by
         default; the pretrained writer of a mixed pool writes with the instruction
@@ -143,6 +145,7 @@ class ServerModel(Generator):
         prompts = [self.prompt(c) for c in codes + spares]
         unconditional = [self.unconditional_prompt(c) for c in codes + spares]  # guidance's other branch
         texts: list[str | None] = [None] * len(prompts)
+        rejected: Counter[str]
         todo, rejected, used = list(range(len(prompts))), Counter(), 0
         limit = self.new_tokens(prompts)
         for attempt in range(1 + REGENERATE):
@@ -176,13 +179,14 @@ class ServerModel(Generator):
         self._report = {"requested": len(codes), "written": len(kept), "dropped": len(todo),
                         "rejected": dict(rejected), "attempts": 1 + REGENERATE,
                         "spares": {"written": len(spares), "used": used},
-                        "per_code": {c: {"allocated": int(n), "written": written.get(c, 0)} for c, n in allocation.items()}}
+                        "per_code": {c: {"allocated": int(n), "written": written.get(c, 0)}
+                                     for c, n in allocation.items()}}
         if todo:
             log.warning("[generate] dropped %d of %d texts still unusable after %d attempts (%s)", len(todo),
                         len(codes), 1 + REGENERATE, dict(rejected))
-        return [texts[i] for i in kept], [codes[i] for i in kept]
+        return [texts[i] for i in kept], [codes[i] for i in kept]  # type: ignore[misc]  # kept: the written (not None) texts
 
-    def generation_report(self) -> dict[str, Any]:  # noqa: D102
+    def generation_report(self) -> dict[str, Any]:  # noqa: D102 - documented on Generator
         return dict(self._report)
 
     def variation(self, texts: list[str], codes: list[str], seed: int) -> list[str]:
@@ -223,6 +227,7 @@ class ServerModel(Generator):
         """
         del max_new_tokens  # a value's own limit applies
         rng = np.random.default_rng(seed)
+        assert self.row_schema is not None  # rows are written for a table run only
         columns = self.row_schema.columns
         kept = kept or [[] for _ in prompts]
         rows = [SEP.join(f"{n}{IS}{v}" for n, v in pairs) for pairs in kept]
@@ -316,10 +321,11 @@ class ServerModel(Generator):
                           "position_ids": part["position_ids"], "use_cache": False}
                 if split is not None:
                     decoder, head = split
-                    nll = fused_sequence_nll(decoder(**inputs).last_hidden_state, head.weight, part["labels"])[0]
+                    nll = fused_sequence_nll(decoder(**inputs).last_hidden_state, head.weight, part["labels"])[0]  # type: ignore[arg-type]  # a Linear's weight (nn.Module's __getattr__ says Tensor | Module)
                     total += float(nll.sum())
                 else:
-                    total += float(conditional_lm_loss(model(**inputs).logits, part["labels"])) * part["labels"].shape[0]
+                    total += (float(conditional_lm_loss(model(**inputs).logits, part["labels"]))
+                              * part["labels"].shape[0])
         loss = {"heldout_loss": total / len(sub)}
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -338,7 +344,8 @@ class ServerModel(Generator):
 
         trainable = trainable_state(self.model)
         if self._frozen_digest is None:
-            self._frozen_digest = _tensors_digest({k: v for k, v in self.model.state_dict().items() if k not in trainable})
+            self._frozen_digest = _tensors_digest({k: v for k, v in self.model.state_dict().items()
+                                                   if k not in trainable})
         device = next(self.model.parameters()).device.type
         return [self._frozen_digest, _tensors_digest(trainable), list(sub.texts), list(sub.codes),
                 [self.prompt(c) for c in sorted(set(sub.codes))], self.cfg.max_length, self.cfg.precision, device,

@@ -38,7 +38,7 @@ def build_aggregator(name: str, server_learning_rate: float, num_strong: int) ->
         "min_available_nodes": n, "weighted_by_key": WEIGHT_KEY, "arrayrecord_key": ARRAYS,
         "configrecord_key": CONFIG, "server_learning_rate": server_learning_rate, "eta": server_learning_rate,
     }
-    params = inspect.signature(cls.__init__).parameters
+    params = inspect.signature(cls.__init__).parameters  # type: ignore[misc]  # the class's own constructor, never an instance's
     with _without(_NO_EVALUATION):
         return cls(**{k: v for k, v in kwargs.items() if k in params})
 

@@ -40,7 +40,7 @@ import numpy as np
 
 from common.config import RunConfig
 from common.logs import get_logger
-from strategies.refinement import REFINED, Refined, RefinementContext, Refinement, VotePlan, final_size, round_rows
+from strategies.refinement import REFINED, Refined, Refinement, RefinementContext, VotePlan, final_size, round_rows
 
 log = get_logger("fedsyn")
 HISTOGRAM = "similarity"
@@ -83,7 +83,7 @@ class GRPO(Refinement):
         """T = ``refinement-rounds`` rounds of similarity scores (the rewards), each at epsilon_vote / T."""
         return VotePlan(cfg.refinement_rounds, HISTOGRAM)
 
-    def refine(self, ctx: RefinementContext) -> Refined:  # noqa: D102
+    def refine(self, ctx: RefinementContext) -> Refined:  # noqa: D102 - documented on Refinement
         import torch
         from datasets import Dataset
         from trl import GRPOConfig, GRPOTrainer
@@ -149,7 +149,7 @@ class GRPO(Refinement):
                               seed=cfg.seed, logging_steps=1, use_cpu=on_cpu,
                               bf16=not on_cpu and torch.cuda.is_bf16_supported(), gradient_checkpointing=False,
                               shuffle_dataset=False)
-            trainer = GRPOTrainer(model=gen.model, reward_funcs=reward, args=args,
+            trainer = GRPOTrainer(model=gen.model, reward_funcs=reward, args=args,  # type: ignore[arg-type]  # trl: list[float | None]; a list[float] is one
                                   train_dataset=Dataset.from_dict({"prompt": rows}),
                                   processing_class=gen.tokenizer, rollout_func=rollout)
             result = trainer.train()

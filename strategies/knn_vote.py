@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from common.config import RunConfig
-from strategies.refinement import Refined, RefinementContext, Refinement, VotePlan, final_size
+from strategies.refinement import Refined, Refinement, RefinementContext, VotePlan, final_size
 from strategies.resampling import resample_by_code
 from strategies.writers import better_writer
 
@@ -30,7 +30,7 @@ class KnnVoteRefinement(Refinement):
         """One round of ``histogram`` with K = ``num-votes``, at the whole epsilon_vote."""
         return VotePlan(1, self.histogram, {"num-votes": cfg.num_votes})
 
-    def refine(self, ctx: RefinementContext) -> Refined:  # noqa: D102
+    def refine(self, ctx: RefinementContext) -> Refined:  # noqa: D102 - documented on Refinement
         votes = ctx.vote(ctx.texts, ctx.codes, **self.vote_plan(ctx.cfg).request())
         # each code from its better-voted writer (strategies.writers; None: the whole pool)
         among = better_writer(ctx.codes, ctx.writers, votes, ctx.cfg.writer_choice)
@@ -52,7 +52,7 @@ class UniformRefinement(Refinement):
     name = "uniform"
     asks_votes = False
 
-    def refine(self, ctx: RefinementContext) -> Refined:  # noqa: D102
+    def refine(self, ctx: RefinementContext) -> Refined:  # noqa: D102 - documented on Refinement
         return Refined(ctx.texts, ctx.codes, resample_by_code(ctx.codes, None, ctx.cfg.sampling_rate, ctx.cfg.seed),
                        writers=list(ctx.writers))
 
@@ -63,8 +63,8 @@ class NoRefinement(Refinement):
     name = "none"
     asks_votes = False
 
-    def pool_size(self, cfg: RunConfig) -> int:  # noqa: D102
+    def pool_size(self, cfg: RunConfig) -> int:  # noqa: D102 - documented on Refinement
         return final_size(cfg)
 
-    def refine(self, ctx: RefinementContext) -> Refined:  # noqa: D102
+    def refine(self, ctx: RefinementContext) -> Refined:  # noqa: D102 - documented on Refinement
         return Refined(ctx.texts, ctx.codes, np.arange(len(ctx.codes)), writers=list(ctx.writers))

@@ -37,8 +37,16 @@ import numpy as np
 
 from common.config import RunConfig
 from common.logs import get_logger
-from strategies.refinement import (REFINED, Generator, Refined, RefinementContext, Refinement, VotePlan, final_size,
-                                   round_rows)
+from strategies.refinement import (
+    REFINED,
+    Generator,
+    Refined,
+    Refinement,
+    RefinementContext,
+    VotePlan,
+    final_size,
+    round_rows,
+)
 
 log = get_logger("fedsyn")
 HISTOGRAM = "similarity"
@@ -113,7 +121,7 @@ class POPri(Refinement):
         """T = ``refinement-rounds`` rounds of similarity scores, each at epsilon_vote / T."""
         return VotePlan(cfg.refinement_rounds, HISTOGRAM)
 
-    def refine(self, ctx: RefinementContext) -> Refined:  # noqa: D102
+    def refine(self, ctx: RefinementContext) -> Refined:  # noqa: D102 - documented on Refinement
         cfg, gen = ctx.cfg, ctx.generator
         plan = self.vote_plan(cfg)
         rounds = plan.rounds
@@ -129,7 +137,7 @@ class POPri(Refinement):
             for i, j in pairs:
                 role[i], role[j] = "chosen", "rejected"
             history += round_rows(t, texts, codes, scores, role=role)
-            note = {"round": t, "pool": len(texts), "pairs": len(pairs)}
+            note: dict[str, float] = {"round": t, "pool": len(texts), "pairs": len(pairs)}
             if pairs:
                 note["dpo_loss"] = dpo_finetune(gen, [gen.prompt(codes[i]) for i, _ in pairs],
                                                 [texts[i] for i, _ in pairs], [texts[j] for _, j in pairs],

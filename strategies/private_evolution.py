@@ -29,7 +29,7 @@ import numpy as np
 
 from common.config import RunConfig
 from common.logs import get_logger
-from strategies.refinement import Refined, RefinementContext, Refinement, VotePlan, round_rows
+from strategies.refinement import Refined, Refinement, RefinementContext, VotePlan, round_rows
 from strategies.resampling import resample_by_code
 from strategies.writers import better_writer
 
@@ -70,7 +70,7 @@ class PrivateEvolution(Refinement):
         """T = ``refinement-rounds`` rounds of ``histogram``, each at epsilon_vote / T."""
         return VotePlan(cfg.refinement_rounds, self.histogram, dict(self.histogram_params))
 
-    def refine(self, ctx: RefinementContext) -> Refined:  # noqa: D102
+    def refine(self, ctx: RefinementContext) -> Refined:  # noqa: D102 - documented on Refinement
         plan = self.vote_plan(ctx.cfg)
         rounds = plan.rounds
         # the population starts as the pool, both writers' texts (strategies.writers); a child is
@@ -81,14 +81,17 @@ class PrivateEvolution(Refinement):
         votes = np.zeros(len(texts))
         for t in range(1, rounds + 1):
             votes = ctx.vote(texts, codes, **plan.request())
-            notes.append({"round": t, "population": len(texts), "mean_votes": float(np.mean(votes)) if len(votes) else 0.0})
-            log.info("[pe] round %d/%d: %d texts voted, mean noisy votes %.2f", t, rounds, len(texts), notes[-1]["mean_votes"])
+            notes.append({"round": t, "population": len(texts),
+                          "mean_votes": float(np.mean(votes)) if len(votes) else 0.0})
+            log.info("[pe] round %d/%d: %d texts voted, mean noisy votes %.2f", t, rounds, len(texts),
+                     notes[-1]["mean_votes"])
             if t == rounds:
                 history += round_rows(t, texts, codes, votes, writer=writers)
                 break
             survivors, parents = next_generation(codes, votes)
             kept = set(survivors)
-            history += round_rows(t, texts, codes, votes, writer=writers, survived=[i in kept for i in range(len(texts))],
+            history += round_rows(t, texts, codes, votes, writer=writers,
+                                  survived=[i in kept for i in range(len(texts))],
                                   children=np.bincount(parents, minlength=len(texts)).tolist())
             children = ctx.generator.variation([texts[i] for i in parents], [codes[i] for i in parents],
                                                seed=ctx.cfg.seed + t)

@@ -105,7 +105,8 @@ def generate_pool(generator: Generator, allocation: Mapping[str, int], base_coun
     """The pool of ``allocation``: ``base_counts[c]`` of code c written by ``base`` (θ⁰) with the
     instruction prompt, the rest by ``tuned``, the generator left on ``tuned``. Without phase 1
     (``finetuned`` False) all of it is ``tuned``'s (θ⁰ itself) with the run's prompt, tagged
-    pretrained; ``tuned_writer`` tags ``tuned``'s texts otherwise. The report is the finetuned half's ``generation_report`` with θ⁰'s under
+    pretrained; ``tuned_writer`` tags ``tuned``'s texts otherwise. The report is the finetuned half's
+    ``generation_report`` with θ⁰'s under
     ``"pretrained"`` and each writer's written count per code under ``"writers"``."""
     if not finetuned:
         generator.load(tuned)

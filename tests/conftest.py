@@ -30,7 +30,8 @@ def pytest_collection_modifyitems(config, items):
         mark = item.get_closest_marker("session")
         if mark is not None:
             covered = mark.kwargs.get("covered_by", "")
-            item.add_marker(pytest.mark.skip(reason=f"session-only (covered in CI by {covered}); run: pytest -m session"))
+            item.add_marker(pytest.mark.skip(reason=f"session-only (covered in CI by {covered}); "
+                                                    "run: pytest -m session"))
 
 
 @pytest.fixture(autouse=True)

@@ -67,7 +67,8 @@ def write_topic_csv(path, topics: dict[str, str], per_topic: int, template: str 
     """A small CSV (text, topic) with ``per_topic`` records per topic; returns its path."""
     import pandas as pd
 
-    rows = [{"text": template.format(base=base, i=i), "topic": t} for t, base in topics.items() for i in range(per_topic)]
+    rows = [{"text": template.format(base=base, i=i), "topic": t}
+            for t, base in topics.items() for i in range(per_topic)]
     pd.DataFrame(rows).to_csv(path, index=False)
     return str(path)
 

@@ -9,9 +9,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from benchmarks.baselines import aim as A, mst as M
 from common.rows import schema_from_dict
-from benchmarks.baselines import aim as A
-from benchmarks.baselines import mst as M
 
 # --- the budget ----------------------------------------------------------------------------------
 

@@ -26,7 +26,8 @@ def test_writer_grid_keeps_the_runs_of_its_last_csv_and_a_grids_row_wins(tmp_pat
     assert len(kept) == 1 and kept[0]["accuracy"] == 0.7 and kept[0]["seed"] == 1 and kept[0]["from"] == row["from"]
     assert kept[0]["mauve"] != kept[0]["mauve"]  # an empty cell is NaN, as from a grid
     # an earlier grid's CSV naming the same run comes first
-    earlier = {"method": "mixed-contrastive-vote", "seed": "1", "partitioning": "iid", "utility/sentiment/accuracy": "0.9"}
+    earlier = {"method": "mixed-contrastive-vote", "seed": "1", "partitioning": "iid",
+               "utility/sentiment/accuracy": "0.9"}
     _write(tmp_path / "docs" / "label_grid_results.csv", [earlier], list(earlier))
     (again,) = writer_grid.read_rows(tmp_path)
     assert again["accuracy"] == 0.9 and again["from"] == "docs/label_grid_results.csv"

@@ -15,7 +15,6 @@ from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
 
 from common.accounting import Basic, Pld, calibrate
-from common.accounting import rule as accounting_rule
 from common.calibration import Planned
 from common.dp import DPSGD, GAUSSIAN
 
@@ -61,9 +60,7 @@ def test_a_strong_voters_sigma_composes_with_its_dpsgd():
 
 
 def test_charges_add_up_to_the_runs_pld_composition_and_a_dpsgd_phase_composes_by_its_terms():
-    from common.calibration import base_epsilon, pld_charge, release_base
-
-    from common.calibration import OPAQUE
+    from common.calibration import OPAQUE, base_epsilon, pld_charge, release_base
 
     train = [{"mechanism": DPSGD, "phase": "train", "public": {"steps": 3}, "delta": DELTA, "round": 1, "epsilon": 3.0,
               "status": "confirmed", "binding": {"rounds": 2, "local_steps": 3}},

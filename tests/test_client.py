@@ -62,7 +62,8 @@ def test_tier_reply_states_tier_budget_and_the_ledger_preflight_only(csv_path, t
                            "records-bound": 100.0}
     # a run started beside it needs 8 and finds the 6 held for this one: refused before it spends
     rc = RunConfig(model="tiny-gpt2", dataset=csv_path, test_fraction=0.0).to_flower()
-    later = client_node(app, 5, {"tier": "weak", "data-path": csv_path, "max-records": 100, "state-dir": str(tmp_path), "epsilon": 8.0},
+    later = client_node(app, 5, {"tier": "weak", "data-path": csv_path, "max-records": 100, "state-dir": str(tmp_path),
+                                 "epsilon": 8.0},
                         rc, run_id=8)
     beside = _tier(later)
     assert beside["epsilon-shortfall"] == pytest.approx(8.0) and beside["epsilon-held"] == pytest.approx(6.0)
@@ -92,14 +93,16 @@ def test_profile_is_released_once_per_run_a_repeat_is_replayed_free_and_more_is_
     # the same request again (a lost reply, a resumed run): the same bytes, nothing spent
     again = _send(node, R.MSG_PROFILE, _profile_request(["topic=x", "topic=y"]))
     assert not again.has_error()
-    assert list(again.content.metric_records[R.PROFILE][R.PROFILE]) == list(first.content.metric_records[R.PROFILE][R.PROFILE])
+    assert (list(again.content.metric_records[R.PROFILE][R.PROFILE])
+            == list(first.content.metric_records[R.PROFILE][R.PROFILE]))
     assert dict(again.content.config_records[R.RELEASE]) == dict(rel)
     assert PrivacyLedger.open(tmp_path, 8.0).spent() == spent == 2.0
     # another request under the same run, phase and round: refused, not a second release
     other = _profile_request(["topic=x", "topic=y"])
     other.config_records[R.CONFIG]["delta"] = 5e-6
     differs = _send(node, R.MSG_PROFILE, other)
-    assert differs.error.code == ERR_BUDGET and differs.error.reason == "refused: budget: released before for another request"
+    assert differs.error.code == ERR_BUDGET
+    assert differs.error.reason == "refused: budget: released before for another request"
     # a second profile in the same run (another round): beyond the run's profile budget
     more = _profile_request(["topic=x", "topic=y"])
     more.config_records[R.CONFIG]["server-round"] = 1
@@ -161,7 +164,8 @@ def test_a_weak_node_never_imports_the_training_stack():
     import sys
 
     code = ("import sys, fedsyn_client.client_app, common.voting, common.models; "
-            "print(sorted(m for m in ('opacus', 'peft', 'fedsyn_client.training', 'common.weights') if m in sys.modules))")
+            "print(sorted(m for m in ('opacus', 'peft', 'fedsyn_client.training', 'common.weights') "
+            "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

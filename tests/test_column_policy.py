@@ -112,9 +112,9 @@ def test_finding6_dp_sgd_on_a_rows_table_with_a_column_outside_the_list_is_refus
 
 
 def test_finding6_the_tier_query_refuses_a_run_whose_phases_read_a_column_outside_the_list(tmp_path):
-    from fedsyn_client.release import TIER, authorise, run_key
     from common.config import RunConfig
     from fedsyn_client.node import node_policy
+    from fedsyn_client.release import TIER, authorise, run_key
     from tests.fakes import set_task_identity
 
     context, rc, _ = _node(tmp_path, "strong", "diagnosis")

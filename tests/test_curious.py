@@ -312,14 +312,15 @@ def test_a_run_whose_replies_expired_is_refused_not_answered_again(twins, tmp_pa
 @pytest.mark.parametrize("extra,fragment", [
     ({"epsilom": 3}, "epsilom"), ({"max-eps-vote": 1}, "max-eps-vote"),
     ({"max-epsilon-train": -5}, "max-epsilon-train"), ({"max-epsilon-vote": 9}, "max-epsilon-vote"),
-    ({"finetune": "lora,qlora"}, "finetune"), ({"model": ""}, "model"), ({"keep-replies-days": -1}, "keep-replies-days"),
+    ({"finetune": "lora,qlora"}, "finetune"), ({"model": ""}, "model"),
+    ({"keep-replies-days": -1}, "keep-replies-days"),
 ])
 def test_a_misspelt_or_inconsistent_node_config_stops_the_node(twins, tmp_path, capsys, extra, fragment):
     from fedsyn_server.cli import main
 
     config = " ".join(f'{k}="{v}"' if isinstance(v, str) else f"{k}={v}" for k, v in
-                      {"tier": "weak", "data-path": twins[0], "max-records": 100, "state-dir": str(tmp_path / "s"), "epsilon": 8.0,
-                       **extra}.items())
+                      {"tier": "weak", "data-path": twins[0], "max-records": 100, "state-dir": str(tmp_path / "s"),
+                       "epsilon": 8.0, **extra}.items())
     assert main(["node-check", "--node-config", config]) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and fragment in err

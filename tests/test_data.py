@@ -10,9 +10,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from common import data as D
-from common import partitioning as P
-from common import tables as T
+from common import data as D, partitioning as P, tables as T
 from common.data import TextData
 
 BBC_TOPICS = ["business", "entertainment", "politics", "sport", "tech"]

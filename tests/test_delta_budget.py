@@ -25,13 +25,10 @@ import pytest
 from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
 from flwr.app import ConfigRecord, Message, RecordDict
-from hypothesis import HealthCheck, example, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
-from common import calibration
-from common import records as R
-from common.accounting import Basic, Pld, calibrate
-from common.accounting import rule as accounting_rule
+from common import calibration, records as R
+from common.accounting import Basic, Pld, calibrate, rule as accounting_rule
 from common.calibration import Planned
 from common.config import RunConfig
 from common.dp import DPSGD, GAUSSIAN, PROFILE, STRONG, TRAIN, VOTE, WEAK

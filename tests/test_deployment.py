@@ -35,7 +35,15 @@ import pytest
 
 from common.io import read_jsonl
 from fedsyn_server.flwr_runner import (
-    APP_DIR, alive, flwr_env, free_port, processes, stop_pids, stop_processes_of, toml_value, with_descendants,
+    APP_DIR,
+    alive,
+    flwr_env,
+    free_port,
+    processes,
+    stop_pids,
+    stop_processes_of,
+    toml_value,
+    with_descendants,
 )
 
 pytestmark = pytest.mark.flwr
@@ -182,7 +190,8 @@ class Deployment:
         """Poll ``condition`` until it holds; fail (with the logs) if ``run`` ends first or time runs out."""
         deadline = time.time() + RUN_TIMEOUT
         while not condition():
-            assert run.poll() is None, f"the run ended before {what}\n" + self.log(log_name)[-3000:] + self.diagnostics()
+            assert run.poll() is None, (f"the run ended before {what}\n" + self.log(log_name)[-3000:]
+                                        + self.diagnostics())
             assert time.time() < deadline, f"no {what} in {RUN_TIMEOUT}s\n" + self.diagnostics()
             time.sleep(0.5)
 
@@ -269,7 +278,8 @@ def _deploy(tmp_path: Path, tiers: dict[str, str], policies: dict[str, str] | No
     t0 = time.time()
     try:
         _start(dep, "superlink", [
-            *(superlink or [str(BIN / "flower-superlink")]), "--insecure", "--host", "127.0.0.1", "--port", str(dep.port),
+            *(superlink or [str(BIN / "flower-superlink")]), "--insecure", "--host", "127.0.0.1",
+            "--port", str(dep.port),
             "--database", str(root / "superlink.db"), "--disable-runtime-dependency-installation",
         ], root / "home-superlink")
         deadline = time.time() + 60
@@ -534,7 +544,10 @@ def test_local_deployment_scripts_with_tls_and_node_auth(tmp_path):
         stop_processes_of(root)
 
 
-@pytest.mark.session(covered_by="tests/test_resume.py::test_a_run_killed_mid_round_and_between_phases_resumes_without_releasing_twice and tests/test_sovereign.py::test_a_repeated_training_round_is_replayed_and_only_the_latest_round_is_kept")
+@pytest.mark.session(covered_by="tests/test_resume.py::"
+                               "test_a_run_killed_mid_round_and_between_phases_resumes_without_releasing_twice and "
+                               "tests/test_sovereign.py::"
+                               "test_a_repeated_training_round_is_replayed_and_only_the_latest_round_is_kept")
 def test_deployment_stopped_with_flwr_stop_then_resumed_releases_nothing_twice(deployment):
     dep = deployment
     out, public = dep.root / "out", dep.root / "public.csv"
@@ -564,7 +577,8 @@ def test_deployment_stopped_with_flwr_stop_then_resumed_releases_nothing_twice(d
     books = _books(dep)
     _once_per_round(books)
     for name, book in books.items():
-        assert {r["phase"] for r in book} == ({"train", "profile", "vote"} if name == "strong" else {"profile", "vote"}), book
+        assert {r["phase"] for r in book} == ({"train", "profile", "vote"} if name == "strong"
+                                              else {"profile", "vote"}), book
     report = json.loads((run_dir / "privacy_report.json").read_text())
     assert all(n["source"] == "node ledger" for n in report["nodes"]), report
 
@@ -700,7 +714,9 @@ def test_deployment_bad_data_on_the_server_and_on_a_node_fails_in_one_line_befor
             assert not book["releases"] and not book.get("holds"), (name, book)
 
 
-@pytest.mark.session(covered_by="tests/test_sovereign.py::test_a_model_or_embedder_outside_the_nodes_pins_is_refused_before_anything_is_spent and tests/test_curious.py::test_bad_weights_are_refused_before_anything_is_spent")
+@pytest.mark.session(covered_by="tests/test_sovereign.py::"
+                               "test_a_model_or_embedder_outside_the_nodes_pins_is_refused_before_anything_is_spent"
+                               " and tests/test_curious.py::test_bad_weights_are_refused_before_anything_is_spent")
 def test_deployment_a_disallowed_model_and_nan_weights_are_refused_through_flower(tmp_path):
     """Issue 21 through Flower itself: the strong institution pins its generator and the weak one
     its embedder; a run asking for others is refused at stage 0 by both, with fixed texts. Then a

@@ -7,8 +7,15 @@ import pytest
 from scipy import optimize, stats
 
 from common.dp import (
-    analytic_gaussian_sigma, dpsgd_epsilon, dpsgd_noise_multiplier, gaussian_release, paper_delta,
-    gaussian_event, phase_epsilon, pld_epsilon, split_budget,
+    analytic_gaussian_sigma,
+    dpsgd_epsilon,
+    dpsgd_noise_multiplier,
+    gaussian_event,
+    gaussian_release,
+    paper_delta,
+    phase_epsilon,
+    pld_epsilon,
+    split_budget,
 )
 
 
@@ -72,7 +79,8 @@ def test_split_budget_is_appendix_b():
 
 def test_tight_accounting_is_below_basic_composition():
     d = 1e-5
-    events = [gaussian_event(analytic_gaussian_sigma(2.0, d, 1), 1.0), gaussian_event(analytic_gaussian_sigma(6.0, d, 2), 2.0)]
+    events = [gaussian_event(analytic_gaussian_sigma(2.0, d, 1), 1.0),
+              gaussian_event(analytic_gaussian_sigma(6.0, d, 2), 2.0)]
     tight = pld_epsilon(events, 2 * d)
     assert 0 < tight < 8.0
     # A single release: the PLD epsilon at the same delta is (up to discretisation) the release's.

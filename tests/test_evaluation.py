@@ -261,7 +261,8 @@ def test_evaluate_sets_two_columns_and_disjoint_topics():
     syn = syn[syn.topic.isin(["food", "sport"])]
     real = real[real.topic.isin(["money", "space"])]
     cols = ["topic", "mood"]
-    r = E.evaluate_sets(syn.text.tolist(), codes_of(syn, cols), real.text.tolist(), codes_of(real, cols), cols, mauve=False)
+    r = E.evaluate_sets(syn.text.tolist(), codes_of(syn, cols), real.text.tolist(), codes_of(real, cols), cols,
+                        mauve=False)
     assert list(r["utility"]) == ["topic", "mood", "control_code"]
     assert r["utility"]["topic"]["accuracy"] == 0.0  # no real topic was ever seen
     assert r["utility"]["topic"]["missing_classes"] == ["money", "space"]
@@ -416,5 +417,6 @@ def test_the_report_prints_the_warnings(capsys):
     assert len(res["warnings"]) == 3  # one class, 3 test rows, "b" absent from the real set
     report = {"n_synthetic": 6, "n_real": 3, "embedder": "e", "classifier": "logreg", "utility": {"topic": res},
               "alignment": {"frechet_distance": 1.0, "knn_precision": 0.5, "knn_recall": 0.5, "knn_k": 2,
-                            "mauve": None}, "allocation": {"per_code": {}, "total_variation": 0.0, "max_abs_error": 0.0}}
+                            "mauve": None},
+              "allocation": {"per_code": {}, "total_variation": 0.0, "max_abs_error": 0.0}}
     assert "WARNING (topic): the real set has one class" in E.format_report(report)

@@ -60,7 +60,8 @@ def test_a_grid_on_a_preset_takes_its_keys_under_base_and_its_schema_on_one_line
     schema_file = tmp_path / "schema.json"
     schema_file.write_text(json.dumps(json.loads(rc["table-schema"]), indent=2))
     path.write_text(f'[experiment]\npreset = "{preset}"\n[base]\ntable-schema = "schema.json"\n')
-    assert dict(load_grid(path).cells[0].run_config)["table-schema"] == rc["table-schema"]  # read from the grid's folder
+    # read from the grid's folder
+    assert dict(load_grid(path).cells[0].run_config)["table-schema"] == rc["table-schema"]
 
 
 def test_grid_with_a_bad_value_fails_before_any_run(tmp_path):

@@ -40,7 +40,8 @@ TINY_APP = {
                       '[project]\nname = "tiny"\nversion = "1.0.0"\ndependencies = []\n\n'
                       '[tool.hatch.build.targets.wheel]\npackages = ["."]\n\n'
                       '[tool.flwr.app]\npublisher = "lab"\n\n[tool.flwr.app.components]\n'
-                      'serverapp = "tinyapp.client:server"\nclientapp = "tinyapp.client:app"\n\n[tool.flwr.app.config]\n',
+                      'serverapp = "tinyapp.client:server"\nclientapp = "tinyapp.client:app"\n\n'
+                      '[tool.flwr.app.config]\n',
     "tinyapp/__init__.py": "",
     "tinyapp/client.py": "from flwr.clientapp import ClientApp\napp = ClientApp()\nserver = None\n",
 }
@@ -211,7 +212,8 @@ def test_fab_hash_is_reproducible_and_approve_installs_the_tree_and_records_it_o
     assert fab_gate.read_allow_list(allow) == {digest}
     assert allow.read_text().count(digest) == 1 and "reviewed by the security team" in allow.read_text()
     tree = fab_gate.apps_dir(allow) / digest
-    assert (tree / "fedsyn_client" / "client_app.py").read_bytes() == (APP / "fedsyn_client" / "client_app.py").read_bytes()
+    assert ((tree / "fedsyn_client" / "client_app.py").read_bytes()
+            == (APP / "fedsyn_client" / "client_app.py").read_bytes())
     assert hashlib.sha256((fab_gate.apps_dir(allow) / f"{digest}.fab").read_bytes()).hexdigest() == digest
 
 
@@ -298,7 +300,8 @@ def test_node_check_refuses_an_audit_dir_it_cannot_write(tmp_path, capsys):
     pd.DataFrame([{"text": f"note {i}", "topic": "x"} for i in range(4)]).to_csv(data, index=False)
     blocked = tmp_path / "audit"
     blocked.write_text("a file where the folder should be")
-    config = f'tier="weak" data-path="{data}" max-records=100 state-dir="{tmp_path / "s"}" epsilon=8 audit-dir="{blocked}"'
+    config = (f'tier="weak" data-path="{data}" max-records=100 state-dir="{tmp_path / "s"}" epsilon=8 '
+              f'audit-dir="{blocked}"')
     assert main(["node-check", "--allow-any-fab", "--node-config", config]) == 1
     assert "audit-dir" in capsys.readouterr().err
 

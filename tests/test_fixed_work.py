@@ -62,7 +62,8 @@ def test_a_cut_keeps_whole_characters_and_the_window_a_record_fills():
     embedder = load_embedder(MINILM)
     text = "The markets rallied on Tuesday as investors weighed the central bank's decision. " * 40
     # 8 bytes a token: the first 32 tokens of an English text are all within its first 256 bytes
-    assert np.abs(embed(embedder, [text], max_tokens=32) - embed(embedder, [cut(text, 256)], max_tokens=32)).max() < 1e-5
+    assert np.abs(embed(embedder, [text], max_tokens=32)
+                  - embed(embedder, [cut(text, 256)], max_tokens=32)).max() < 1e-5
     seen = []
 
     class Counting:

@@ -91,7 +91,8 @@ _BOOKED_IN_PROCESS = "tests/test_refinement.py::test_multi_round_refinements_spl
 @pytest.mark.parametrize("refinement", [pytest.param("pe", marks=pytest.mark.session(covered_by=_BOOKED_IN_PROCESS)),
                                         pytest.param("popri", marks=pytest.mark.session(covered_by=_BOOKED_IN_PROCESS)),
                                         pytest.param("examples.top_voted:TopVoted", marks=pytest.mark.session(
-                                            covered_by="tests/test_refinement.py::test_the_docs_example_runs_end_to_end "
+                                            covered_by="tests/test_refinement.py::"
+                                                       "test_the_docs_example_runs_end_to_end "
                                                        "and test_flwr_run_tiny_model_writes_all_outputs"))])
 def test_flwr_run_refinement_plugins_book_every_vote_round(tmp_path, refinement):
     """`flwr run` with each refinement plug-in (tiny model): every vote round is in each weak

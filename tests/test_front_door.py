@@ -243,13 +243,15 @@ def test_plan_prints_each_phases_cost_and_one_line_per_problem(tmp_path, capsys)
     assert "node 0 (strong, 1001 records)" in out and "node 1 (weak, 1001 records)" in out
     assert "train: epsilon 3, delta 1e-05, DP-SGD noise multiplier" in out and "q = 0.032" in out
     assert "vote: epsilon 3 in 1 round(s)" in out and "profile: epsilon 1" in out and "nothing was spent" in out
-    assert "writers: each code's pool 50% by the pretrained model, 50% by the finetuned one" in out and "1 voter(s)" in out
-    from common.dp import analytic_gaussian_sigma
-
+    assert "writers: each code's pool 50% by the pretrained model, 50% by the finetuned one" in out
+    assert "1 voter(s)" in out
     # the default contrastive votes, K = 4: sensitivity sqrt(8)
     import re
 
-    basic = analytic_gaussian_sigma(3.0, 1e-5 * 3 / 4, 8 ** 0.5)  # basic: its share 3/4 of the policy's delta (issue 60)
+    from common.dp import analytic_gaussian_sigma
+
+    # basic: its share 3/4 of the policy's delta (issue 60)
+    basic = analytic_gaussian_sigma(3.0, 1e-5 * 3 / 4, 8 ** 0.5)
     assert f"sigma {basic:.3g} per round (sensitivity sqrt(2K) = 2.83; basic; " in out
     # issue 47: the same budget under pld (the weak node's vote composed with its profile) needs less noise
     pld = float(re.search(r"sqrt\(2K\) = 2.83; basic; ([0-9.]+) under accounting = pld", out).group(1))
@@ -258,7 +260,8 @@ def test_plan_prints_each_phases_cost_and_one_line_per_problem(tmp_path, capsys)
     assert main(["plan", str(APP), "--run-config", "refinement=\"none\""]) == 0  # no vote: one writer, said
     assert "writers: no vote judges the pool" in capsys.readouterr().out
     assert main(["plan", str(APP), "--run-config", "refinement=\"pe-contrastive\" refinement-rounds=3"]) == 0
-    assert (f"in 3 round(s), delta 1e-05, Gaussian sigma {analytic_gaussian_sigma(6 / 3, 1e-5 * 6 / 8 / 3, 2 ** 0.5):.3g} "
+    assert ("in 3 round(s), delta 1e-05, "
+            f"Gaussian sigma {analytic_gaussian_sigma(6 / 3, 1e-5 * 6 / 8 / 3, 2 ** 0.5):.3g} "
             "per round (sensitivity sqrt(2K) = 1.41; basic; ") in capsys.readouterr().out  # pe-contrastive: K = 1
     for override, says in (('partitioning="strong-codes:sport,nope"', "control code 'nope' is not in the vocabulary"),
                            ('dataset="missing.csv"', "does not exist"), ("epsilon=-1", "epsilon = -1.0")):
@@ -295,7 +298,8 @@ def test_plan_asks_a_deployment_and_reads_its_connection_like_flwr(tmp_path, mon
     train = [line for line in lines if "train:" in line]
     assert len(train) == 1 and "never sent" in train[0]  # |D| is the node's secret: no noise multiplier here
     assert lines[-2] == "node 11 cannot take part: refused: policy: model 'x' is not allowed"
-    assert lines[-1].startswith("writers: each code's pool 50% by the pretrained model") and "2 voter(s) (all)" in lines[-1]
+    assert lines[-1].startswith("writers: each code's pool 50% by the pretrained model")
+    assert "2 voter(s) (all)" in lines[-1]
 
 
 # --------------------------------------------------------------------------- the README, walked
@@ -426,7 +430,8 @@ def test_every_preset_is_a_run_config_the_app_accepts():
     from common.config import RunConfig
 
     presets = sorted((APP / "presets").glob("*.toml"))
-    assert {p.name for p in presets} >= {"quality-cpu.toml", "gpu.toml", "rotten-tomatoes.toml", "movie-review-source.toml"}
+    assert {p.name for p in presets} >= {"quality-cpu.toml", "gpu.toml", "rotten-tomatoes.toml",
+                                         "movie-review-source.toml"}
     for preset in presets:
         cfg = effective_run_config([str(APP), "--run-config", str(preset)])
         RunConfig.from_flower(cfg)  # ConfigError names the key

@@ -21,7 +21,6 @@ are refused with the gate's fixed text, the ledgers stay empty and no record rea
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -32,7 +31,7 @@ import pytest
 
 from fedsyn_client.fab_gate import REFUSAL
 from fedsyn_server.flwr_runner import APP_DIR
-from tests.test_deployment import BIN, CONNECTION, TINY, Deployment, _deploy, _ledger
+from tests.test_deployment import CONNECTION, TINY, Deployment, _deploy, _ledger
 
 pytestmark = pytest.mark.flwr
 
@@ -168,7 +167,8 @@ def test_every_door_into_a_gated_node_is_shut(tmp_path):
         run_id = _start_chat_run(dep, _agent_fab(root, marker))
         status = _wait_finished(dep, run_id)
         diag = f"{status}\n{dep.log('superlink')[-3000:]}{dep.diagnostics()}"
-        assert "Start `flwr-agentapp` process" not in node_logs() or "this node approves no agent app" in node_logs(), diag
+        assert ("Start `flwr-agentapp` process" not in node_logs()
+                or "this node approves no agent app" in node_logs()), diag
         assert node_logs().count("this node approves no agent app") >= 2, diag  # each node's door was knocked on
         assert on_nodes() == [], f"the agent app ran on a node: {on_nodes()}"
         replies = (marker.parent / "agent-replies.json")

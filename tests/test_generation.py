@@ -153,7 +153,8 @@ def test_a_spare_of_the_same_code_stands_in_for_an_unusable_text(monkeypatch):
     assert server.generation_report()["spares"] == {"written": 2, "used": 1}
     # pure: spares are used in order and per code; a code without one keeps its gap
     assert spare_codes({"a": 120, "b": 1, "c": 0}) == ["a"] * 3 + ["b"]
-    filled, used = filled_from_spares(["a", "a", "b", "c"], [None, "x", None, None], ["a", "a", "b"], [None, "s1", "s2"])
+    filled, used = filled_from_spares(["a", "a", "b", "c"], [None, "x", None, None], ["a", "a", "b"],
+                                      [None, "s1", "s2"])
     assert filled == ["s1", "x", "s2", None] and used == 2
 
 

@@ -56,7 +56,8 @@ def test_a_preflight_hold_refuses_a_second_run_until_the_first_ends_or_lapses(tm
     later = time.time() + HOLD_UNCONFIRMED_SECONDS + 1  # B's hold lapses (its server died)...
     monkeypatch.setattr(ledger_module.time, "time", lambda: later)
     assert led.remaining("C") == 6.0 and led.hold("C", 6.0).shortfall == 0.0  # ...and C may take it
-    assert PrivacyLedger.open(tmp_path / "unlimited", budget=math.inf).hold("D", math.inf).shortfall == 0.0  # unlimited: never short
+    # unlimited: never short
+    assert PrivacyLedger.open(tmp_path / "unlimited", budget=math.inf).hold("D", math.inf).shortfall == 0.0
 
 
 def test_the_ledger_ref_is_random_kept_across_opens_and_resets(tmp_path):

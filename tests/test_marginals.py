@@ -10,8 +10,13 @@ import pandas as pd
 import pytest
 
 from common.marginals import joined_marginals, marginal_counts, split_marginals
-from strategies.graphical_model import (Measured, first_round, fit_and_sample, model_measurements, second_round,
-                                        sum_marginals)
+from strategies.graphical_model import (
+    first_round,
+    fit_and_sample,
+    model_measurements,
+    second_round,
+    sum_marginals,
+)
 
 SIZES = {"a": 3, "b": 4, "c": 2}
 

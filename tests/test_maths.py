@@ -189,7 +189,7 @@ def test_embedder_label_agreement_is_chance_for_a_blind_embedder_and_one_for_a_p
     # a perfect embedder: each label's rows are one direction (plus a little noise to break ties)
     rng = np.random.default_rng(0)
     centre = {"a": np.array([1.0, 0, 0]), "b": np.array([0, 1.0, 0])}
-    emb = np.array([centre[l] + 0.01 * rng.normal(size=3) for l in labels])
+    emb = np.array([centre[label] + 0.01 * rng.normal(size=3) for label in labels])
     emb /= np.linalg.norm(emb, axis=1, keepdims=True)
     assert neighbour_agreement(emb, labels) == 1.0
     blind = rng.normal(size=(4000, 8))

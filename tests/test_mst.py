@@ -9,10 +9,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from common.rows import schema_from_dict
-from common import dp
-from common import marginals as Mg
 from benchmarks.baselines import mst as M
+from common import dp, marginals as Mg
+from common.rows import schema_from_dict
 
 SCHEMA = schema_from_dict({"columns": [
     {"name": "y", "type": "categorical", "categories": ["a", "b", "c"]},
@@ -104,7 +103,8 @@ def test_discretise_then_undiscretise_round_trips_every_column_type():
 
 def test_discretise_drops_undeclared_categories_and_clips_numbers_into_the_edge_bins():
     records = pd.DataFrame({"y": ["a", "zzz", "b", "c"], "x": [-50, 3, 1000, np.nan], "few": [1, 1, 1, 1],
-                            "z": [99.0, 1.0, -3.0, 1.0], "day": ["1999-01-01", "2024-02-02", "2030-01-01", "2024-03-03"]})
+                            "z": [99.0, 1.0, -3.0, 1.0],
+                            "day": ["1999-01-01", "2024-02-02", "2030-01-01", "2024-03-03"]})
     codes = Mg.discretise(records, SCHEMA, 16)
     # "zzz" is not declared, NaN is not a number: both rows are dropped before anything is counted
     assert len(codes) == 2

@@ -24,13 +24,30 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from hypothesis import HealthCheck, example, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from common import records as R
-from tests.neighbours import (ADD_KINDS, ADDED, BUDGET, CODES, FORMATS, MAX_RECORDS, OPS, PATHS, POSITIONS,
-                              Neighbour, Shape, Step, applies, first_difference, play_pair, sizes, view_difference,
-                              write_neighbours, write_pair)
+from tests.neighbours import (
+    ADD_KINDS,
+    ADDED,
+    BUDGET,
+    CODES,
+    FORMATS,
+    MAX_RECORDS,
+    OPS,
+    PATHS,
+    POSITIONS,
+    Neighbour,
+    Shape,
+    Step,
+    applies,
+    first_difference,
+    play_pair,
+    sizes,
+    view_difference,
+    write_neighbours,
+    write_pair,
+)
 
 EXAMPLES = int(os.environ.get("FEDSYN_NEIGHBOUR_EXAMPLES", "12"))
 X, Y, Z = CODES
@@ -175,7 +192,8 @@ def test_the_corpus_is_identical_on_neighbours(steps, remove):
 ADDED_WEAK = [Step(R.MSG_PROFILE, conf=_conf((X, Y, Z), "a", 0, 1e-5), tier="weak"),
               Step(R.MSG_VOTE, conf=_conf((X, Y), "a", 1, 1e-5, histogram="contrastive-vote", **{"num-votes": 1}),
                    tier="weak", candidates=(("a text about x", X), ("one about y", Y)))]
-ADDED_STRONG = [Step(R.MSG_TRAIN, conf=_conf((X, Y, Z), "b", 1, 1e-5)), Step(R.MSG_TRAIN, conf=_conf((X,), "b", 2, 1e-5))]
+ADDED_STRONG = [Step(R.MSG_TRAIN, conf=_conf((X, Y, Z), "b", 1, 1e-5)),
+                Step(R.MSG_TRAIN, conf=_conf((X,), "b", 2, 1e-5))]
 
 
 @pytest.mark.parametrize("steps", [ADDED_WEAK, ADDED_STRONG], ids=["profile-vote", "train"])

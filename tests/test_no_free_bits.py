@@ -105,9 +105,10 @@ def test_an_embedder_that_cannot_load_is_refused_before_the_reservation(pair, tm
     original = neighbours._send
 
     def with_policy(step_, data, state_, arrays, table):  # the node allows that embedder; it is not installed
+        from flwr.app import ConfigRecord, Message, RecordDict
+
         import fedsyn_client.client_app as ca
         from tests.fakes import client_node, set_task_identity
-        from flwr.app import ConfigRecord, Message, RecordDict
 
         rc = {**neighbours.base_run_config(data), **dict(step_.rc)}
         config = {"tier": "weak", "data-path": data, "max-records": 100, "state-dir": str(state_), "epsilon": BUDGET,
@@ -168,4 +169,5 @@ def test_the_audit_folder_is_checked_first_and_a_failing_write_is_a_fixed_text(p
     monkeypatch.setattr(audit, "jsonl_line", lambda obj: (_ for _ in ()).throw(OSError(28, "No space left", "/x")))
     (seen,) = play([profile], pair[0], tmp_path / "s2")
     assert seen.error == (R.ERR_INTERNAL, "failed on the node (see the node's log); a reserved release stays spent")
-    assert PrivacyLedger(tmp_path / "s2" / "ledger.json").spent() == pytest.approx(1.0, abs=1e-3)  # pld: its PLD epsilon
+    # pld: its PLD epsilon
+    assert PrivacyLedger(tmp_path / "s2" / "ledger.json").spent() == pytest.approx(1.0, abs=1e-3)

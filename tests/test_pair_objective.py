@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.lm_loss import conditional_lm_loss, encode_examples, pair_objective, sequence_nll
+from common.lm_loss import conditional_lm_loss, pair_objective, sequence_nll
 from common.models import tiny_gpt2
 from common.weights import prepare_model, trainable_state
 from fedsyn_client import training
@@ -42,7 +42,8 @@ def _model(finetune: str = "lora"):
 def test_pair_objective_by_hand():
     nll = torch.tensor([[2.0, 3.0], [1.5, 1.0]])
     count = torch.tensor([4, 10])
-    want = ((2.0 + 0.5 * F.softplus(torch.tensor(4 * (2.0 - 3.0)))) + (1.5 + 0.5 * F.softplus(torch.tensor(10 * 0.5)))) / 2
+    want = ((2.0 + 0.5 * F.softplus(torch.tensor(4 * (2.0 - 3.0))))
+            + (1.5 + 0.5 * F.softplus(torch.tensor(10 * 0.5)))) / 2
     assert torch.allclose(pair_objective(nll, count, 0.5), want)
     assert torch.allclose(pair_objective(nll, count, 0.0), nll[:, 0].mean())  # weight 0: the paper's loss
     # a record whose own code explains it better gains less from the pair term than one whose other code does

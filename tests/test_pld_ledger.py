@@ -20,9 +20,12 @@ from common.dp import analytic_gaussian_sigma, dpsgd_noise_multiplier
 from common.records import ERR_BUDGET
 from fedsyn_client.ledger import PrivacyLedger
 from fedsyn_client.policy import PolicyError, policy_from_node_config as load_policy
+from tests import test_strategy
 from tests.fakes import set_task_identity
 from tests.test_sovereign import BUDGET, VOCAB, _csv, _node, _rc
-from tests.test_strategy import dataset  # noqa: F401 - a fixture
+
+# test_strategy's data set: a fixture, bound to its name here so that pytest finds it for this module's tests
+dataset = test_strategy.dataset
 
 DELTA = 1e-5
 EPS_PROFILE = 2.0  # _rc's epsilon-profile; a weak node's vote gets BUDGET - EPS_PROFILE
@@ -179,6 +182,7 @@ def test_a_whole_run_under_pld_spends_each_nodes_budget_by_pld_and_never_more(da
     assert strong[0]["phase"] == "profile" and set(phases) == {TRAIN, VOTE}
     assert phases == sorted(phases, key=lambda p: p == VOTE)  # every DP-SGD release before the first vote
     train, cfg = strong[1], RunConfig.from_flower(rc)
-    alone = pld_noise((), Planned(TRAIN, DPSGD, train["epsilon"], train["delta"], sample_rate=train["private"]["sample_rate"],
+    alone = pld_noise((), Planned(TRAIN, DPSGD, train["epsilon"], train["delta"],
+                                  sample_rate=train["private"]["sample_rate"],
                                   steps=cfg.num_server_rounds * cfg.local_steps), cfg.resolve_delta(0))
     assert train["private"]["noise_multiplier"] < 0.97 * alone

@@ -31,7 +31,8 @@ DEPLOY = APP_DIR / "deploy"
 TINY = {
     "model": "tiny-gpt2", "num-server-rounds": 1, "local-steps": 2, "batch-size": 4, "num-synthetic": 20,
     "max-new-tokens": 8, "test-fraction": 0.02, "strong-fraction": 0.34,
-    "voters": "weak",  # the paper's tiers (the default "all" adds the strong node's vote): what placement moves is the point
+    # the paper's tiers (the default "all" adds the strong node's vote): what placement moves is the point
+    "voters": "weak",
 }
 EXPECTED = {"strong": [("profile", 0), ("train", 1)], "weak": [("profile", 0), ("vote", 1)]}  # partition 0 is strong
 FEDERATION = "num-supernodes=3 client-resources-num-cpus=1"  # one actor per Ray node (one CPU each)

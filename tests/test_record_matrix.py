@@ -19,8 +19,7 @@ from common.config import RunConfig
 from common.devices import uses_bf16
 from common.models import MINILM, MINILM_VADER
 from common.voting import padded
-from fedsyn_client import node as node_module
-from fedsyn_client import record_matrix
+from fedsyn_client import node as node_module, record_matrix
 from fedsyn_client.histograms import local_embeddings, vote_histogram
 from fedsyn_client.policy import policy_from_node_config
 

@@ -20,7 +20,11 @@ from strategies.popri import preference_pairs
 from strategies.private_evolution import next_generation
 from strategies.refinement import Refinement, build_refinement, final_size
 from strategies.resampling import resample_by_code
-from tests.test_strategy import dataset, nodes_for, run, run_config  # noqa: F401 - dataset is a fixture
+from tests import test_strategy
+from tests.test_strategy import nodes_for, run, run_config
+
+# test_strategy's data set: a fixture, bound to its name here so that pytest finds it for this module's tests
+dataset = test_strategy.dataset
 
 
 # --------------------------------------------------------------------------- pure maths
@@ -228,7 +232,8 @@ def test_multi_round_refinements_split_epsilon_vote_across_their_rounds(dataset,
     write_outputs(tmp_path / "out", cfg, sorted(res.allocation), res)
     rows = read_jsonl(tmp_path / "out" / "refinement_rounds.jsonl")
     by_round = {t: [r for r in rows if r["round"] == t] for t in (1, 2, 3)}
-    assert all(len(by_round[t]) == sum(res.allocation.values()) for t in (1, 2, 3)) and len(rows) == 3 * len(by_round[1])
+    assert all(len(by_round[t]) == sum(res.allocation.values()) for t in (1, 2, 3))
+    assert len(rows) == 3 * len(by_round[1])
     assert all(r["topic"] == r["control_code"].removeprefix("topic=") for r in rows)
     last = by_round[3]
     if method.startswith("pe"):
@@ -395,7 +400,7 @@ def test_the_plan_and_the_nodes_read_one_sensitivity_per_histogram():
     assert set(expected) == set(HISTOGRAMS)  # one registry: the plan and the nodes read the same objects
     with pytest.raises(ConfigError, match="not registered"):
         histograms.sensitivity("a-plug-in's", params)
-    assert planned_votes(RunConfig(refinement="pe-contrastive", refinement_rounds=4)) == (4, pytest.approx(math.sqrt(2)),
-                                                                                         "sqrt(2K)")
+    assert planned_votes(RunConfig(refinement="pe-contrastive", refinement_rounds=4)) == (
+        4, pytest.approx(math.sqrt(2)), "sqrt(2K)")
     assert planned_votes(RunConfig(refinement="uniform")) is None
     assert planned_votes(RunConfig(refinement="tests.test_refinement:Greedy")) is None  # declares no plan

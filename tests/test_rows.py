@@ -149,7 +149,8 @@ def test_a_node_serves_only_its_own_schema(schema, tmp_path):
 
     path = tmp_path / "schema.json"
     path.write_text(json.dumps(SCHEMA))
-    policy = policy_from_node_config({"tier": "weak", "data-path": "x.csv", "max-records": 100, "epsilon": 8, "control-columns": "sex",
+    policy = policy_from_node_config({"tier": "weak", "data-path": "x.csv", "max-records": 100, "epsilon": 8,
+                                      "control-columns": "sex",
                                       "table-schema": str(path)})
     ask = dict(text_column="text", control_columns=("sex",), epsilon=8.0, vocabulary=("sex=F", "sex=M"),
                phases=(("profile", 2.0),))
@@ -188,7 +189,8 @@ def test_a_table_runs_generation_writes_the_names_and_asks_the_model_for_values_
     from common.config import RunConfig
     from fedsyn_server.synthesis import REGENERATE, VALUE_RETRIES, ServerModel, ValueRule
 
-    server = ServerModel(RunConfig(model="tiny-gpt2", table_schema=json.dumps(SCHEMA), table_method="rows", control_columns=("sex",)))
+    server = ServerModel(RunConfig(model="tiny-gpt2", table_schema=json.dumps(SCHEMA), table_method="rows",
+                                   control_columns=("sex",)))
     good = {"age": " 40\nand more", "age group": " old, then", "income": " 12.5", "admitted": " 2022-02-02 "}
     calls = []
 
@@ -224,7 +226,8 @@ def test_a_rows_variation_keeps_its_first_half_of_columns_and_draws_the_rest(sch
     from common.config import RunConfig
     from fedsyn_server.synthesis import ServerModel
 
-    server = ServerModel(RunConfig(model="tiny-gpt2", table_schema=json.dumps(SCHEMA), table_method="rows", control_columns=("sex",)))
+    server = ServerModel(RunConfig(model="tiny-gpt2", table_schema=json.dumps(SCHEMA), table_method="rows",
+                                   control_columns=("sex",)))
     generated = R.generated_part(schema, ["sex"])
     parent = "income is 12.5, age is 40, admitted is 2022-02-02, age group is old"
     children = server.variation([parent] * 4, ["sex=F"] * 4, seed=1)
@@ -278,7 +281,8 @@ def _language(column: R.Column, alphabet: str, length: int) -> tuple[set[str], s
     for n in range(1, length + 1):
         for chars in itertools.product(alphabet, repeat=n):
             text = "".join(chars)
-            if form.fullmatch(text) and column.min <= float(text) <= column.max and not (text[0] == "-" and float(text) == 0):
+            if (form.fullmatch(text) and column.min <= float(text) <= column.max
+                    and not (text[0] == "-" and float(text) == 0)):
                 whole.add(text)
     return whole, {t[:k] for t in whole for k in range(len(t) + 1)}
 
@@ -340,6 +344,6 @@ def test_grammar_constraint_masks_to_the_rule_and_ends_with_the_models_end_mass(
     assert torch.isfinite(out[1]).sum() == 1 and out[1, tok.eos_token_id] == 0
 
     # and in a whole generation, every continuation is a value (the model is random)
-    prompts = [f"n is" for _ in range(24)]
+    prompts = ["n is" for _ in range(24)]
     texts = generate_samples(model, tok, prompts, max_new_tokens=8, seed=3, rules=[ValueRule(column)] * 24)
     assert all(column.complete(t) for t, _ in texts), texts

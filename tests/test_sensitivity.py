@@ -24,13 +24,27 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from common import records as R
-from tests.neighbours import (ADD_KINDS, FORMATS, OPS, PATHS, POSITIONS, Neighbour, Shape, applies, base_rows,
-                              every_release, sensitivity_check, share_view_seed, sizes, view_difference,
-                              write_neighbours, write_rows)
+from tests.neighbours import (
+    ADD_KINDS,
+    FORMATS,
+    OPS,
+    PATHS,
+    POSITIONS,
+    Neighbour,
+    Shape,
+    applies,
+    base_rows,
+    every_release,
+    sensitivity_check,
+    share_view_seed,
+    sizes,
+    view_difference,
+    write_neighbours,
+    write_rows,
+)
 
 EXAMPLES = int(os.environ.get("FEDSYN_SENSITIVITY_EXAMPLES", "3"))
 BOUND = 20
@@ -172,8 +186,7 @@ def test_planted_swapping_view_is_caught(tmp_path, monkeypatch):
     the profile moves beyond its sensitivity 1; the issue's case (100 records of x at max-records
     100, one y added) moves it from (100, 0) to (99, 1), sqrt(2), under every secret tried. Below
     the bound the old view was the whole file, and both checks pass."""
-    from fedsyn_client import node as node_module
-    from fedsyn_client import view
+    from fedsyn_client import node as node_module, view
 
     monkeypatch.setattr(view, "bounded", _uniform_subsample)
     monkeypatch.setattr(node_module, "bounded", _uniform_subsample)

@@ -7,9 +7,8 @@ no lock, the server's budget, a vocabulary yes/no, q in the reply, an endless ca
 
 from __future__ import annotations
 
-import re
-
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -23,9 +22,9 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 
 from common import records as R
 from common.config import RunConfig
-from fedsyn_client.ledger import PrivacyLedger
 from common.records import ERR_BUDGET, ERR_CONFIG, ERR_POLICY
 from fedsyn_client.client_app import app
+from fedsyn_client.ledger import PrivacyLedger
 from tests.fakes import FakeGrid, client_node, set_task_identity
 
 VOCAB = ["topic=x", "topic=y"]
@@ -144,8 +143,8 @@ _WORKER = textwrap.dedent("""
     data, state, run_id, barrier = sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
     rc = RunConfig(model="tiny-gpt2", dataset=data, test_fraction=0.0, epsilon=3.0,
                    epsilon_profile=2.0).to_flower()
-    node = client_node(app, 5, {"tier": "weak", "data-path": data, "max-records": 100, "state-dir": state, "epsilon": 3.0,
-                                   "accounting": "basic"}, rc,
+    node = client_node(app, 5, {"tier": "weak", "data-path": data, "max-records": 100, "state-dir": state,
+                                "epsilon": 3.0, "accounting": "basic"}, rc,
                        run_id=run_id)
     set_task_identity()
     ask = lambda t: node(Message(content=RecordDict({R.CONFIG: ConfigRecord(
@@ -180,14 +179,16 @@ def test_two_concurrent_runs_cannot_both_pass_the_budget_check(data, tmp_path):
 # --------------------------------------------------------------------------- finding 4
 def test_the_server_cannot_set_or_raise_the_budget(data, tmp_path):
     state = tmp_path / "state"
-    no_budget = client_node(app, 5, {"tier": "weak", "data-path": data, "max-records": 100, "state-dir": str(state)}, _rc(data), run_id=1)
+    no_budget = client_node(app, 5, {"tier": "weak", "data-path": data, "max-records": 100, "state-dir": str(state)},
+                            _rc(data), run_id=1)
     reply = _ask(no_budget, R.MSG_TIER)
     assert reply.error.code == ERR_CONFIG and reply.error.reason == "node: not ready (see the node's log)"
     assert not state.exists()  # refused before a ledger (or a record) was touched
     assert not _ask(_node(data, state, _rc(data), run_id=2), R.MSG_PROFILE).has_error()
     for epsilon in (1000.0, "inf"):
         raised = _ask(_node(data, state, _rc(data, epsilon=epsilon), run_id=3), R.MSG_PROFILE)
-        assert raised.error.code == ERR_POLICY and raised.error.reason == "refused: policy: epsilon above the node's budget"
+        assert raised.error.code == ERR_POLICY
+        assert raised.error.reason == "refused: policy: epsilon above the node's budget"
     ledger = PrivacyLedger.open(state, budget=BUDGET)
     assert ledger.budget == BUDGET and not ledger.summary()["budget_changes"] and ledger.spent() == 2.0
 
@@ -224,8 +225,8 @@ def _run_strategy(tmp_path, nodes_cfg: dict[int, tuple[str, str]], rc: dict, dro
 
     nodes = {}
     for nid, (tier, data) in nodes_cfg.items():
-        fn = client_node(app, nid, {"tier": tier, "data-path": data, "max-records": 100, "state-dir": str(tmp_path / f"state{nid}"),
-                                    "epsilon": 8.0}, rc, run_id=11)
+        fn = client_node(app, nid, {"tier": tier, "data-path": data, "max-records": 100,
+                                    "state-dir": str(tmp_path / f"state{nid}"), "epsilon": 8.0}, rc, run_id=11)
         if nid == drop_vote_reply:  # the node releases its vote, but the reply is lost on the way
             fn = (lambda real: lambda m: None if m.metadata.message_type == R.MSG_VOTE and real(m) else real(m))(fn)
         nodes[nid] = fn
@@ -309,8 +310,8 @@ def test_per_phase_caps_and_a_policy_file(data, tmp_path):
 def test_a_node_whose_data_cannot_be_loaded_says_so_without_quoting_records(data, tmp_path, caplog):
     broken = tmp_path / "notes.jsonl"
     broken.write_text('{"text": "patient 7 secret note", "topic": "x"}\n{"text": "patient 8 secret, "topic": "y"}\n')
-    node = client_node(app, 5, {"tier": "weak", "data-path": str(broken), "max-records": 100, "state-dir": str(tmp_path / "s"),
-                                "epsilon": 8.0}, _rc(data), run_id=4)
+    node = client_node(app, 5, {"tier": "weak", "data-path": str(broken), "max-records": 100,
+                                "state-dir": str(tmp_path / "s"), "epsilon": 8.0}, _rc(data), run_id=4)
     with caplog.at_level("ERROR"):
         reply = _ask(node, R.MSG_TIER)
     assert reply.error.code == ERR_CONFIG
@@ -343,7 +344,8 @@ def test_a_repeated_vote_is_replayed_across_runs_with_its_key_and_a_changed_one_
     assert _spent(tmp_path) == spent
     # other candidates under the same key and round would be a second release under the first one's name
     changed = vote(_node(data, tmp_path, rc, run_id=2), texts=["another x", "another y"])
-    assert changed.error.code == ERR_BUDGET and changed.error.reason == "refused: budget: released before for another request"
+    assert changed.error.code == ERR_BUDGET
+    assert changed.error.reason == "refused: budget: released before for another request"
     # the next round is a new release, booked under the same run
     second = vote(_node(data, tmp_path, rc, run_id=2), **{"server-round": 2})
     assert not second.has_error() and _spent(tmp_path) == pytest.approx(2 * spent)
@@ -384,8 +386,8 @@ def test_a_repeated_training_round_is_replayed_and_only_the_latest_round_is_kept
 
 
 def test_a_strong_node_killed_mid_round_rejoins_later_rounds_without_paying_twice(data, tmp_path, monkeypatch):
-    from fedsyn_client.ledger import PrivacyLedger as Ledger
     from fedsyn_client import training
+    from fedsyn_client.ledger import PrivacyLedger as Ledger
 
     train = _trainer(data, tmp_path, _rc(data, **{"num-server-rounds": 3}))
 

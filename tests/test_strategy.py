@@ -102,7 +102,8 @@ def test_replies_carry_no_private_text(dataset, tmp_path):
         assert not any(p in blob for p in private)
         assert set(reply.content.config_records) <= {R.TIER, R.RELEASE, R.LEDGER}
         if R.RELEASE in reply.content.config_records:  # nothing from which |D| follows
-            assert not {"sample_rate", "noise_multiplier", "num_examples"} & set(reply.content.config_records[R.RELEASE])
+            assert not ({"sample_rate", "noise_multiplier", "num_examples"}
+                        & set(reply.content.config_records[R.RELEASE]))
         for key, rec in reply.content.metric_records.items():
             assert key in {R.METRICS, R.PROFILE, R.VOTES}
             if key == R.PROFILE:
@@ -381,7 +382,8 @@ def test_no_node_in_time_is_one_line_naming_the_fix_and_nothing_is_asked(dataset
     rc = run_config(dataset, **{"node-timeout": 0.6, "min-nodes": 2})
     strategy, _, _ = build_strategy(RunConfig.from_flower(rc), load_model=False)
     grid = FakeGrid({})
-    with pytest.raises(NodesMissing, match=r"timed out after 0.6s waiting for nodes \(have 0, min-nodes=2\).*lower min-nodes"):
+    with pytest.raises(NodesMissing,
+                       match=r"timed out after 0.6s waiting for nodes \(have 0, min-nodes=2\).*lower min-nodes"):
         strategy.preflight(grid)
     assert not grid.sent and NodesMissing in INPUT_ERRORS  # the ServerApp logs it as one line, no traceback
 

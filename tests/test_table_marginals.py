@@ -243,7 +243,8 @@ def test_node_check_says_which_columns_a_marginals_run_may_count(tmp_path):
 
     path = _rows_csv(tmp_path)
     config = {"tier": "weak", "data-path": str(path), "max-records": 100, "epsilon": 8.0,
-              "state-dir": str(tmp_path / "state"), "table-schema": PRESET["table-schema"], "control-columns": "diagnosis",
+              "state-dir": str(tmp_path / "state"), "table-schema": PRESET["table-schema"],
+              "control-columns": "diagnosis",
               "measurable-columns": "diagnosis,mean radius"}
     assert "a marginals run may count diagnosis, mean radius (node-config measurable-columns)" in check_node(config)
     unranged = json.loads(PRESET["table-schema"])

@@ -20,14 +20,12 @@ import pandas as pd
 import pytest
 from flwr.app import ConfigRecord, Message, RecordDict
 
-from common import histograms
-from common import records as R
+from common import histograms, records as R
 from common.calibration import Planned, basic_delta
 from common.config import RunConfig
 from common.dp import GAUSSIAN, analytic_gaussian_sigma
 from common.phases import Phase, Pricing, register, unregister
-from fedsyn_client import client_app
-from fedsyn_client import node as node_module
+from fedsyn_client import client_app, node as node_module
 from fedsyn_client.histograms import vote_histogram
 from fedsyn_client.ledger import PrivacyLedger
 from fedsyn_client.node import Node

@@ -15,9 +15,9 @@ import torch
 
 from common.codes import code_prompt
 from common.dp import dpsgd_noise_multiplier
+from common.lm_loss import conditional_lm_loss, encode_examples
 from common.models import tiny_gpt2
 from common.weights import load_trainable_state, prepare_model, trainable_state
-from common.lm_loss import conditional_lm_loss, encode_examples
 from fedsyn_client.training import TrainSettings, dp_train
 
 DELTA = 1e-5
@@ -137,7 +137,8 @@ def test_record_loss_does_not_depend_on_other_records_length():
     def batch_loss(texts):
         enc = encode_examples(tok, texts, ["topic=x"] * len(texts), max_length=64)
         with torch.no_grad():
-            out = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], position_ids=enc["position_ids"])
+            out = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
+                        position_ids=enc["position_ids"])
         return conditional_lm_loss(out.logits, enc["labels"])
 
     alone_a = batch_loss([a])
@@ -238,7 +239,8 @@ def test_calibrated_noise_meets_the_phase_budget():
     model, tok = _model("lora")
     history: list = []
     for _ in range(rounds):
-        result = dp_train(model, tok, TEXTS, CODES, _settings(local_steps=tau, noise_multiplier=sigma, max_length=12), DELTA, history)
+        result = dp_train(model, tok, TEXTS, CODES, _settings(local_steps=tau, noise_multiplier=sigma, max_length=12),
+                          DELTA, history)
         history = result.accountant_history
     assert 0.9 * eps <= result.epsilon <= eps + 0.01
 
@@ -337,7 +339,8 @@ def test_dp_train_validation():
     with pytest.raises(ValueError):
         _settings(optimizer="adagrad")
     with pytest.warns(UserWarning, match="q = 1"):
-        result = dp_train(model, tok, TEXTS[:4], CODES[:4], _settings(local_steps=1, batch_size=10, max_length=12), DELTA, [])
+        result = dp_train(model, tok, TEXTS[:4], CODES[:4], _settings(local_steps=1, batch_size=10, max_length=12),
+                          DELTA, [])
     assert result.sample_rate == 1.0
     # B need not divide |D|: sampling and accounting use q = B/|D| exactly (not 1/ceil(|D|/B)).
     result = dp_train(model, tok, TEXTS, CODES, _settings(local_steps=1, batch_size=6, max_length=12), DELTA, [])

@@ -14,8 +14,7 @@ from strategies.knn_vote import ContrastiveVoteRefinement, NoRefinement
 from strategies.private_evolution import PrivateEvolution
 from strategies.refinement import FINETUNED, PRETRAINED, Generator, RefinementContext
 from strategies.resampling import resample_by_code
-from strategies.writers import (better_writer, effective_share, generate_pool, kept_shares, pretrained_counts,
-                                writers_of)
+from strategies.writers import better_writer, effective_share, generate_pool, kept_shares, pretrained_counts, writers_of
 
 
 class Recorder(Generator):

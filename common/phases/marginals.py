@@ -18,17 +18,17 @@ class Marginals(Phase):
     reply = R.MARGINALS
     reads = "measured"
 
-    def asked(self, cfg: RunConfig, asks_votes: bool) -> bool:  # noqa: D102
+    def asked(self, cfg: RunConfig, asks_votes: bool) -> bool:  # noqa: D102 - documented on Phase
         return cfg.marginals
 
-    def planned(self, pricing: Pricing) -> Planned | None:  # noqa: D102
+    def planned(self, pricing: Pricing) -> Planned | None:  # noqa: D102 - documented on Phase
         cfg = pricing.cfg
         if not cfg.marginals:
             return None
         # every tier's share is the same; each round is solved at sensitivity 1 (its multiplier)
         return Planned(MARGINALS, GAUSSIAN, self.share(cfg, STRONG), pricing.delta, 1.0, rounds=cfg.marginal_rounds)
 
-    def wording(self, cfg: RunConfig, votes: tuple[int, float, str] | None, formulas: str) -> str:  # noqa: D102
+    def wording(self, cfg: RunConfig, votes: tuple[int, float, str] | None, formulas: str) -> str:  # noqa: D102 - documented on Phase
         return ("analytic Gaussian on each round's marginal counts, joined (L2 sensitivity sqrt(number "
                 f"of marginals)); {cfg.marginal_rounds} round(s), each at 1/{cfg.marginal_rounds} of "
                 "the phase's epsilon and delta; the server's choice of round 2 and the graphical model "

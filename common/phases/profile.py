@@ -17,12 +17,12 @@ class Profile(Phase):
     reply = R.PROFILE
     reads = "code"
 
-    def asked(self, cfg: RunConfig, asks_votes: bool) -> bool:  # noqa: D102
+    def asked(self, cfg: RunConfig, asks_votes: bool) -> bool:  # noqa: D102 - documented on Phase
         return True  # a tier without a profile share (a table's) takes none
 
-    def planned(self, pricing: Pricing) -> Planned | None:  # noqa: D102
+    def planned(self, pricing: Pricing) -> Planned | None:  # noqa: D102 - documented on Phase
         epsilon = self.share(pricing.cfg, pricing.tier)
         return Planned(PROFILE, GAUSSIAN, epsilon, pricing.delta) if pricing.cfg.writes_text and epsilon else None
 
-    def wording(self, cfg: RunConfig, votes: tuple[int, float, str] | None, formulas: str) -> str:  # noqa: D102
+    def wording(self, cfg: RunConfig, votes: tuple[int, float, str] | None, formulas: str) -> str:  # noqa: D102 - documented on Phase
         return "analytic Gaussian, L2 sensitivity 1"

@@ -20,16 +20,16 @@ class Train(Phase):
     requires = (("model", "models"), ("finetune", "finetune_modes"))
     usual_tier = STRONG
 
-    def asked(self, cfg: RunConfig, asks_votes: bool) -> bool:  # noqa: D102
+    def asked(self, cfg: RunConfig, asks_votes: bool) -> bool:  # noqa: D102 - documented on Phase
         return cfg.trains
 
-    def planned(self, pricing: Pricing) -> Planned | None:  # noqa: D102
+    def planned(self, pricing: Pricing) -> Planned | None:  # noqa: D102 - documented on Phase
         cfg, epsilon = pricing.cfg, self.share(pricing.cfg, pricing.tier)
         if not (cfg.writes_text and epsilon and cfg.trains):
             return None
         return Planned(TRAIN, DPSGD, epsilon, pricing.delta, sample_rate=pricing.sample_rate,
                        steps=cfg.num_server_rounds * cfg.local_steps)
 
-    def wording(self, cfg: RunConfig, votes: tuple[int, float, str] | None, formulas: str) -> str:  # noqa: D102
+    def wording(self, cfg: RunConfig, votes: tuple[int, float, str] | None, formulas: str) -> str:  # noqa: D102 - documented on Phase
         return ("DP-SGD (Opacus, Poisson sampling, RDP accountant over all rounds; the whole "
                 "phase's epsilon is reserved at round 1)")

@@ -18,17 +18,17 @@ class Vote(Phase):
     reply = R.VOTES
     requires = (("embedder", "embedders"),)
 
-    def asked(self, cfg: RunConfig, asks_votes: bool) -> bool:  # noqa: D102
+    def asked(self, cfg: RunConfig, asks_votes: bool) -> bool:  # noqa: D102 - documented on Phase
         return asks_votes
 
-    def planned(self, pricing: Pricing) -> Planned | None:  # noqa: D102
+    def planned(self, pricing: Pricing) -> Planned | None:  # noqa: D102 - documented on Phase
         epsilon = self.share(pricing.cfg, pricing.tier)
         if not epsilon or pricing.votes is None:
             return None
         rounds, sensitivity, _ = pricing.votes
         return Planned(VOTE, GAUSSIAN, epsilon, pricing.delta, sensitivity, rounds=rounds)
 
-    def wording(self, cfg: RunConfig, votes: tuple[int, float, str] | None, formulas: str) -> str:  # noqa: D102
+    def wording(self, cfg: RunConfig, votes: tuple[int, float, str] | None, formulas: str) -> str:  # noqa: D102 - documented on Phase
         this_run = ""
         if votes is not None:
             rounds, sensitivity, formula = votes

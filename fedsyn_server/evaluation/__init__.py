@@ -25,12 +25,24 @@ Heavy libraries (sentence-transformers, torch, mauve) are imported inside the fu
 that need them, so importing this module is cheap.
 """
 
-from fedsyn_server.evaluation.alignment import (MAUVE_MISSING, allocation_error, frechet_distance,
-                                                 knn_precision_recall, mauve_available, mauve_score)
+from fedsyn_server.evaluation.alignment import (
+                                                 MAUVE_MISSING,
+                                                 allocation_error,
+                                                 frechet_distance,
+                                                 knn_precision_recall,
+                                                 mauve_available,
+                                                 mauve_score,
+)
 from fedsyn_server.evaluation.report import format_report
 from fedsyn_server.evaluation.sets import DEFAULT_EMBEDDER, JOINT_LABEL, evaluate_files, evaluate_sets, write_evaluation
-from fedsyn_server.evaluation.utility import (CLASSIFIERS, MIN_TEST_ROWS, downstream_utility, label_agreement,
-                                               transformer_utility, utility_warnings)
+from fedsyn_server.evaluation.utility import (
+                                                 CLASSIFIERS,
+                                                 MIN_TEST_ROWS,
+                                                 downstream_utility,
+                                                 label_agreement,
+                                                 transformer_utility,
+                                                 utility_warnings,
+)
 
 __all__ = [
     "CLASSIFIERS", "DEFAULT_EMBEDDER", "JOINT_LABEL", "MAUVE_MISSING", "MIN_TEST_ROWS",

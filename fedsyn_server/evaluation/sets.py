@@ -15,10 +15,16 @@ from typing import TYPE_CHECKING, Any
 
 from common.codes import parse_code
 from common.data import CODE_FIELD, TextData, to_text_data
-from common.tables import load_table
 from common.io import atomic_write_json
-from fedsyn_server.evaluation.alignment import (MAUVE_MISSING, allocation_error, frechet_distance,
-                                                 knn_precision_recall, mauve_available, mauve_score)
+from common.tables import load_table
+from fedsyn_server.evaluation.alignment import (
+    MAUVE_MISSING,
+    allocation_error,
+    frechet_distance,
+    knn_precision_recall,
+    mauve_available,
+    mauve_score,
+)
 from fedsyn_server.evaluation.utility import CLASSIFIERS, downstream_utility, label_agreement, transformer_utility
 
 if TYPE_CHECKING:
@@ -265,14 +271,16 @@ def evaluate_files(
             if CODE_FIELD not in real_df.columns:
                 raise ValueError(
                     f"cannot tell the control columns: neither {synthetic} nor {real} has a "
-                    f"{CODE_FIELD!r} column; pass --control-columns (Python: control_columns=) (available in {synthetic}: "
+                    f"{CODE_FIELD!r} column; pass --control-columns (Python: control_columns=) "
+                    f"(available in {synthetic}: "
                     f"{[str(c) for c in syn_df.columns]})"
                 )
             control_columns = _columns_from_codes(real_df, real)
     syn = _to_records(syn_df, synthetic, text_column, control_columns)
     ref = _to_records(real_df, real, text_column, control_columns)
     result = {
-        "synthetic_path": str(Path(synthetic).expanduser().resolve()) if Path(synthetic).expanduser().exists() else synthetic,
+        "synthetic_path": (str(Path(synthetic).expanduser().resolve()) if Path(synthetic).expanduser().exists()
+                           else synthetic),
         "real_path": str(Path(real).expanduser().resolve()) if Path(real).expanduser().exists() else real,
         "text_column": text_column,
         **evaluate_sets(syn.texts, syn.codes, ref.texts, ref.codes, control_columns, **options),

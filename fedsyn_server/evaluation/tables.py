@@ -75,7 +75,8 @@ def pair_dependence(real: pd.DataFrame, syn: pd.DataFrame, schema: Schema) -> di
             r_syn = np.corrcoef(_numeric(syn[a.name], a.type), _numeric(syn[b.name], b.type))[0, 1]
             score = 1.0 - abs(np.nan_to_num(r_real) - np.nan_to_num(r_syn)) / 2.0
         else:
-            joint_real = _binned(real[a.name], a.type, edges[a.name]) + "|" + _binned(real[b.name], b.type, edges[b.name])
+            joint_real = (_binned(real[a.name], a.type, edges[a.name]) + "|"
+                          + _binned(real[b.name], b.type, edges[b.name]))
             joint_syn = _binned(syn[a.name], a.type, edges[a.name]) + "|" + _binned(syn[b.name], b.type, edges[b.name])
             cells = sorted(set(joint_real) | set(joint_syn))
             score = 1.0 - 0.5 * np.abs(_shares(joint_real, cells) - _shares(joint_syn, cells)).sum()

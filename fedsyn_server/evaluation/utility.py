@@ -221,7 +221,8 @@ def transformer_utility(
     steps_per_epoch = math.ceil(len(syn_texts) / batch_size)
     total = epochs * steps_per_epoch if max_steps is None else min(max_steps, epochs * steps_per_epoch)
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate)
-    schedule = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=max(1, total // 10), num_training_steps=total)
+    schedule = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=max(1, total // 10),
+                                               num_training_steps=total)
     model.train()
     step = 0
     while step < total:

@@ -276,10 +276,10 @@ def _marginal_lines(cfg: RunConfig, delta: float, z: float) -> list[str]:
 
 def _server_lines(cfg: RunConfig, parts: list[tuple[str, Any]], speed: dict[str, Any]) -> list[str]:
     if cfg.marginals:
-        from strategies.marginals import final_rows
+        from strategies.refinement import final_size
 
         table = (f"server: sums the sites' marginals, fits a graphical model (Private-PGM) and samples "
-                 f"{final_rows(cfg)} rows")
+                 f"{final_size(cfg)} rows")
         if cfg.free_text is None:
             return [table + "; no language model"]
         return [table + f", each with a text of its code in free-text column {cfg.free_text!r}",

@@ -199,7 +199,7 @@ def _phase_lines(cfg: RunConfig, tier: str, records: int | None, delta: float, s
     from strategies.refinement import planned_votes
 
     # the phases a node of this tier releases, in the node's order (a table's marginals, the
-    # profile, DP-SGD, the votes: strategies.fedsyn asks the profile first), as the node prices
+    # profile, DP-SGD, the votes: strategies.text_stages asks the profile first), as the node prices
     # each under accounting = pld: all composed at the node's delta (taken to be the run's:
     # in simulation it is); under basic each at its split of it (``basic_delta``, issue 60)
     budget = cfg.epsilon if budget is None or not math.isfinite(budget) else float(budget)

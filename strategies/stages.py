@@ -1,7 +1,7 @@
 """The run's stages, one list: the numbers the strategy, its logs, the checkpoint and the README use.
 
 Algorithm 1 lists phase 1 (finetuning) before the profile; the strategy asks the profile first
-(``strategies.fedsyn``: a run whose profile cannot be had stops before DP-SGD is spent), so the
+(``strategies.text_stages``: a run whose profile cannot be had stops before DP-SGD is spent), so the
 stages run 0, 2, 1, 3, 4, 5 and keep the paper's numbers. ``tests/test_stages.py`` holds the
 README's stage table to this list.
 

@@ -199,7 +199,7 @@ def _phase_lines(cfg: RunConfig, tier: str, records: int | None, delta: float, s
     from strategies.refinement import planned_votes
 
     # the phases a node of this tier releases, in the node's order (a table's marginals, the
-    # profile, DP-SGD, the votes: strategies.fedsyn asks the profile first), as the node prices
+    # profile, DP-SGD, the votes: strategies.text_stages asks the profile first), as the node prices
     # each under accounting = pld: all composed at the node's delta (taken to be the run's:
     # in simulation it is); under basic each at its split of it (``basic_delta``, issue 60)
     budget = cfg.epsilon if budget is None or not math.isfinite(budget) else float(budget)
@@ -284,10 +284,10 @@ def _marginal_lines(cfg: RunConfig, delta: float, z: float) -> list[str]:
 
 def _server_lines(cfg: RunConfig, parts: list[tuple[str, Any]], speed: dict[str, Any]) -> list[str]:
     if cfg.marginals:
-        from strategies.marginals import final_rows
+        from strategies.refinement import final_size
 
         table = (f"server: sums the sites' marginals, fits a graphical model (Private-PGM) and samples "
-                 f"{final_rows(cfg)} rows")
+                 f"{final_size(cfg)} rows")
         if cfg.free_text is None:
             return [table + "; no language model"]
         return [table + f", each with a text of its code in free-text column {cfg.free_text!r}",

@@ -20,10 +20,11 @@ from fedsyn_server.outputs import save_model, text_row, write_outputs
 from fedsyn_server.synthesis import ServerModel
 from strategies.aggregators import build_aggregator
 from strategies.checkpoint import Checkpoint, load_checkpoint
-from strategies.fedsyn import FedSynStrategy, RoundUnanswered
+from strategies.fedsyn import FedSynStrategy
 from strategies.membership import NodesMissing, RunRefused
 from strategies.result import FedSynResult
 from strategies.refinement import build_refinement
+from strategies.session import Orchestration, RoundUnanswered
 from strategies.writers import writers_summary
 
 log = get_logger("fedsyn")
@@ -79,9 +80,11 @@ def write_resume_config(cfg: RunConfig, run_dir: Path) -> Path:
     return atomic_write_text(run_dir / RESUME_CONFIG, tomli_w.dumps({**values, "resume": str(run_dir)}))
 
 
-def build_strategy(cfg: RunConfig, load_model: bool = True) -> tuple[FedSynStrategy, Benchmark, ServerModel | None]:
-    """Everything the server needs for a run: the strategy, the public data, the model
-    (``load_model=False``: none, for stage 0 alone; a marginals table run has none either).
+def build_strategy(cfg: RunConfig, load_model: bool = True) -> tuple[Orchestration, Benchmark, ServerModel | None]:
+    """Everything the server needs for a run: the orchestration (``FedSynStrategy`` for a text run,
+    ``MarginalsStrategy`` for a table by marginals, with a free-text column's text stages inside it;
+    ``start`` runs either), the public data, the model (``load_model=False``: none, for stage 0
+    alone; a marginals table run without a free-text column has none either).
 
     Raises (before any message is sent) on a bad aggregator or refinement name.
     """
@@ -230,7 +233,7 @@ def _main(grid: Grid, context: Context) -> None:
         write_resume_config(cfg, run_dir)
     atomic_symlink(run_dir.parent / LATEST, run_dir.name)
     try:
-        result = strategy.run(grid, server_model.initial_arrays() if server_model else None, resume=checkpoint)
+        result = strategy.start(grid, server_model.initial_arrays() if server_model else None, resume=checkpoint)
     except Exception:
         strategy.end_holds(grid)  # a run that broke off frees what its nodes hold for it (a resume holds again)
         raise

@@ -8,8 +8,9 @@ and refuse a run some node cannot finish before anything is spent (or leave that
 question before every phase-1 round, the profile and every vote round; a restarted one is
 recognised by its ledger's random ``ledger-ref`` and asked in place of its old id.
 
-The strategy (``strategies.fedsyn``) reads ``strong``, ``voters`` and ``active()`` and never
-edits them; replies, failures and degradations are booked by the ``Courier`` both share.
+The orchestrations (``strategies.fedsyn``, ``strategies.marginals``, through their
+``strategies.session.RunSession``) read ``strong``, ``voters`` and ``active()`` and never edit
+them; replies, failures and degradations are booked by the ``Courier`` both share.
 """
 
 from __future__ import annotations

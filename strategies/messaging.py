@@ -3,8 +3,9 @@
 ``Courier`` sends one content to some nodes over the Grid and sorts the replies into good ones
 and failures. It books into the run's ``FedSynResult`` what a curious reader of the report must
 see: every release a node stated, every failure (with the epsilon a lost reply may still have
-spent), and every *degradation* (a phase that ran on fewer nodes than it asked). The strategy
-(``strategies.fedsyn``) holds the phase logic; this module holds none.
+spent), and every *degradation* (a phase that ran on fewer nodes than it asked). The phase
+logic is the orchestrations' (``strategies.text_stages``, ``strategies.marginals``); this module
+holds none.
 
 ``SubGrid`` is a view of the Grid that shows only some nodes, so that a plug-in Flower strategy
 samples phase-1 nodes among the strong ones.

@@ -178,7 +178,11 @@ def round_rows(round_: int, texts: list[str], codes: list[str], scores: np.ndarr
 
 
 def final_size(cfg: RunConfig) -> int:
-    """The final set's size every built-in method ends with: ``max(1, floor(r * s))``."""
+    """The final set's size for ``cfg``: ``max(1, floor(sampling-rate x num-synthetic))``.
+
+    The one rule: every built-in refinement ends with it, and a table run by marginals samples
+    that many rows (``strategies.marginals``), so methods compare at the same size. Floor, not
+    round: 245 x 0.3 = 73.5 gives 73."""
     return max(1, math.floor(cfg.sampling_rate * cfg.num_synthetic))
 
 

@@ -235,7 +235,7 @@ def _run_strategy(tmp_path, nodes_cfg: dict[int, tuple[str, str]], rc: dict, dro
     strategy, _, model = build_strategy(cfg)
     strategy.stable_seconds = 0.0
     grid = FakeGrid(nodes)
-    res = strategy.run(grid, model.initial_arrays())
+    res = strategy.start(grid, model.initial_arrays())
     return res, privacy_report(cfg, res), grid
 
 

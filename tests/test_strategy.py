@@ -58,7 +58,7 @@ def run(rc: dict, nodes: dict):
     strategy, bench, server_model = build_strategy(RunConfig.from_flower(rc))
     strategy.stable_seconds = 0.0
     grid = FakeGrid(nodes)
-    return strategy.run(grid, server_model.initial_arrays()), grid, bench
+    return strategy.start(grid, server_model.initial_arrays()), grid, bench
 
 
 def test_full_flow_with_real_node_handlers(dataset, tmp_path):
@@ -121,6 +121,16 @@ def test_failing_and_silent_nodes_do_not_stop_the_run(dataset, tmp_path):
     assert len(res.selected) > 0 and sorted(res.tiers) == [100, 101, 102]
 
 
+def test_the_strategy_is_a_phase_loop_not_flowers_fl_loop(dataset):
+    """Issue 62: ``start`` is the phase loop; Flower's ``Strategy.start`` (N rounds of train and a
+    federated evaluation, an un-noised statistic) is not inherited, and no evaluation stub is left."""
+    from flwr.serverapp.strategy import Strategy
+
+    strategy, _, _ = build_strategy(RunConfig.from_flower(run_config(dataset)), load_model=False)
+    assert not isinstance(strategy, Strategy) and not hasattr(strategy, "configure_evaluate")
+    assert isinstance(strategy.text.aggregator, Strategy)  # phase 1 is still any Flower strategy's
+
+
 def test_second_run_on_spent_budget_is_refused_up_front(dataset, tmp_path):
     rc = run_config(dataset, **{"epsilon": 4.0, "epsilon-profile": 1.0})
     run(rc, nodes_for(rc, 3, tmp_path))
@@ -130,7 +140,7 @@ def test_second_run_on_spent_budget_is_refused_up_front(dataset, tmp_path):
     strategy.stable_seconds = 0.0
     grid = FakeGrid(nodes_for(rc, 3, tmp_path, run_id=8))
     with pytest.raises(RunRefused) as refused:
-        strategy.run(grid, model.initial_arrays())
+        strategy.start(grid, model.initial_arrays())
     # the error names every node and its shortfall, and the way out
     for nid in (100, 101, 102):
         assert f"node {nid}: its ledger lacks epsilon = 4" in str(refused.value)

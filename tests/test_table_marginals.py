@@ -96,6 +96,22 @@ def test_a_site_that_never_answers_is_left_out_of_each_sum_and_the_run_says_so(t
     assert {f["node_id"] for f in metrics["failures"]} == {102} and metrics["final_size"] == 60
 
 
+def test_a_table_run_composes_the_run_and_holds_text_stages_only_for_a_free_text_column():
+    """Issue 62: a marginals run is no text strategy with placeholders, nor a Flower Strategy whose
+    ``start`` would run Flower's loop; it samples the one final size (floor: 245 x 0.3 -> 73)."""
+    from flwr.serverapp.strategy import Strategy
+
+    from strategies.marginals import MarginalsStrategy
+    from strategies.refinement import build_refinement, final_size
+
+    cfg = RunConfig.from_flower(marginals_config(**{"num-synthetic": 245, "sampling-rate": 0.3}))
+    table = MarginalsStrategy(cfg, ["a", "b"], delta=1e-5)
+    assert table.text is None and table.phases() == [MARGINALS] and not isinstance(table, Strategy)
+    assert final_size(cfg) == 73  # round() would give 74
+    with pytest.raises(ValueError, match="no language model"):
+        MarginalsStrategy(cfg, ["a", "b"], delta=1e-5, refinement=build_refinement("knn-vote"))
+
+
 def test_a_marginals_run_gives_every_tier_its_whole_epsilon_for_the_marginals_alone():
     cfg = RunConfig.from_flower(marginals_config())
     for tier in (STRONG, WEAK):

@@ -1,6 +1,6 @@
 """The release phases, one file each (issue 62): ``Phase`` and its registry, and the shipped four
 registered in the order the nodes release them (a table's marginals, the profile, DP-SGD, the
-votes: the profile before DP-SGD, ``strategies.fedsyn``)."""
+votes: the profile before DP-SGD, ``strategies.text_stages``)."""
 
 from common.phases.base import Phase, Pricing, is_phase, phase, phases, register, unregister
 from common.phases.marginals import Marginals

@@ -9,12 +9,12 @@ from typing import Any
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from common.logs import get_logger, plain_console
 from common.config import ConfigError, RunConfig
-from common.tables import DatasetFileError, DatasetLoadError
 from common.data import TextData, free_text_part
 from common.federation import Benchmark, benchmark
-from common.io import atomic_symlink, atomic_write_json, atomic_write_jsonl, atomic_write_text
+from common.io import atomic_symlink, atomic_write_jsonl, atomic_write_text
+from common.logs import get_logger, plain_console
+from common.tables import DatasetFileError, DatasetLoadError
 from fedsyn_server.experiment import EVALUATION_FILE
 from fedsyn_server.outputs import save_model, text_row, write_outputs
 from fedsyn_server.synthesis import ServerModel
@@ -22,8 +22,8 @@ from strategies.aggregators import build_aggregator
 from strategies.checkpoint import Checkpoint, load_checkpoint
 from strategies.fedsyn import FedSynStrategy
 from strategies.membership import NodesMissing, RunRefused
-from strategies.result import FedSynResult
 from strategies.refinement import build_refinement
+from strategies.result import FedSynResult
 from strategies.session import Orchestration, RoundUnanswered
 from strategies.writers import writers_summary
 

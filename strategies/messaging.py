@@ -22,9 +22,8 @@ from flwr.serverapp import Grid
 
 from common import records as R
 from common.config import RunConfig
-from common.phases import is_phase
-from common.phases import phase as phase_named
 from common.logs import get_logger
+from common.phases import is_phase, phase as phase_named
 from strategies.result import FedSynResult
 
 log = get_logger("fedsyn")

@@ -76,6 +76,15 @@ def state_from_arrays(record: ArrayRecord) -> dict[str, np.ndarray]:
     return OrderedDict(zip(record.keys(), record.to_numpy_ndarrays()))
 
 
+def number(value: Any) -> float:
+    """A ConfigRecord value that the message schema makes a number (int or float), as a float.
+
+    Flower types every ConfigRecord value as the union of all it may hold (str, bytes, lists...);
+    ``float`` raises ``TypeError`` / ``ValueError`` on a value that is not a number, exactly as
+    before, so a reader's ``except (KeyError, TypeError, ValueError)`` still catches a malformed reply."""
+    return float(value)
+
+
 def release_record(release: dict[str, Any], spent: float, budget: float) -> ConfigRecord:
     """A release's public description plus the node's ledger totals, for the report."""
     payload = dict(release)

@@ -148,6 +148,7 @@ def evaluate_run(run_dir: Path, cfg: RunConfig, result: FedSynResult, bench: Ben
     allocation) and write ``evaluation.json``; an evaluation error never loses the run."""
     from fedsyn_server.evaluation import evaluate_sets, format_report, mauve_available, write_evaluation
 
+    assert result.selected is not None, "a finished run has its final set (stage 4, or M for a table, sets it)"
     final = [int(i) for i in result.selected]
     # a table's free-text column is scored as text: its label fidelity is how often a classifier
     # of the real texts reads each synthetic text as its own row's label
@@ -178,8 +179,8 @@ def table_scores(cfg: RunConfig, schema: Any, texts: list[str], codes: list[str]
     public in a simulation) the distance to the closest training record."""
     from fedsyn_server.evaluation.tables import evaluate_table, records_frame
 
-    return evaluate_table(records_frame(texts, codes, schema), records_frame(bench.test.texts, bench.test.codes, schema),
-                          schema, cfg.control_columns[0],
+    return evaluate_table(records_frame(texts, codes, schema),
+                          records_frame(bench.test.texts, bench.test.codes, schema), schema, cfg.control_columns[0],
                           real_train=records_frame(bench.train.texts, bench.train.codes, schema), seed=cfg.seed)
 
 
@@ -241,8 +242,10 @@ def _main(grid: Grid, context: Context) -> None:
     if server_model is not None and result.arrays is not None and (result.train_metrics or result.generator_refined):
         save_model(server_model.load(result.arrays), run_dir)
     if len(bench.test):  # public benchmark records no node trained on, for `fedsyn evaluate`
-        atomic_write_jsonl(run_dir / "heldout.jsonl", [text_row(t, c) for t, c in zip(bench.test.texts, bench.test.codes)])
+        atomic_write_jsonl(run_dir / "heldout.jsonl",
+                           [text_row(t, c) for t, c in zip(bench.test.texts, bench.test.codes)])
         evaluate_run(run_dir, cfg, result, bench)
+    assert result.selected is not None, "a finished run has its final set (stage 4, or M for a table, sets it)"
     log.info("fedsyn run %s finished in %.0fs: %d synthetic texts in %s", context.run_id,
              result.timings.get("total", 0.0), len(result.selected), paths["synthetic"])
     if result.degradations:  # said last, so an operator reading the tail of the log sees it

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 
-def aggregate_profiles(noisy_profiles: list[np.ndarray]) -> np.ndarray:
+def aggregate_profiles(noisy_profiles: Sequence[np.ndarray | Sequence[float]]) -> np.ndarray:
     """Global noisy profile P~ = sum_i P~_i over the nodes' noisy count vectors."""
     if not noisy_profiles:
         raise ValueError("no profiles to aggregate")

@@ -31,7 +31,8 @@ FOLDER = "checkpoint"
 STATE = "state.json"
 FORMAT = 1
 # FedSynResult fields keyed by node id (JSON makes the keys strings) and those that are arrays.
-_BY_NODE = ("tiers", "train_metrics", "eval_metrics", "node_profiles", "node_votes", "releases", "ledgers", "budgets", "ledger_refs")
+_BY_NODE = ("tiers", "train_metrics", "eval_metrics", "node_profiles", "node_votes", "releases", "ledgers", "budgets",
+            "ledger_refs")
 _ARRAYS = ("profile", "votes", "selected")
 
 
@@ -60,8 +61,9 @@ class Checkpoint:
 def save_checkpoint(run_dir: Path, progress: Progress, result: Any, arrays: ArrayRecord | None) -> Path:
     """Write the checkpoint under ``run_dir/checkpoint`` atomically; returns its folder."""
     folder = Path(run_dir) / FOLDER
-    weights = f"weights-{uuid.uuid4().hex[:12]}.npz" if arrays is not None else None
+    weights: str | None = None
     if arrays is not None:
+        weights = f"weights-{uuid.uuid4().hex[:12]}.npz"
         atomic_write_npz(folder / weights, dict(R.state_from_arrays(arrays)))
     state = {"format": FORMAT, "progress": vars(progress), "weights": weights,
              "weight_order": list(arrays.keys()) if arrays is not None else [],

@@ -6,7 +6,8 @@
                  and policy cover the run's one phase, ``marginals`` (its whole epsilon)
 M. marginals  -- in place of a text run's stage 2 (the profile), ``marginal-rounds`` rounds; in
                  each, every site (strong and weak alike) releases the counts of the round's
-                 marginals over the public schema's bins with Gaussian noise (one release, L2 sensitivity sqrt(marginals), ``fedsyn_client.histograms``),
+                 marginals over the public schema's bins with Gaussian noise (one release, L2 sensitivity
+                 sqrt(marginals), ``fedsyn_client.histograms``),
                  at 1 / rounds of its epsilon and delta. The server sums the sites' vectors: a
                  measurement of the pooled rows with the sites' variances added. What round 2
                  measures is chosen from round 1's sums (``strategies.graphical_model``: free)
@@ -142,6 +143,7 @@ class MarginalsStrategy(Orchestration):
             self._sample(model_measurements(measured, model), model)
             session.checkpoint(MARGINALS)
             res.timings[MARGINALS] = time.time() - t
+        assert res.selected is not None, "stage M (above, or restored from the checkpoint with it) sets the rows"
         log.info("final synthetic table: %d rows (%d marginals measured in %d round(s))", len(res.selected),
                  sum(len(r["cliques"]) for r in res.vote_rounds if "cliques" in r), len(res.vote_rounds))
 
@@ -161,22 +163,24 @@ class MarginalsStrategy(Orchestration):
             log.info("marginals round %d: taken from the checkpoint", rnd)
             stddev, *total = session.progress.vote_totals[rnd - 1]
             return self._measured(np.asarray(total), float(stddev), cliques)
-        session.members.admit(session.grid, f"before marginals round {rnd}")
+        grid = session.run_grid()
+        session.members.admit(grid, f"before marginals round {rnd}")
         sites = sorted(session.members.active())
-        replies = session.courier.ask(session.grid, sites, R.MSG_MARGINALS, MARGINALS, RecordDict({
+        replies = session.courier.ask(grid, sites, R.MSG_MARGINALS, MARGINALS, RecordDict({
             R.CONFIG: session.request(**{R.CLIQUES: R.cliques_value(cliques), "epsilon-share": share,
                                        "server-round": rnd})}))
         length = sum(cells(c, self.sizes) for c in cliques)
         vectors = session.courier.vectors(replies, R.MARGINALS, length, MARGINALS)
         sigmas = {n: self._sigma(n, replies[n]) for n in vectors}
-        answered = {n: v for n, v in vectors.items() if sigmas[n] is not None}
+        stated = {n: s for n, s in sigmas.items() if s is not None}
+        answered = {n: v for n, v in vectors.items() if n in stated}
         session.courier.coverage(f"marginals round {rnd}", answered, sites)
         if not answered:
             raise RoundUnanswered(f"marginals round {rnd}: no site answered (see failures above); the run stops "
                                   "before this round with its checkpoint: resume it when the sites are back "
                                   "(flwr run . --run-config <run-dir>/resume.toml)")
         total = np.sum([np.asarray(v) for v in answered.values()], axis=0)
-        stddev = math.sqrt(sum(float(sigmas[n]) ** 2 for n in answered))
+        stddev = math.sqrt(sum(float(stated[n]) ** 2 for n in answered))
         session.result.vote_rounds.append({"round": rnd, "histogram": MARGINALS, "epsilon_share": share,
                                         "cliques": ["|".join(c) for c in cliques], "voters": sorted(answered),
                                         "stddev": stddev})
@@ -232,10 +236,13 @@ class MarginalsStrategy(Orchestration):
         profile (and none spends on one)."""
         assert self.text is not None  # only the text stages call it
         res = self.session.result
-        counts = np.array([sum(1 for _, c in res.table_rows if c == code) for code in self.vocabulary], dtype=float)
+        counts = np.array([sum(1 for _, c in res.table_rows if c == code) for code in self.vocabulary],
+                          dtype=float)
         res.profile = counts
-        res.allocation = dict(zip(self.vocabulary, (int(a) for a in allocate(counts, self.text.refinement.pool_size(self.cfg)))))
-        log.info("the sampled rows' codes %s -> the text pool's allocation %s", counts.astype(int).tolist(), res.allocation)
+        res.allocation = dict(zip(self.vocabulary,
+                                  (int(a) for a in allocate(counts, self.text.refinement.pool_size(self.cfg)))))
+        log.info("the sampled rows' codes %s -> the text pool's allocation %s", counts.astype(int).tolist(),
+                 res.allocation)
 
     def _attach_texts(self) -> None:
         """Give every sampled row a final text of its own code: each code's texts in a random order,
@@ -244,6 +251,7 @@ class MarginalsStrategy(Orchestration):
         assert self.text is not None  # only for a free-text column
         res = self.session.result
         rng = np.random.default_rng([self.cfg.seed, 48])
+        assert res.selected is not None, "stage M sets the rows before the free text is attached"
         by_code: dict[str, list[int]] = {}
         for i in (int(i) for i in res.selected):
             by_code.setdefault(res.pool_codes[i], []).append(i)
@@ -262,13 +270,14 @@ class MarginalsStrategy(Orchestration):
             writers.append(res.pool_writers[i])
             votes.append(float(res.votes[i]) if res.votes is not None and len(res.votes) > i else math.nan)
         if textless:
-            self.session.courier.degrade(f"{textless} of {len(res.table_rows)} sampled rows left out: their code got no "
-                                 "text from the language model")
+            self.session.courier.degrade(f"{textless} of {len(res.table_rows)} sampled rows left out: their code "
+                                         "got no text from the language model")
         # the refinement's notes replaced the marginals' (stage 4 ran after them): both are kept
         model = [c for c in next(r for r in reversed(res.vote_rounds) if r.get("histogram") == MARGINALS)["cliques"]
                  if "|" in c]
         res.refinement = {"method": "marginals", "model_cliques": model, "free_text": self.cfg.free_text,
-                          "rows_with_text": len(texts), "texts_reused": sum(max(0, used[c] - len(order[c])) for c in used),
+                          "rows_with_text": len(texts),
+                          "texts_reused": sum(max(0, used[c] - len(order[c])) for c in used),
                           "text_refinement": {"method": self.text.refinement.name, **res.refinement}}
         res.pool_texts, res.pool_codes, res.pool_writers = texts, codes, writers
         res.votes = np.asarray(votes) if res.votes is not None else None

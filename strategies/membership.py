@@ -79,7 +79,8 @@ class Membership:
             raise NodesMissing("no usable node answered the tier query (see failures above)")
         uncovered = self._uncovered(nodes)
         if uncovered and self.cfg.on_node_shortfall == "refuse":
-            failed = "; ".join(f"node {f['node_id']}: {f['reason']}" for f in self.result.failures if f["phase"] == "tiers")
+            failed = "; ".join(f"node {f['node_id']}: {f['reason']}" for f in self.result.failures
+                               if f["phase"] == "tiers")
             self._refuse(grid, nodes, f"{' and '.join(uncovered)} among the nodes that can take part"
                          + (f" (failed: {failed})" if failed else "") + ". Fix: repair the failed nodes or add a node "
                          "of that tier; a run that goes on without the phase ends failed (with its outputs)")
@@ -114,18 +115,20 @@ class Membership:
         for nid, msg in replies.items():
             try:
                 rec = msg.content.config_records[R.TIER]
-                tier, budget, short = str(rec["tier"]), float(rec["epsilon-budget"]), float(rec["epsilon-shortfall"])
+                tier, budget, short = (str(rec["tier"]), R.number(rec["epsilon-budget"]),
+                                       R.number(rec["epsilon-shortfall"]))
             except (KeyError, TypeError, ValueError) as err:
                 self.courier.fail(nid, "tiers", f"malformed reply ({type(err).__name__})")
                 continue
             self.result.budgets[nid], self.answered[nid] = budget, tier
-            self.result.bounds[nid] = int(float(rec.get("records-bound", 0) or 0))
+            self.result.bounds[nid] = int(R.number(rec.get("records-bound", 0) or 0))
             if rec.get("ledger-ref"):
                 self.result.ledger_refs[nid] = str(rec["ledger-ref"])
             if short > 0:
-                held = float(rec.get("epsilon-held", 0.0))
-                cannot[nid] = (f"its ledger lacks epsilon = {short:.4g}: this run needs {float(rec['epsilon-needed']):.4g} "
-                               f"of it and {max(float(rec['epsilon-remaining']), 0.0):.4g} of its budget {budget:g} is left"
+                held = R.number(rec.get("epsilon-held", 0.0))
+                needed, remaining = R.number(rec["epsilon-needed"]), R.number(rec["epsilon-remaining"])
+                cannot[nid] = (f"its ledger lacks epsilon = {short:.4g}: this run needs {needed:.4g} "
+                               f"of it and {max(remaining, 0.0):.4g} of its budget {budget:g} is left"
                                + (f" ({held:.4g} is held for another run under way: it is freed when that run ends, "
                                   "lapses 6 h after its last request, or `fedsyn ledger STATE_DIR --release-holds` "
                                   "on the node frees it)" if held > 0 else ""))

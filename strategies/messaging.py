@@ -13,7 +13,7 @@ samples phase-1 nodes among the strong ones.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -36,26 +36,26 @@ class SubGrid(Grid):
     def __init__(self, grid: Grid, node_ids: Iterable[int]) -> None:
         self._grid, self._ids = grid, list(node_ids)
 
-    def get_node_ids(self) -> Iterable[int]:  # noqa: D102
+    def get_node_ids(self) -> Iterable[int]:  # noqa: D102 - documented on Flower's Grid; here only this view's nodes
         return list(self._ids)
 
-    def set_run(self, run):  # noqa: D102
+    def set_run(self, run):  # noqa: D102 - documented on Flower's Grid, forwarded to it
         return self._grid.set_run(run)
 
     @property
-    def run(self):  # noqa: D102
+    def run(self):  # noqa: D102 - documented on Flower's Grid, forwarded to it
         return self._grid.run
 
-    def create_message(self, *args, **kwargs):  # noqa: D102
+    def create_message(self, *args, **kwargs):  # noqa: D102 - documented on Flower's Grid, forwarded to it
         return self._grid.create_message(*args, **kwargs)
 
-    def push_messages(self, messages):  # noqa: D102
+    def push_messages(self, messages):  # noqa: D102 - documented on Flower's Grid, forwarded to it
         return self._grid.push_messages(messages)
 
-    def pull_messages(self, message_ids):  # noqa: D102
+    def pull_messages(self, message_ids):  # noqa: D102 - documented on Flower's Grid, forwarded to it
         return self._grid.pull_messages(message_ids)
 
-    def send_and_receive(self, messages, *, timeout=None):  # noqa: D102
+    def send_and_receive(self, messages, *, timeout=None):  # noqa: D102 - documented on Flower's Grid, forwarded to it
         return self._grid.send_and_receive(messages, timeout=timeout)
 
 
@@ -69,13 +69,14 @@ class Courier:
     def __init__(self, cfg: RunConfig, delta: float, result: FedSynResult) -> None:
         self.cfg, self.delta, self.result = cfg, delta, result
 
-    def ask(self, grid: Grid, node_ids: list[int], message_type: str, phase: str, content: RecordDict) -> dict[int, Message]:
+    def ask(self, grid: Grid, node_ids: list[int], message_type: str, phase: str,
+            content: RecordDict) -> dict[int, Message]:
         """Send the same content to ``node_ids``; return the good replies by node id."""
         if not node_ids:
             return {}
         messages = [Message(content=content, message_type=message_type, dst_node_id=n) for n in node_ids]
         replies = list(grid.send_and_receive(messages, timeout=self.cfg.node_timeout))
-        conf = content.config_records.get(R.CONFIG, {})
+        conf: Mapping[str, Any] = content.config_records.get(R.CONFIG, {})
         return self.collect(replies, messages, phase, int(conf.get("server-round", 0)),
                              float(conf.get("epsilon-share", 1.0)))
 

@@ -59,7 +59,8 @@ class Generator(ABC):
         """The generation prompt for a control code."""
 
     @abstractmethod
-    def generate(self, allocation: Mapping[str, int], seed: int, prompt: str | None = None) -> tuple[list[str], list[str]]:
+    def generate(self, allocation: Mapping[str, int], seed: int,
+                 prompt: str | None = None) -> tuple[list[str], list[str]]:
         """``allocation[c]`` samples for each code ``c``; returns (texts, codes), grouped by code.
         ``prompt``: the prompt style to write with (a run-config ``prompt`` value; None: the run's)."""
 
@@ -170,7 +171,8 @@ def round_rows(round_: int, texts: list[str], codes: list[str], scores: np.ndarr
     aggregated noisy statistic of the text) and, per keyword, the method's own column (one value
     per text). Nothing in it is private: the texts are the server's, the scores already noised."""
     s = np.asarray(scores, dtype=np.float64)
-    for name, values in {"score": s, **columns}.items():
+    named: dict[str, np.ndarray | list[Any]] = {"score": s, **columns}
+    for name, values in named.items():
         if len(values) != len(texts):
             raise ValueError(f"{len(values)} values of {name!r} for {len(texts)} texts")
     return [{"round": int(round_), "text": t, "control_code": c, "score": float(s[i]),

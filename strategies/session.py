@@ -63,6 +63,12 @@ class RunSession:
         self.members = self._membership()
         self.grid: Grid | None = None  # the run's Grid, from stage 0 on
 
+    def run_grid(self) -> Grid:
+        """The run's Grid: ``begin`` (stage 0) sets it before any phase that asks nodes runs."""
+        if self.grid is None:
+            raise RuntimeError("the run's Grid is not set: a phase ran before stage 0 (RunSession.begin)")
+        return self.grid
+
     def _membership(self) -> Membership:
         return Membership(self.cfg, self.courier, self.result, request=self.request, plan=self.phases,
                           hold_token=lambda: self.progress.hold_token, end_holds=self.end_holds)
@@ -112,8 +118,8 @@ class RunSession:
                 if rec.get("ledger-ref"):
                     self.result.ledger_refs[nid] = str(rec["ledger-ref"])
                 self.result.ledgers[nid] = {"releases": json.loads(str(rec["releases"])),
-                                            "epsilon-spent": float(rec["epsilon-spent"]),
-                                            "epsilon-budget": float(rec["epsilon-budget"])}
+                                            "epsilon-spent": R.number(rec["epsilon-spent"]),
+                                            "epsilon-budget": R.number(rec["epsilon-budget"])}
             except (KeyError, TypeError, ValueError) as err:
                 self.courier.fail(nid, "ledger", f"malformed reply ({type(err).__name__})")
 

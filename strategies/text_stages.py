@@ -68,11 +68,13 @@ class TextStages:
         return [p for p in PHASES if (p != TRAIN or self.cfg.trains) and (p != VOTE or self.refinement.asks_votes)]
 
     # ------------------------------------------------------------ phase 1's aggregator
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
         """Phase-1 messages for strong nodes, built by the aggregator."""
         return self.aggregator.configure_train(server_round, arrays, config, SubGrid(grid, self.session.members.strong))
 
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def aggregate_train(self, server_round: int,
+                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Aggregate phase-1 replies with the aggregator."""
         return self.aggregator.aggregate_train(server_round, replies)
 
@@ -107,7 +109,8 @@ class TextStages:
         t = time.time()                                                 # stage 3
         if Stage.GENERATE.label not in done:
             log.info("%s", Stage.GENERATE)
-            # θ⁰ (initial_arrays) writes pretrained-share of each code (all of a coverage-floor code), res.arrays the rest
+            # θ⁰ (initial_arrays) writes pretrained-share of each code (all of a coverage-floor code),
+            # res.arrays the rest
             res.pretrained_share, res.writers_note = effective_share(
                 self.cfg.pretrained_share, finetuned=res.finetuned,
                 votes=self.refinement.asks_votes and bool(self.session.members.voters))
@@ -127,6 +130,7 @@ class TextStages:
             self._vote_round = self.rounds_before  # numbered after the rounds the checkpoint holds before them
             res.vote_rounds = res.vote_rounds[:len(self.session.progress.vote_totals)]
             writer = FINETUNED if res.finetuned else PRETRAINED
+            assert res.profile is not None, "stage 2 (above, or restored from the checkpoint) sets the profile"
             refined = self.refinement.refine(RefinementContext(
                 cfg=self.cfg, texts=list(res.pool_texts), codes=list(res.pool_codes), allocation=dict(res.allocation),
                 profile=res.profile, vocabulary=list(self.vocabulary), generator=self.generator, vote=self._vote,
@@ -144,6 +148,7 @@ class TextStages:
                 res.arrays, res.generator_refined = self.generator.weights(), True
             self.session.checkpoint(Stage.REFINE.label)
             res.timings["refine"] = time.time() - t
+        assert res.selected is not None, "stage 4 (above, or restored from the checkpoint with it) sets the final set"
         log.info("final synthetic set: %d of %d texts (%s, %d vote rounds)", len(res.selected), len(res.pool_texts),
                  self.refinement.name, len(res.vote_rounds))
 
@@ -167,7 +172,8 @@ class TextStages:
         if not res.node_profiles:
             raise RuntimeError("no node returned a profile; nothing to allocate (see failures above)")
         res.profile = aggregate_profiles(list(res.node_profiles.values()))
-        res.allocation = dict(zip(self.vocabulary, (int(a) for a in allocate(res.profile, self.refinement.pool_size(self.cfg)))))
+        res.allocation = dict(zip(self.vocabulary,
+                                  (int(a) for a in allocate(res.profile, self.refinement.pool_size(self.cfg)))))
         log.info("noisy profile %s -> allocation %s", np.round(res.profile, 1).tolist(), res.allocation)
         if self.cfg.coverage_floor > 0 and self.cfg.prompt != "zero-shot":
             strong = [p for n, p in res.node_profiles.items() if res.tiers.get(n) == "strong"]
@@ -183,12 +189,14 @@ class TextStages:
         returns the finetuned weights (``arrays`` unchanged when phase 1 is skipped)."""
         rounds = self.cfg.num_server_rounds
         skip = ("prompt = zero-shot (pretrained baseline)" if self.cfg.prompt == "zero-shot"
-                else "no strong node" if not self.session.members.strong else "num-server-rounds = 0" if rounds == 0 else "")
+                else "no strong node" if not self.session.members.strong
+                else "num-server-rounds = 0" if rounds == 0 else "")
         if arrays is None or skip:
             self.session.result.finetuned = False
-            if not self.session.members.strong and TRAIN in self.session.phases():  # the run asked for training and gets none
-                self.session.courier.degrade("phase 1 skipped: no strong node in the run; generating with the pretrained model",
-                              skipped=True)
+            # the run asked for training and gets none
+            if not self.session.members.strong and TRAIN in self.session.phases():
+                self.session.courier.degrade("phase 1 skipped: no strong node in the run; generating with the "
+                                             "pretrained model", skipped=True)
             else:
                 log.warning("phase 1 skipped (%s): generating with the pretrained model", skip or "no weights")
             return arrays
@@ -208,21 +216,22 @@ class TextStages:
             trained = True
             new_arrays, metrics = self.aggregate_train(rnd, list(good.values()))
             if new_arrays is not None and not all(np.isfinite(a).all() for a in new_arrays.to_numpy_ndarrays()):
-                self.session.courier.degrade(f"phase 1 round {rnd}: the aggregator returned non-finite weights; kept the "
-                                     "previous ones")
+                self.session.courier.degrade(f"phase 1 round {rnd}: the aggregator returned non-finite weights; "
+                                             "kept the previous ones")
                 new_arrays = None
             if new_arrays is not None:
                 arrays = new_arrays
             if metrics is not None:
-                self.session.result.train_metrics[rnd] = {k: float(v) for k, v in metrics.items() if not isinstance(v, list)}
+                self.session.result.train_metrics[rnd] = {k: float(v) for k, v in metrics.items()
+                                                          if not isinstance(v, list)}
             if self.evaluate_fn:
                 self._evaluate(rnd, arrays)
             self.session.result.arrays, self.session.progress.train_round = arrays, rnd
             self.session.checkpoint()
         self.session.result.finetuned = trained
         if not trained:
-            self.session.courier.degrade("phase 1 skipped: no strong node answered any round; generating with the pretrained model",
-                          skipped=True)
+            self.session.courier.degrade("phase 1 skipped: no strong node answered any round; generating with the "
+                                         "pretrained model", skipped=True)
         return arrays
 
     def _evaluate(self, rnd: int, arrays: ArrayRecord) -> None:
@@ -250,13 +259,14 @@ class TextStages:
         if rnd <= len(self.session.progress.vote_totals):  # finished before the run was resumed: not asked again
             log.info("vote round %d: taken from the checkpoint", rnd)
             return np.asarray(self.session.progress.vote_totals[rnd - 1], dtype=np.float64)
-        self.session.members.admit(self.session.grid, f"before vote round {rnd}")
+        grid = self.session.run_grid()
+        self.session.members.admit(grid, f"before vote round {rnd}")
         voters = self.session.members.voters
         if not voters:
-            self.session.courier.degrade(f"vote round {rnd}: no voters (voters={self.cfg.voters} and no weak node); votes are all zero",
-                          skipped=True)
+            self.session.courier.degrade(f"vote round {rnd}: no voters (voters={self.cfg.voters} and no weak node); "
+                                         "votes are all zero", skipped=True)
         failed_before = len(res.failures)
-        replies = self.session.courier.ask(self.session.grid, voters, R.MSG_VOTE, VOTE, RecordDict({
+        replies = self.session.courier.ask(grid, voters, R.MSG_VOTE, VOTE, RecordDict({
             R.CANDIDATES: ConfigRecord({"texts": list(texts), "codes": list(codes)}),
             R.CONFIG: self.session.request(**params, **{"histogram": histogram, "epsilon-share": float(epsilon_share),
                                                  "server-round": rnd}),

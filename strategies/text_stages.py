@@ -24,8 +24,9 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from common import records as R
-from common.dp import PHASES, PROFILE, TRAIN, VOTE
+from common.dp import PROFILE, TRAIN, VOTE
 from common.logs import get_logger
+from common.phases import phases as registered_phases
 from strategies.allocation import aggregate_profiles, allocate
 from strategies.coverage import finetune_coverage, pretrained_codes
 from strategies.messaging import SubGrid
@@ -65,7 +66,7 @@ class TextStages:
 
     def phases(self) -> list[str]:
         """The phases these stages ask of nodes (each node takes those of its tier)."""
-        return [p for p in PHASES if (p != TRAIN or self.cfg.trains) and (p != VOTE or self.refinement.asks_votes)]
+        return [p.name for p in registered_phases() if p.asked(self.cfg, self.refinement.asks_votes)]
 
     # ------------------------------------------------------------ phase 1's aggregator
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,

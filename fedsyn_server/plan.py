@@ -22,15 +22,15 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from common.accounting import Pld, calibrate
-from common.calibration import Planned, basic_delta
+from common.calibration import Planned
 from common.config import ConfigError, RunConfig
-from common.dp import MARGINALS, PROFILE, STRONG, TRAIN, VOTE, analytic_gaussian_sigma, dpsgd_noise_multiplier
-from common.phases import Pricing, phase as phase_named, phases
+from common.dp import STRONG
+from common.phases import Pricing, phases
 
 if TYPE_CHECKING:
     from strategies.result import FedSynResult
@@ -196,63 +196,24 @@ def writers_line(cfg: RunConfig, tiers: list[str]) -> str:
 
 def _phase_lines(cfg: RunConfig, tier: str, records: int | None, delta: float, speed: dict[str, Any],
                  budget: float | None = None) -> list[str]:
+    """Each phase's lines for a node of ``tier`` (``Phase.plan_lines``), in the nodes' order, as the
+    node prices each under accounting = pld: all composed at the node's delta (taken to be the
+    run's: in simulation it is); under basic each at its split of it (``basic_delta``, issue 60)."""
+    from strategies.marginals import planned_marginals
     from strategies.refinement import planned_votes
 
-    # the phases a node of this tier releases, in the node's order (a table's marginals, the
-    # profile, DP-SGD, the votes: strategies.text_stages asks the profile first), as the node prices
-    # each under accounting = pld: all composed at the node's delta (taken to be the run's:
-    # in simulation it is); under basic each at its split of it (``basic_delta``, issue 60)
-    budget = cfg.epsilon if budget is None or not math.isfinite(budget) else float(budget)
-
-    def split(epsilon: float) -> float:
-        return basic_delta(delta, epsilon, budget, delta)
-
-    eps_profile, eps_train, eps_vote = (cfg.phase_epsilon(tier, p) for p in (PROFILE, TRAIN, VOTE))
-    steps = cfg.num_server_rounds * cfg.local_steps
-    q = min(1.0, cfg.batch_size / records) if records else 0.0
-    terms = planned_votes(cfg) if cfg.writes_text else None
-    pricing = Pricing(cfg, tier, delta, sample_rate=q, votes=terms)
-    planned = [p for p in (phase.planned(pricing) for phase in phases()) if p is not None]
-    pld = pld_noises(planned, delta)
-
-    lines = (_marginal_lines(cfg, split(cfg.phase_epsilon(STRONG, MARGINALS)), pld[MARGINALS]) if cfg.marginals
-             else [])
-    if not cfg.writes_text:
-        return lines
-    if eps_profile:  # a table's free text has none: its sampled rows allocate the texts
-        lines.append(f"profile: epsilon {eps_profile:g}, delta {delta:g}, Gaussian sigma "
-                     f"{analytic_gaussian_sigma(eps_profile, split(eps_profile), 1.0):.3g} (sensitivity 1; basic; "
-                     f"{pld[PROFILE]:.3g} under accounting = pld)")
-    if eps_train and cfg.trains and records is None:
-        lines.append(f"train: epsilon {eps_train:g}, delta {delta:g} (or the node's cap), {steps} DP-SGD steps of "
-                     f"batch {cfg.batch_size}, C = {cfg.max_grad_norm:g}; the noise multiplier is set on the node "
-                     "from q = B / max-records (its public bound; its record count is never sent)")
-    elif eps_train and cfg.trains:
-        nm = dpsgd_noise_multiplier(eps_train, split(eps_train), q, steps)
-        tokens = steps * cfg.batch_size * cfg.max_length * (2 if cfg.contrastive_weight > 0 else 1)  # pairs: two rows
-        rate = speed.get(f"train_{cfg.finetune}_dp_tokens_per_s")
-        lines.append(f"train: epsilon {eps_train:g}, delta {delta:g}, DP-SGD noise multiplier {nm:.3g} "
-                     f"(basic; {pld[TRAIN]:.3g} under accounting = pld) "
-                     f"(q = {q:.3g}, {steps} steps, C = {cfg.max_grad_norm:g}); {tokens:,} tokens"
-                     + (f", about {tokens / rate:.0f} s" if rate else ""))
-    if eps_vote and terms is not None:
-        rounds, sens, formula = terms
-        rate = speed.get("embedding_vote_window_texts_per_s") or speed.get("embedding_texts_per_s")
-        after_unknown_q = bool(eps_train and cfg.trains and records is None)  # composed with DP-SGD on the node
-        lines.append(f"vote: epsilon {eps_vote:g} in {rounds} round(s), delta {delta:g}, Gaussian sigma "
-                     f"{analytic_gaussian_sigma(eps_vote / rounds, split(eps_vote) / rounds, sens):.3g} "
-                     "per round (sensitivity "
-                     f"{formula} = {sens:.3g}; basic; {'at most ' if after_unknown_q else ''}{pld[VOTE]:.3g} under "
-                     "accounting = pld"
-                     + (", less composed with DP-SGD at the node's q" if after_unknown_q else "") + ")"
-                     + (f"; embedding {records} rows, about {records / rate:.0f} s" if rate and records else ""))
-    elif eps_vote:
-        lines.append(f"vote: epsilon {eps_vote:g} in the rounds refinement {cfg.refinement!r} asks for (never more)")
-    # a phase registered beside the shipped four (a plug-in's) states its own line
-    for p in planned:
-        if p.phase not in (MARGINALS, PROFILE, TRAIN, VOTE):
-            basic = math.nan if p.q_unknown else replace(p, delta=split(p.share)).basic_noise()
-            lines.append(phase_named(p.phase).describe(p, basic, pld.get(p.phase, math.nan)))
+    pricing = Pricing(cfg, tier, delta, sample_rate=min(1.0, cfg.batch_size / records) if records else 0.0,
+                      votes=planned_votes(cfg) if cfg.writes_text else None, records=records, speed=speed,
+                      budget=cfg.epsilon if budget is None else float(budget),
+                      marginals=tuple(planned_marginals(cfg)) if cfg.marginals else ())
+    planned = {phase.name: phase.planned(pricing) for phase in phases()}
+    pld = pld_noises([p for p in planned.values() if p is not None], delta)
+    lines: list[str] = []
+    after_unknown_q = False  # composed with a DP-SGD phase at the node's q, unknown here: an upper bound
+    for phase in phases():
+        mine = planned[phase.name]
+        lines += phase.plan_lines(pricing, mine, pld.get(phase.name, math.nan), after_unknown_q)
+        after_unknown_q = after_unknown_q or bool(mine is not None and mine.q_unknown)
     return lines
 
 
@@ -263,23 +224,6 @@ def pld_noises(planned: list[Planned], delta: float | None = None) -> dict[str, 
     is unknown here (a deployment: the plan does not know a node's max-records) is left out; the
     phases after it are an upper bound."""
     return {p.phase: n for p, n in zip(planned, calibrate(planned, Pld.name, delta)) if not math.isnan(n)}
-
-
-def _marginal_lines(cfg: RunConfig, delta: float, z: float) -> list[str]:
-    """A marginals run's phase: per round, how many marginals, their sensitivity and sigma (under
-    basic at ``delta``, the phase's; ``z``: the pld noise multiplier, sigma / sensitivity, every
-    round's)."""
-    from strategies.marginals import planned_marginals
-
-    rounds, total = cfg.marginal_rounds, cfg.phase_epsilon(STRONG, MARGINALS)  # every tier's is the same
-    eps = total / rounds
-    lines = [f"marginals: epsilon {total:g} in {rounds} round(s), delta {delta:g}"]
-    for rnd, k in enumerate(planned_marginals(cfg), start=1):
-        what = "1- and 2-way marginals" if rnd == 1 else "marginals of the tree the round-1 sums choose"
-        lines.append(f"  round {rnd}: {k} {what}, "
-                     f"Gaussian sigma {analytic_gaussian_sigma(eps, delta / rounds, k ** 0.5):.3g} "
-                     f"per cell (sensitivity sqrt({k}); basic; {z * k ** 0.5:.3g} under accounting = pld)")
-    return lines
 
 
 def _server_lines(cfg: RunConfig, parts: list[tuple[str, Any]], speed: dict[str, Any]) -> list[str]:

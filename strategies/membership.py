@@ -23,8 +23,9 @@ from flwr.serverapp import Grid
 
 from common import records as R
 from common.config import RunConfig
-from common.dp import STRONG, TRAIN, VOTE, WEAK
+from common.dp import STRONG, WEAK
 from common.logs import get_logger
+from common.phases import phase as phase_named
 from strategies.messaging import Courier
 from strategies.result import FedSynResult
 
@@ -93,9 +94,8 @@ class Membership:
     def _uncovered(self, nodes: dict[int, str]) -> list[str]:
         """The planned phases no usable node can do: phase 1 needs a strong node, votes a voter."""
         plan, tiers = self._plan(), set(nodes.values())
-        return (["phase 1 has no strong node"] if TRAIN in plan and STRONG not in tiers else []) + (
-            ["the votes have no weak node (voters=\"weak\")"] if VOTE in plan and self.cfg.voters != "all"
-            and WEAK not in tiers else [])
+        missing = (phase_named(name).missing(self.cfg, tiers) for name in plan)
+        return [why for why in missing if why is not None]
 
     def _refuse(self, grid: Grid, holding: dict[int, str], why: str) -> None:
         """Raise ``RunRefused`` at stage 0, after ending the holds of the nodes that could

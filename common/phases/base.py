@@ -13,11 +13,13 @@ phase, as Flower keeps one strategy a file.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import ClassVar
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar
 
-from common.calibration import Planned
+from common.calibration import Planned, basic_delta
 from common.config import RunConfig
 from common.dp import GAUSSIAN
 
@@ -27,13 +29,31 @@ class Pricing:
     """What a node of ``tier`` prices a run's phases on, public inputs only: the run config, the
     delta the run asks per release, DP-SGD's q (B / the node's bound; 0 where it is unknown, a
     deployment's plan) and the vote terms the run's refinement declares, (rounds, L2 sensitivity,
-    the sensitivity in words), None where no shipped histogram states them."""
+    the sensitivity in words), None where no shipped histogram states them.
+
+    For ``fedsyn plan``'s lines also: the node's ``records`` (its bound; None in a deployment's
+    plan), the machine's measured ``speed`` (``benchmarks/throughput_cpu.json``), the node's epsilon
+    ``budget`` (basic splits the policy's delta by it) and the number of ``marginals`` each marginals
+    round asks (the server's choice, ``strategies.marginals.planned_marginals``)."""
 
     cfg: RunConfig
     tier: str
     delta: float
     sample_rate: float = 0.0
     votes: tuple[int, float, str] | None = None
+    records: int | None = None
+    speed: Mapping[str, Any] = field(default_factory=dict)
+    budget: float = math.inf
+    marginals: tuple[int, ...] = ()
+
+    def split(self, epsilon: float) -> float:
+        """A release of ``epsilon``'s delta under ``basic``: its part of the policy's (issue 60)."""
+        budget = self.cfg.epsilon if not math.isfinite(self.budget) else self.budget
+        return basic_delta(self.delta, epsilon, budget, self.delta)
+
+    def basic(self, planned: Planned) -> float:
+        """``planned``'s noise under ``basic`` at its split of the delta (NaN for an unknown q)."""
+        return math.nan if planned.q_unknown else replace(planned, delta=self.split(planned.share)).basic_noise()
 
 
 class Phase(ABC):
@@ -73,14 +93,23 @@ class Phase(ABC):
         histogram's sensitivity in words, for a phase that names histograms)."""
 
 
-    def describe(self, planned: Planned, basic: float, pld: float) -> str:
-        """One line of ``fedsyn plan`` for ``planned`` at ``basic`` and ``pld`` noise (sigma at its
-        sensitivity, or DP-SGD's noise multiplier; NaN where the node solves it). The shipped
-        phases' lines add their own detail in ``fedsyn_server.plan``."""
+    def missing(self, cfg: RunConfig, tiers: set[str]) -> str | None:
+        """Why no node of ``tiers`` (those that can take part) can serve this phase in a run of
+        ``cfg``, or None when one can (by default any tier can)."""
+        return None
+
+    def plan_lines(self, pricing: Pricing, planned: Planned | None, pld: float, after_unknown_q: bool) -> list[str]:
+        """``fedsyn plan``'s lines for this phase on a node of ``pricing.tier``: ``planned`` (None:
+        the node releases none) under ``basic`` and at ``pld``, the noise the default rule solves
+        (sigma at its sensitivity, or DP-SGD's multiplier; NaN where the node solves it), an upper
+        bound when ``after_unknown_q`` (a DP-SGD phase of unknown q comes before it)."""
+        if planned is None:
+            return []
         rounds = f" in {planned.rounds} round(s)" if planned.rounds > 1 else ""
         noise = "DP-SGD noise multiplier" if planned.mechanism != GAUSSIAN else "Gaussian sigma"
-        return (f"{self.name}: epsilon {planned.share:g}{rounds}, delta {planned.delta:g}, {noise} {basic:.3g} "
-                f"(sensitivity {planned.sensitivity:g}; basic; {pld:.3g} under accounting = pld)")
+        return [f"{self.name}: epsilon {planned.share:g}{rounds}, delta {planned.delta:g}, {noise} "
+                f"{pricing.basic(planned):.3g} (sensitivity {planned.sensitivity:g}; basic; "
+                f"{'at most ' if after_unknown_q else ''}{pld:.3g} under accounting = pld)"]
 
 
 _REGISTRY: dict[str, Phase] = {}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from common import records as R
 from common.calibration import Planned
 from common.config import RunConfig
-from common.dp import GAUSSIAN, MARGINALS, STRONG
+from common.dp import GAUSSIAN, MARGINALS, STRONG, analytic_gaussian_sigma
 from common.phases.base import Phase, Pricing
 
 
@@ -33,3 +33,18 @@ class Marginals(Phase):
                 f"of marginals)); {cfg.marginal_rounds} round(s), each at 1/{cfg.marginal_rounds} of "
                 "the phase's epsilon and delta; the server's choice of round 2 and the graphical model "
                 "are post-processing of the sums")
+
+    def plan_lines(self, pricing: Pricing, planned: Planned | None, pld: float,  # noqa: D102 - documented on Phase
+                   after_unknown_q: bool) -> list[str]:
+        if planned is None:
+            return []
+        # every round at 1/rounds of the phase's epsilon and of its split of the delta; ``pld`` is
+        # the rounds' one noise multiplier (sigma / sensitivity)
+        rounds, total, delta = planned.rounds, planned.share, pricing.split(planned.share)
+        lines = [f"marginals: epsilon {total:g} in {rounds} round(s), delta {delta:g}"]
+        for rnd, k in enumerate(pricing.marginals, start=1):
+            what = "1- and 2-way marginals" if rnd == 1 else "marginals of the tree the round-1 sums choose"
+            lines.append(f"  round {rnd}: {k} {what}, "
+                         f"Gaussian sigma {analytic_gaussian_sigma(total / rounds, delta / rounds, k ** 0.5):.3g} "
+                         f"per cell (sensitivity sqrt({k}); basic; {pld * k ** 0.5:.3g} under accounting = pld)")
+        return lines

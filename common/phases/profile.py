@@ -26,3 +26,10 @@ class Profile(Phase):
 
     def wording(self, cfg: RunConfig, votes: tuple[int, float, str] | None, formulas: str) -> str:  # noqa: D102 - documented on Phase
         return "analytic Gaussian, L2 sensitivity 1"
+
+    def plan_lines(self, pricing: Pricing, planned: Planned | None, pld: float,  # noqa: D102 - documented on Phase
+                   after_unknown_q: bool) -> list[str]:
+        if planned is None:  # a table's free text has none: its sampled rows allocate the texts
+            return []
+        return [f"profile: epsilon {planned.share:g}, delta {pricing.delta:g}, Gaussian sigma "
+                f"{pricing.basic(planned):.3g} (sensitivity 1; basic; {pld:.3g} under accounting = pld)"]

@@ -39,9 +39,9 @@ from common import records as R
 from common.accounting import DEFAULT as DEFAULT_ACCOUNTING, Accounting, rule as accounting_rule
 from common.calibration import Planned, basic_delta, release_base, rounds_of
 from common.config import ConfigError, RunConfig
-from common.dp import GAUSSIAN, MARGINALS, PHASES, analytic_gaussian_sigma, gaussian_release
+from common.dp import GAUSSIAN, PHASES, analytic_gaussian_sigma, gaussian_release
 from common.logs import get_logger
-from common.phases import phases
+from common.phases import phase as phase_named, phases
 from common.rows import canonical
 from fedsyn_client.admission import Rule
 from fedsyn_client.ledger import Release
@@ -115,7 +115,8 @@ def authorise(msg: Message, context: Context, policy: NodePolicy, cfg: RunConfig
                          vocabulary=vocabulary, phases=tuple(planned.items()), delta=conf.get("delta"),
                          model=cfg.model, embedder=cfg.embedder, finetune=cfg.finetune,
                          table_schema=canonical(cfg.schema()), max_length=cfg.max_length,
-                         measured=measured_columns(cfg, conf) if kind == MARGINALS else ()))
+                         measured=measured_columns(cfg, conf) if kind != TIER and phase_named(kind).reads == "measured"
+                         else ()))  # a marginals request's cliques name the columns it counts
     if kind == TIER:
         return Request(run_id=key, phase=TIER, epsilon=float(sum(planned.values())), delta=0.0, phase_budget=0.0,
                        vocabulary=vocabulary, params=conf, needs=planned)

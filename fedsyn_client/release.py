@@ -43,11 +43,12 @@ from common.dp import GAUSSIAN, PHASES, analytic_gaussian_sigma, gaussian_releas
 from common.logs import get_logger
 from common.phases import phase as phase_named, phases
 from common.rows import canonical
+from fedsyn_client import refusals
 from fedsyn_client.admission import Rule
 from fedsyn_client.ledger import Release
 from fedsyn_client.node import Node
 from fedsyn_client.policy import Ask, NodePolicy
-from fedsyn_client.refusals import NodeSetupError
+from fedsyn_client.refusals import BudgetExceeded, NodeSetupError
 from fedsyn_client.replies import check_run_key, request_digest
 
 log = get_logger(__name__)
@@ -285,6 +286,14 @@ class GaussianHistogram(Mechanism):
         # round of the phase gets the same multiplier whatever its vector's sensitivity
         phase = Planned(request.phase, GAUSSIAN, request.epsilon * rounds, request.delta * rounds, 1.0, rounds=rounds)
         self.noise_multiplier = request.rule.gaussian_multiplier(earlier, phase, request.policy_delta)
+        if self.noise_multiplier is not None and math.isinf(self.noise_multiplier):
+            # no finite noise meets the share on this ledger (a share below the accountant's resolution,
+            # or nothing left of the policy's delta): refused before the reservation, as a budget is;
+            # reserved, it would fail on an infinite sigma. The ledger and request decide it, no record.
+            raise BudgetExceeded(refusals.BUDGET, (
+                f"{request.phase}: refused, no finite noise spends epsilon = {request.epsilon:.4g} on this node's "
+                f"ledger under {request.accounting} at delta = {request.policy_delta:g} (the share is below the "
+                "accountant's resolution, or nothing is left of the delta)"))
 
     @property
     def sigma(self) -> float | None:

@@ -180,8 +180,9 @@ class NodePolicy:
             self._check_delta(ask.delta)
         for name, eps in ask.phases:
             self._check_phase(name, eps)
-            self._check_columns(name, ask.measured if phase_named(name).reads == "measured" else self.reads(name))
-            for key, allowed in phase_named(name).requires:  # the models the phase runs (common.phases)
+            kind = phase_named(name)
+            self._check_columns(name, ask.measured if kind.reads == "measured" else self.reads(name))
+            for key, allowed in kind.requires:  # the models the phase runs (common.phases)
                 _allowed(_REQUIRED_RULES[key], key, getattr(ask, key), getattr(self, allowed))
 
     def reads(self, name: str) -> tuple[str, ...]:

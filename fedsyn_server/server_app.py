@@ -130,13 +130,14 @@ def plan_only(grid: Grid, cfg: RunConfig) -> None:
     from fedsyn_server.plan import deployment_lines
 
     strategy, _, _ = build_strategy(cfg, load_model=False)
-    strategy.stable_seconds = stable_seconds(grid)
+    strategy.session.stable_seconds = stable_seconds(grid)
     refused: RunRefused | None = None
     try:
         strategy.preflight(grid)
     except RunRefused as err:
         refused = err
-    for line in deployment_lines(cfg, strategy.members.answered, strategy.result, strategy.delta):
+    session = strategy.session
+    for line in deployment_lines(cfg, session.members.answered, session.result, session.delta):
         log.info("plan: %s", line)
     if refused is not None:
         raise refused
@@ -227,9 +228,9 @@ def _main(grid: Grid, context: Context) -> None:
         log.info("(a relative path is under the SuperLink's working directory %s, where the first `flwr run` "
                  "started it; `fedsyn run` resolves paths against yours)", Path.cwd())
     strategy, bench, server_model = build_strategy(cfg)
-    strategy.resume_key = str(context.run_id)  # a resumed run takes its original key from the checkpoint
-    strategy.checkpoint_dir = run_dir
-    strategy.stable_seconds = stable_seconds(grid)
+    strategy.session.resume_key = str(context.run_id)  # a resumed run takes its original key from the checkpoint
+    strategy.session.checkpoint_dir = run_dir
+    strategy.session.stable_seconds = stable_seconds(grid)
     if checkpoint is None:
         write_resume_config(cfg, run_dir)
     atomic_symlink(run_dir.parent / LATEST, run_dir.name)

@@ -159,7 +159,8 @@ class Orchestration(ABC):
     """A run's phases over a ``RunSession``: what the ServerApp builds, configures and starts.
 
     Subclasses build ``self.session`` and say their ``phases``, ``summary`` and ``start``; the
-    rest (stage 0 alone, ending holds, the settings the ServerApp sets) is the session's.
+    rest (stage 0 alone, ending holds) is the session's, and so are the settings the ServerApp sets
+    (``strategy.session.resume_key``, ``checkpoint_dir``, ``stable_seconds``) and the run's result.
     """
 
     session: RunSession
@@ -189,46 +190,3 @@ class Orchestration(ABC):
     def end_holds(self, grid: Grid, node_ids: Iterable[int] | None = None) -> None:
         """End the epsilon the nodes hold for this run (``RunSession.end_holds``)."""
         self.session.end_holds(grid, node_ids)
-
-    # The session's settings and state, as the ServerApp and the tests read and set them.
-    @property
-    def result(self) -> FedSynResult:
-        """Everything the run produced so far."""
-        return self.session.result
-
-    @property
-    def members(self) -> Membership:
-        """Who takes part, and as what."""
-        return self.session.members
-
-    @property
-    def delta(self) -> float:
-        """The delta per release this run asks for."""
-        return self.session.delta
-
-    @property
-    def stable_seconds(self) -> float:
-        """How long the node count must stay unchanged before stage 0 asks."""
-        return self.session.stable_seconds
-
-    @stable_seconds.setter
-    def stable_seconds(self, value: float) -> None:
-        self.session.stable_seconds = value
-
-    @property
-    def resume_key(self) -> str:
-        """The run key every request carries (a resumed run takes its checkpoint's)."""
-        return self.session.resume_key
-
-    @resume_key.setter
-    def resume_key(self, value: str) -> None:
-        self.session.resume_key = value
-
-    @property
-    def checkpoint_dir(self) -> Path | None:
-        """Where the run is checkpointed (None: nowhere)."""
-        return self.session.checkpoint_dir
-
-    @checkpoint_dir.setter
-    def checkpoint_dir(self, value: Path | None) -> None:
-        self.session.checkpoint_dir = value

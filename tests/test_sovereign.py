@@ -127,7 +127,7 @@ def test_paper_delta_counts_records_not_nodes(tmp_path):
 
     data = _csv(tmp_path / "public.csv", n=200)
     strategy, bench, _ = build_strategy(RunConfig.from_flower(_rc(data, delta="paper")))
-    assert strategy.delta == paper_delta(len(bench.train)) < 1e-3  # 2 nodes would give 0.36
+    assert strategy.session.delta == paper_delta(len(bench.train)) < 1e-3  # 2 nodes would give 0.36
 
 
 # --------------------------------------------------------------------------- finding 3
@@ -233,7 +233,7 @@ def _run_strategy(tmp_path, nodes_cfg: dict[int, tuple[str, str]], rc: dict, dro
     set_task_identity()
     cfg = RunConfig.from_flower(rc)
     strategy, _, model = build_strategy(cfg)
-    strategy.stable_seconds = 0.0
+    strategy.session.stable_seconds = 0.0
     grid = FakeGrid(nodes)
     res = strategy.start(grid, model.initial_arrays())
     return res, privacy_report(cfg, res), grid

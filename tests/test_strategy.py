@@ -56,7 +56,7 @@ def nodes_for(rc: dict, n: int, state_dir=None, run_id: int = 7) -> dict:
 def run(rc: dict, nodes: dict):
     set_task_identity()
     strategy, bench, server_model = build_strategy(RunConfig.from_flower(rc))
-    strategy.stable_seconds = 0.0
+    strategy.session.stable_seconds = 0.0
     grid = FakeGrid(nodes)
     return strategy.start(grid, server_model.initial_arrays()), grid, bench
 
@@ -137,7 +137,7 @@ def test_second_run_on_spent_budget_is_refused_up_front(dataset, tmp_path):
     before = {n: json.loads((tmp_path / f"node{n}" / "ledger.json").read_text()) for n in range(3)}
     set_task_identity()
     strategy, _, model = build_strategy(RunConfig.from_flower(rc))
-    strategy.stable_seconds = 0.0
+    strategy.session.stable_seconds = 0.0
     grid = FakeGrid(nodes_for(rc, 3, tmp_path, run_id=8))
     with pytest.raises(RunRefused) as refused:
         strategy.start(grid, model.initial_arrays())

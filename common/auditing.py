@@ -217,3 +217,90 @@ def epsilon_lower_bound(scores_d: np.ndarray, scores_d_prime: np.ndarray, delta:
     eps, p_lower, q_upper = _bound(_tail_counts(d_test, dp_test, threshold)[direction], delta, confidence)
     return AuditResult(epsilon_lower=eps, threshold=threshold, direction=direction, p_lower=p_lower,
                        q_upper=q_upper, draws=(d_test.size, dp_test.size), confidence=confidence)
+
+
+# ------------------------------------------------------------------ the Gaussian release's parameters
+# The threshold test above assumes nothing of the mechanism and needs ~10^5 draws per dataset to see a
+# violation at delta 1e-5: a real release costs tens of milliseconds to seconds on a node, so it cannot
+# be the only test. A release that states "Gaussian, sigma, sensitivity" makes a checkable claim about
+# its shape: output = f(D) + N(0, sigma^2 I). f(D) is read exactly on the real path with the noise off
+# (epsilon inf), so the residuals of noised draws are the noise itself, and a few thousand residual
+# coordinates bound sigma tightly; the distance ||f(D) - f(D')|| found by the dataset generator is a
+# sensitivity the release really has. Together they give the epsilon the pair really loses, under the
+# claim's shape, which the shape checks below test (a noise that is not that Gaussian fails them).
+
+
+def sigma_upper(residuals: np.ndarray, confidence: float) -> float:
+    """An upper confidence bound on sigma from residuals known to be centred (output minus the exact
+    noise-off value, so no mean is estimated): with n coordinates, sum r^2 / sigma^2 is chi-squared with
+    n degrees of freedom, and ``sqrt(sum r^2 / chi2.ppf(1 - confidence, n))`` is at least sigma with
+    probability ``confidence``. One-sided: only a sigma below the stated one loses privacy."""
+    from scipy.stats import chi2  # scipy is a dependency; imported here to keep `import common` light
+
+    _check_confidence(confidence)
+    r = np.asarray(residuals, dtype=np.float64).ravel()
+    if r.size == 0 or not np.all(np.isfinite(r)):
+        raise ValueError("residuals must be a non-empty array of finite values")
+    return float(math.sqrt(float(np.sum(r * r)) / float(chi2.ppf(1.0 - confidence, r.size))))
+
+
+def gaussian_epsilon(sigma: float, sensitivity: float, delta: float) -> float:
+    """The exact epsilon at ``delta`` of adding N(0, sigma^2 I) to a vector that moves by ``sensitivity``
+    (L2) between the two datasets: Balle & Wang's analytic Gaussian, through ``dp_accounting``. 0 for
+    sensitivity 0, inf for sigma 0 with sensitivity > 0."""
+    from dp_accounting.gaussian_mechanism import get_epsilon_gaussian
+
+    if sensitivity <= 0:
+        return 0.0
+    if sigma <= 0:
+        return math.inf
+    return float(get_epsilon_gaussian(sigma / sensitivity, delta))
+
+
+@dataclass(frozen=True)
+class ShapeCheck:
+    """Whether draws of a release look like its stated mechanism, output = f(D) + N(0, sigma^2 I) with
+    one sigma on both datasets: p-values of three tests of the residuals (their distribution against the
+    normal, Kolmogorov-Smirnov; their mean against 0; the variance on D against that on D', F). A small
+    p-value is evidence the noise is not the stated mechanism's (biased, heavy-tailed, or scaled by the
+    records), which the sigma bound does not cover."""
+
+    normal_p: float
+    mean_p: float
+    same_sigma_p: float
+
+    def failures(self, alpha: float) -> list[str]:
+        """The checks rejected at level ``alpha``, in words."""
+        out = []
+        if self.normal_p < alpha:
+            out.append(f"the noise is not normal (Kolmogorov-Smirnov p = {self.normal_p:.2g})")
+        if self.mean_p < alpha:
+            out.append(f"the noise is not centred on the noise-off value (p = {self.mean_p:.2g})")
+        if self.same_sigma_p < alpha:
+            out.append(f"the noise's scale differs between D and D' (F-test p = {self.same_sigma_p:.2g})")
+        return out
+
+
+def shape_check(residuals_d: np.ndarray, residuals_d_prime: np.ndarray) -> ShapeCheck:
+    """``ShapeCheck`` of the residuals on D and on D' (each any shape; every coordinate one draw of
+    the noise). Needs at least two coordinates on each side."""
+    from scipy.stats import f as f_dist, kstest, norm
+
+    a = np.asarray(residuals_d, dtype=np.float64).ravel()
+    b = np.asarray(residuals_d_prime, dtype=np.float64).ravel()
+    if a.size < 2 or b.size < 2 or not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
+        raise ValueError("shape_check needs at least two finite residuals on each dataset")
+    both = np.concatenate([a, b])
+    scale = float(math.sqrt(np.mean(both * both)))
+    if scale == 0:  # no noise at all: normal with sigma 0, centred, the same on both sides
+        return ShapeCheck(1.0, 1.0, 1.0)
+    normal_p = float(kstest(both / scale, "norm").pvalue)
+    mean_p = float(2 * norm.sf(abs(float(np.mean(both))) / (scale / math.sqrt(both.size))))
+    va, vb = float(np.mean(a * a)), float(np.mean(b * b))
+    if va == 0 or vb == 0:
+        same_p = 1.0 if va == vb else 0.0
+    else:
+        ratio = va / vb
+        tail = f_dist.sf(ratio, a.size, b.size) if ratio > 1 else f_dist.cdf(ratio, a.size, b.size)
+        same_p = float(min(1.0, 2 * tail))
+    return ShapeCheck(normal_p, mean_p, same_p)

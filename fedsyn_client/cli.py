@@ -13,6 +13,9 @@ They are registered with the ``fedsyn`` command through the ``fedsyn.commands`` 
   trees, the venv and who can change them, Flower's exact version). Reads, writes nothing but a new node's
   first ledger, spends nothing.
 - ``fedsyn node fab-hash|approve|install-launcher``: the FAB gate (``fedsyn_client.fab_gate``).
+- ``fedsyn audit --node-config '...'``: what each release of this node really loses, measured on
+  the node's own records (``fedsyn_client.privacy_audit``); exit 1 naming a release that breaks its
+  statement.
 """
 
 from __future__ import annotations
@@ -89,6 +92,70 @@ def _run_node_check(args: argparse.Namespace) -> int:
         print(f"fedsyn node-check: {err}", file=sys.stderr)
         return 1
     print(f"{ready}\n{gate}")
+    return 0
+
+
+def add_audit(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``fedsyn audit``."""
+    from fedsyn_client.privacy_audit import DEFAULT_BOUND, DEFAULT_CONFIDENCE, DEFAULT_DRAWS
+
+    p = subparsers.add_parser(
+        "audit", help="measure what each release of this node really loses (an empirical lower bound on epsilon)",
+        description="Run on the node with its --node-config: for each release the node serves in the run described "
+                    "(profile, a vote of each registered histogram, marginals), runs the node's real release path "
+                    "on neighbouring copies of its records (one record added or removed, below, at and above "
+                    "max-records) with the noise off and on, and bounds from below the epsilon each release really "
+                    "loses. Prints stated epsilon against the lower bound; exit 1 naming a release whose bound or "
+                    "measured sensitivity exceeds its statement. Nothing leaves the machine; the node's ledger and "
+                    "state are never opened (a temporary folder holds a copy of its view secret). docs/privacy.md"
+                    "#the-audit says how it works and what it can see.",
+    )
+    p.add_argument("--node-config", required=True, help='e.g. \'tier="weak" data-path="site.csv" epsilon=8\'')
+    p.add_argument("--run-config", default="", help="the run to audit, as flwr run --run-config takes it "
+                                                     "(default: the default run on the node's columns and budget)")
+    p.add_argument("--draws", type=int, default=DEFAULT_DRAWS,
+                   help=f"noised releases per side of the worst pair, at most (default {DEFAULT_DRAWS}; fewer where "
+                        "the released vector is long)")
+    p.add_argument("--max-records", type=int, default=None,
+                   help=f"the audit's max-records: its files' sizes (default the node's, at most {DEFAULT_BOUND})")
+    p.add_argument("--confidence", type=float, default=DEFAULT_CONFIDENCE,
+                   help=f"per release: a correct one fails with probability at most 1 - this (default "
+                        f"{DEFAULT_CONFIDENCE})")
+    p.add_argument("--release", action="append", default=None, metavar="NAME",
+                   help="audit this release only: profile, vote:HISTOGRAM (e.g. vote:knn-vote) or marginals "
+                        "(repeat for several; default every one the node serves)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.set_defaults(handler=_run_audit)
+
+
+def _run_audit(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from common.config import parse_pairs
+    from common.io import jsonable
+    from fedsyn_client.privacy_audit import AuditError, format_audit, run_audit
+
+    node_config = parse_pairs([args.node_config], "--node-config")
+    overrides = parse_pairs([args.run_config], "--run-config") if args.run_config.strip() else None
+    if not 0 < args.confidence < 1 or args.draws < 2 or (args.max_records is not None and args.max_records < 2):
+        raise ValueError("--confidence must be in (0, 1), --draws and --max-records at least 2")
+    try:
+        audit = run_audit(node_config, overrides, args.max_records, args.draws, args.confidence, args.release,
+                          progress=sys.stderr.isatty())
+    except (NodeSetupError, AuditError) as err:
+        print(f"fedsyn audit: {err}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(jsonable({"results": [{**asdict(r), "lower": r.lower, "failed": r.failed}
+                                               for r in audit.results],
+                                   "max_records": audit.bound, "pairs": audit.pairs, "seconds": audit.seconds}),
+                         indent=2))
+    else:
+        print(format_audit(audit))
+    if audit.failed:
+        print(f"fedsyn audit: FAILED: {', '.join(r.kind for r in audit.failed)} break their statement",
+              file=sys.stderr)
+        return 1
     return 0
 
 

@@ -304,3 +304,82 @@ def shape_check(residuals_d: np.ndarray, residuals_d_prime: np.ndarray) -> Shape
         tail = f_dist.sf(ratio, a.size, b.size) if ratio > 1 else f_dist.cdf(ratio, a.size, b.size)
         same_p = float(min(1.0, 2 * tail))
     return ShapeCheck(normal_p, mean_p, same_p)
+
+
+# ------------------------------------------------------------------------- one run, m canaries
+# Steinke, Nasr & Jagielski (2023), "Privacy auditing with one (1) training run": m canaries, each put in
+# the input independently with probability 1/2; after ONE run the auditor guesses, from the output, "in"
+# for the canaries that score highest and "out" for the lowest, abstaining on the rest. Under
+# (epsilon, delta)-DP the number of correct guesses is dominated by a binomial at the accuracy of
+# epsilon's randomised response, e^eps / (1 + e^eps), up to a term in delta (their Theorem 3.3 and the
+# p-value of their Algorithm 3, written here from the paper); so many correct guesses prove epsilon
+# above a level. One run, not thousands: the whole pipeline can be audited.
+
+
+def one_run_p_value(m: int, guesses: int, correct: int, epsilon: float, delta: float) -> float:
+    """The probability, under (``epsilon``, ``delta``)-DP, of at least ``correct`` right guesses among
+    ``guesses`` made about ``m`` canaries (each included with probability 1/2): P[Binomial(r, q) >= v]
+    plus 2 m delta times the largest average of the binomial's mass just below v (the paper's delta
+    term), q = e^eps / (1 + e^eps)."""
+    from scipy.stats import binom
+
+    if not 0 <= correct <= guesses <= m:
+        raise ValueError(f"need 0 <= correct <= guesses <= m, got {correct}, {guesses}, {m}")
+    if epsilon < 0 or not 0 <= delta <= 1:
+        raise ValueError(f"need epsilon >= 0 and delta in [0, 1], got {epsilon}, {delta}")
+    q = 1.0 / (1.0 + math.exp(-epsilon))
+    beta = float(binom.sf(correct - 1, guesses, q))
+    if delta == 0 or correct == 0:
+        return min(1.0, beta)
+    below = binom.pmf(np.arange(correct - 1, -1, -1), guesses, q)  # P[Bin = v-1], P[Bin = v-2], ...
+    alpha = float(np.max(np.cumsum(below) / np.arange(1, correct + 1)))
+    return min(1.0, beta + alpha * delta * 2 * m)
+
+
+def one_run_epsilon(m: int, guesses: int, correct: int, delta: float, confidence: float = 0.95) -> float:
+    """The largest epsilon at which ``correct`` of ``guesses`` right guesses about ``m`` canaries is
+    still too many to believe at ``confidence`` (its p-value below 1 - confidence): a lower bound on the
+    run's epsilon at ``delta`` with that confidence; 0 when the guesses prove nothing."""
+    _check_confidence(confidence)
+    alpha = 1.0 - confidence
+    if one_run_p_value(m, guesses, correct, 0.0, delta) >= alpha:
+        return 0.0
+    low, high = 0.0, 1.0
+    while one_run_p_value(m, guesses, correct, high, delta) < alpha:
+        low, high = high, 2 * high
+        if high > 1e3:
+            return math.inf
+    for _ in range(50):  # bisection: p-value increases with epsilon
+        mid = (low + high) / 2
+        low, high = (mid, high) if one_run_p_value(m, guesses, correct, mid, delta) < alpha else (low, mid)
+    return low
+
+
+@dataclass(frozen=True)
+class CanaryGuess:
+    """The guesses an audit made about m canaries: ``guesses`` (r) of them, ``correct`` (v) right, the
+    lower bound on epsilon they prove at ``delta`` with ``confidence``."""
+
+    m: int
+    guesses: int
+    correct: int
+    epsilon_lower: float
+    delta: float
+    confidence: float
+
+
+def canary_guess(scores: np.ndarray, included: np.ndarray, k: int, delta: float,
+                 confidence: float = 0.95) -> CanaryGuess:
+    """Guess "in" for the ``k`` canaries of highest score and "out" for the ``k`` lowest (abstain on the
+    rest), count the right guesses against ``included`` (booleans drawn before the run), and bound
+    epsilon (``one_run_epsilon``). Ties in the scores are broken by position, which the run cannot know:
+    the canaries' order is drawn independently of their inclusion."""
+    s = np.asarray(scores, dtype=np.float64).ravel()
+    inc = np.asarray(included, dtype=bool).ravel()
+    if s.size != inc.size or s.size == 0 or not np.all(np.isfinite(s)):
+        raise ValueError("scores and included must be equal-length, non-empty, and the scores finite")
+    k = max(0, min(int(k), s.size // 2))
+    order = np.argsort(-s, kind="stable")
+    correct = int(inc[order[:k]].sum() + (~inc[order[s.size - k:]]).sum()) if k else 0
+    return CanaryGuess(s.size, 2 * k, correct, one_run_epsilon(s.size, 2 * k, correct, delta, confidence), delta,
+                       confidence)

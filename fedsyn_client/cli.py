@@ -110,17 +110,23 @@ def add_audit(subparsers: argparse._SubParsersAction) -> None:
                     "state are never opened (a temporary folder holds a copy of its view secret). docs/privacy.md"
                     "#the-audit says how it works and what it can see.",
     )
-    p.add_argument("--node-config", required=True, help='e.g. \'tier="weak" data-path="site.csv" epsilon=8\'')
+    p.add_argument("--node-config", default=None, help='the node to audit, e.g. \'tier="weak" data-path="site.csv" '
+                                                        'max-records=10000 epsilon=8\'')
+    p.add_argument("--canaries", type=int, default=None, metavar="M",
+                   help="instead: audit a whole simulated run (DP-SGD included) by M canary records, half of them "
+                        "put in its data, and a membership test on its synthetic set and model (one run)")
+    p.add_argument("--seed", type=int, default=0, help="with --canaries: the canaries' and their coins' seed")
     p.add_argument("--run-config", default="", help="the run to audit, as flwr run --run-config takes it "
-                                                     "(default: the default run on the node's columns and budget)")
+                                                     "(default: the default run; with --node-config on the node's "
+                                                     "columns and budget)")
     p.add_argument("--draws", type=int, default=DEFAULT_DRAWS,
                    help=f"noised releases per side of the worst pair, at most (default {DEFAULT_DRAWS}; fewer where "
                         "the released vector is long)")
     p.add_argument("--max-records", type=int, default=None,
                    help=f"the audit's max-records: its files' sizes (default the node's, at most {DEFAULT_BOUND})")
-    p.add_argument("--confidence", type=float, default=DEFAULT_CONFIDENCE,
+    p.add_argument("--confidence", type=float, default=None,
                    help=f"per release: a correct one fails with probability at most 1 - this (default "
-                        f"{DEFAULT_CONFIDENCE})")
+                        f"{DEFAULT_CONFIDENCE}; with --canaries 0.95)")
     p.add_argument("--release", action="append", default=None, metavar="NAME",
                    help="audit this release only: profile, vote:HISTOGRAM (e.g. vote:knn-vote) or marginals "
                         "(repeat for several; default every one the node serves)")
@@ -133,14 +139,28 @@ def _run_audit(args: argparse.Namespace) -> int:
 
     from common.config import parse_pairs
     from common.io import jsonable
-    from fedsyn_client.privacy_audit import AuditError, format_audit, run_audit
+    from fedsyn_client.privacy_audit import DEFAULT_CONFIDENCE, AuditError, format_audit, run_audit
 
-    node_config = parse_pairs([args.node_config], "--node-config")
+    if (args.node_config is None) == (args.canaries is None):
+        raise ValueError("give --node-config (this node's releases) or --canaries M (a whole simulated run), one")
     overrides = parse_pairs([args.run_config], "--run-config") if args.run_config.strip() else None
-    if not 0 < args.confidence < 1 or args.draws < 2 or (args.max_records is not None and args.max_records < 2):
-        raise ValueError("--confidence must be in (0, 1), --draws and --max-records at least 2")
+    if args.confidence is not None and not 0 < args.confidence < 1:
+        raise ValueError(f"--confidence {args.confidence}: must be in (0, 1)")
+    if args.canaries is not None:
+        # the run-level audit is the server's (it runs the pipeline): found as a plug-in, so the node's
+        # code never imports the server's
+        from importlib.metadata import entry_points
+
+        if args.canaries < 2:
+            raise ValueError("--canaries needs at least 2 canaries")
+        (canaries,) = entry_points(group="fedsyn.audits", name="canaries")
+        return int(canaries.load()(args.canaries, overrides, args.seed, args.confidence or 0.95))
+    node_config = parse_pairs([args.node_config], "--node-config")
+    if args.draws < 2 or (args.max_records is not None and args.max_records < 2):
+        raise ValueError("--draws and --max-records must be at least 2")
     try:
-        audit = run_audit(node_config, overrides, args.max_records, args.draws, args.confidence, args.release,
+        audit = run_audit(node_config, overrides, args.max_records, args.draws,
+                          args.confidence or DEFAULT_CONFIDENCE, args.release,
                           progress=sys.stderr.isatty())
     except (NodeSetupError, AuditError) as err:
         print(f"fedsyn audit: {err}", file=sys.stderr)

@@ -36,6 +36,7 @@ import csv
 import gzip
 import json
 import math
+import secrets
 import shutil
 import tempfile
 import time
@@ -240,6 +241,9 @@ class AuditNode:
         self.node_config = {**node_config, "max-records": int(bound), "audit-dir": ""}
         self.run_config = cfg.to_flower()
         self.scratch, self.secret, self.sent = scratch, secret, 0
+        # run keys no earlier audit in a reused scratch folder used: a repeated key and request would get
+        # the stored reply (no fresh noise) and a ledger of the same name would price the draw after others
+        self.token = secrets.token_hex(4)
 
     def _state(self, data: Path) -> Path:
         from fedsyn_client.view import SEED_FILE, view_seed
@@ -264,7 +268,7 @@ class AuditNode:
         from fedsyn_client.client_app import app
 
         self.sent += 1
-        key = f"audit-{self.sent}"
+        key = f"audit-{self.token}-{self.sent}"
         node_config = {**self.node_config, "data-path": str(data), "state-dir": str(self._state(data)),
                        "ledger-id": key}
         run_config = dict(self.run_config)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import csv
 import gzip
+import itertools
 import json
 import math
 import secrets
@@ -80,7 +81,7 @@ class RowFile:
     def write(self, rows: Sequence[dict[str, Any]], path: Path) -> Path:
         """``rows`` written to ``path`` + this file's suffix; the path written."""
         out = path.with_name(path.name + self.suffix)
-        opener: Callable[..., Any] = gzip.open if self.suffix.endswith(".gz") else open
+        opener = _opener(self.suffix)
         if ".parquet" in self.suffix:
             import pyarrow as pa
             import pyarrow.parquet as pq
@@ -97,27 +98,49 @@ class RowFile:
         return out
 
 
-def read_rows(path: str | Path) -> RowFile:
-    """The records of a node's data file (CSV, JSON Lines or Parquet, optionally gzipped), as written."""
+def read_rows(path: str | Path, limit: int | None = None) -> RowFile:
+    """The records of a node's data file (CSV, JSON Lines or Parquet, optionally gzipped), as written;
+    the first ``limit`` of them (the audit's files need no more than its bound and a third)."""
     p = Path(path)
     name = p.name.lower()
-    suffix = "".join(s for s in p.suffixes if s.lower() in (".csv", ".jsonl", ".json", ".parquet", ".gz"))
-    opener: Callable[..., Any] = gzip.open if name.endswith(".gz") else open
+    suffix = "".join(s for s in p.suffixes if s.lower() in (".csv", ".jsonl", ".json", ".parquet", *_COMPRESSED))
+    opener = _opener(suffix)
     if ".parquet" in name:
         import pyarrow.parquet as pq
 
         table = pq.read_table(p)
+        table = table if limit is None else table.slice(0, limit)
         return RowFile(table.to_pylist(), suffix, list(table.column_names), table.schema)
     if ".csv" in name:
         with opener(p, "rt", encoding="utf-8", newline="") as fh:
             reader = csv.DictReader(fh)
-            rows = list(reader)
+            rows = list(itertools.islice(reader, limit))
             return RowFile(rows, suffix, list(reader.fieldnames or []))
     if ".json" in name:
         with opener(p, "rt", encoding="utf-8") as fh:
-            rows = [json.loads(line) for line in fh if line.strip()]
-        return RowFile(rows, suffix, list(rows[0]) if rows else [])
-    raise ValueError(f"{p}: the audit reads CSV, JSON Lines and Parquet files (optionally .gz), as the node does")
+            lines = (x for x in fh if x.strip())
+            first = next(lines, "")
+            if first.lstrip().startswith("["):  # a JSON array: written back as JSON Lines, one record a line
+                rows = json.loads(first + "".join(lines))[:limit]
+            else:
+                rows = [json.loads(line) for line in itertools.islice(itertools.chain([first], lines), limit)
+                        if line]
+        return RowFile(rows, suffix.replace(".json", ".jsonl") if ".jsonl" not in suffix else suffix,
+                       list(rows[0]) if rows else [])
+    raise ValueError(f"{p}: the audit reads CSV, JSON Lines, JSON and Parquet files (optionally .gz, .bz2 or .xz); "
+                     "convert the file to one of them for the audit")
+
+
+_COMPRESSED = (".gz", ".bz2", ".xz")
+
+
+def _opener(suffix: str) -> Callable[..., Any]:
+    """``open`` for the compression a suffix names (gzip, bz2, xz), or plain ``open``."""
+    import bz2
+    import lzma
+
+    openers: dict[str, Callable[..., Any]] = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
+    return openers.get(suffix[suffix.rfind("."):].lower(), open)
 
 
 # ---------------------------------------------------------------------------------- neighbours
@@ -465,7 +488,7 @@ def run_audit(node_config: dict[str, Any], overrides: dict[str, Any] | None = No
     folder = Path(tempfile.mkdtemp(prefix="fedsyn-audit-")) if scratch is None else Path(scratch)
     try:
         schema = cfg.schema()
-        pairs = neighbours(read_rows(policy.data_path), folder / "data", bound, schema,
+        pairs = neighbours(read_rows(policy.data_path, bound + bound // 3 + 1), folder / "data", bound, schema,
                            schema.text_column or "" if schema is not None else policy.text_column)
         node = AuditNode(node_config, cfg, folder, bound, secret if secret.exists() else None)
         results = []

@@ -56,15 +56,19 @@ def test_shape_check_passes_the_gaussian_and_rejects_what_is_not():
 # ------------------------------------------------------------------------------ the neighbours
 
 
-@pytest.mark.parametrize("suffix", [".csv", ".jsonl", ".jsonl.gz", ".parquet"])
+@pytest.mark.parametrize("suffix", [".csv", ".csv.bz2", ".jsonl", ".jsonl.gz", ".jsonl.xz", ".parquet"])
 def test_neighbours_differ_in_one_record_each_value_as_written(tmp_path, suffix):
     from fedsyn_client.privacy_audit import neighbours, read_rows
 
     frame = pd.DataFrame({"text": [f"record {i}" for i in range(30)], "topic": ["01", "x", "y"] * 10,
                           "size": list(range(30))})
     path = tmp_path / f"site{suffix}"
-    {".csv": lambda: frame.to_csv(path, index=False), ".parquet": lambda: frame.to_parquet(path)}.get(
-        suffix, lambda: frame.to_json(path, orient="records", lines=True, compression="infer"))()
+    if ".csv" in suffix:
+        frame.to_csv(path, index=False, compression="infer")
+    elif suffix == ".parquet":
+        frame.to_parquet(path)
+    else:
+        frame.to_json(path, orient="records", lines=True, compression="infer")
     source = read_rows(path)
     pairs = neighbours(source, tmp_path / "n", bound=20)
     assert {p.name.split(":")[0] for p in pairs} == {"below max-records (10)", "at max-records (20)",
@@ -79,6 +83,17 @@ def test_neighbours_differ_in_one_record_each_value_as_written(tmp_path, suffix)
             big.remove(row)  # every record of the smaller file is in the larger, value for value
         assert len(big) == 1
     assert read_rows(pairs[0].d).rows[0]["topic"] == "01"  # a CSV's text stays its text
+
+
+def test_a_json_array_is_read_and_its_neighbours_written_as_json_lines(tmp_path):
+    from fedsyn_client.privacy_audit import neighbours, read_rows
+
+    path = tmp_path / "site.json"
+    pd.DataFrame({"text": [f"r {i}" for i in range(6)], "topic": ["x", "y"] * 3}).to_json(path, orient="records")
+    source = read_rows(path)
+    assert len(source.rows) == 6 and source.suffix == ".jsonl"
+    assert all(p.d_prime.name.endswith(".jsonl") for p in neighbours(source, tmp_path / "n", bound=4))
+    assert len(read_rows(path, limit=4).rows) == 4
 
 
 def test_a_table_gets_records_at_its_columns_edges(tmp_path):

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.accounting import Accounting
+from common.io import jsonable
 from fedsyn_client import holds, refusals
 from fedsyn_client.refusals import BudgetExceeded
 
@@ -140,8 +141,11 @@ def admit(data: dict[str, Any], phase: str, epsilon: float, run_id: str, rnd: in
                 f"and {used:.4g} is spent; the request needs {epsilon:.4g} more"))
     run = [r for r in counted(data["releases"]) if r["run_id"] == run_id and r["phase"] == phase]
     bound = next((r["binding"] for r in run if "binding" in r), None)
-    if binding is not None and bound is not None and bound != binding:
-        differs = sorted(k for k in set(bound) | set(binding) if bound.get(k) != binding.get(k))
+    # compared as the ledger file holds them: JSON writes an epsilon of inf (a run without DP) as "inf"
+    # and a tuple as a list, so the terms read back from it are compared with the request's so written
+    if binding is not None and bound is not None and jsonable(bound) != jsonable(binding):
+        written, asked = jsonable(bound), jsonable(binding)
+        differs = sorted(k for k in set(written) | set(asked) if written.get(k) != asked.get(k))
         raise BudgetExceeded(refusals.BUDGET_BOUND, (
             f"{phase}: refused, this run's {phase} reservation was made for other terms "
             f"({', '.join(differs)} differ); a changed run is a new run (a new resume-key)"))

@@ -309,3 +309,17 @@ def test_admission_rules_read_only_the_ledgers_data_and_name_the_rule_that_refus
     assert rule(steps=(2, 1)) == refusals.BUDGET_STEPS
     assert admission.admit(data, "vote", 1.0, "a", 2, 6.0, binding={"sigma": 1.0}) == {"sigma": 1.0}
     assert admission.admit(data, "profile", 1.0, "a", 1, 2.0) is None  # the phase's first: it binds
+
+
+def test_a_run_without_dp_keeps_its_binding_through_the_ledger_file(tmp_path):
+    """A run at epsilon = inf binds its phase to epsilon inf, which the ledger file writes as "inf":
+    its round 2 was refused as "bound to other terms (epsilon differ)" (found by the canary audit's
+    non-private control run, issue 63). Compared as written, the same terms are the same."""
+    ledger = PrivacyLedger.open(tmp_path, math.inf)
+    binding = {"epsilon": math.inf, "delta": 1e-5, "vocabulary": ("topic=x",), "rounds": 2}
+    for rnd in (1, 2):
+        rel = Release(phase="train", mechanism="dpsgd", epsilon=math.inf, delta=1e-5, run_id="r", round=rnd)
+        ledger.reserve(rel, math.inf, binding=binding)
+    with pytest.raises(BudgetExceeded, match="epsilon differ"):
+        ledger.reserve(Release(phase="train", mechanism="dpsgd", epsilon=math.inf, delta=1e-5, run_id="r", round=3),
+                       math.inf, binding={**binding, "epsilon": 6.0})

@@ -212,11 +212,7 @@ def check_node(node_config: dict[str, Any]) -> str:
     ``NodeSetupError`` naming the file and the reason. Spends nothing, sends nothing."""
     if is_simulated(node_config):
         raise NodeSetupError("node-check is for deployed nodes; this node config has partition-id (simulation)")
-    try:
-        policy = _deployed_policy(dict(node_config))
-    except (PolicyError, ValueError) as err:
-        raise NodeSetupError(str(err)) from None
-    data = _data(policy, None)
+    policy, data = deployed_records(node_config)
     if len(data) == 0:  # before the ledger: nothing is opened for a node that cannot start
         raise NodeSetupError(f"data-path {policy.data_path!r} has no records (after the policy's columns and "
                              "schema): the node would release noise only; check the file and the node config")
@@ -287,6 +283,17 @@ def _measurable(policy: NodePolicy) -> str:
                if unranged else "")
             + (f"; free-text column {free!r} is never counted: only the language model's phases (DP finetuning, "
                "noisy votes) read it" if free else ""))
+
+
+def deployed_records(node_config: dict[str, Any]) -> tuple[NodePolicy, TextData]:
+    """A deployed node's policy and the records of its whole file under it (the policy's columns and
+    schema, before the view), as node-check and ``fedsyn audit`` read them first; ``NodeSetupError``
+    naming the problem when the node config or the file is unusable."""
+    try:
+        policy = _deployed_policy(dict(node_config))
+    except (PolicyError, ValueError) as err:
+        raise NodeSetupError(str(err)) from None
+    return policy, _data(policy, None)
 
 
 def _check_requirements(policy: NodePolicy, node_config: dict[str, Any]) -> None:

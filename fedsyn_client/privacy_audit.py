@@ -452,20 +452,17 @@ def run_audit(node_config: dict[str, Any], overrides: dict[str, Any] | None = No
     Raises ``NodeSetupError`` for an unusable node config, ``AuditError`` when a release cannot run."""
     from tqdm.auto import tqdm
 
-    from fedsyn_client import node as node_module
-    from fedsyn_client.node import _deployed_policy
-    from fedsyn_client.policy import PolicyError
+    from fedsyn_client.node import deployed_records
     from fedsyn_client.refusals import NodeSetupError
     from fedsyn_client.view import SEED_FILE
 
     start = time.perf_counter()
-    try:
-        policy = _deployed_policy(dict(node_config))
-    except (PolicyError, ValueError) as err:
-        raise NodeSetupError(str(err)) from None
+    if "partition-id" in node_config:
+        raise NodeSetupError("fedsyn audit --node-config audits a deployed node (its data-path); this node config is "
+                             "a simulated one (partition-id): audit a simulated run with --canaries")
+    policy, records = deployed_records(node_config)
     cfg = audit_run_config(policy, overrides)
     bound = int(bound or min(policy.max_records, DEFAULT_BOUND))
-    records = node_module._data(policy, None)
     if len(records) == 0:
         raise NodeSetupError(f"data-path {policy.data_path!r} has no records under the node's policy: nothing to audit")
     codes = list(policy.control_codes) or sorted(set(records.codes))

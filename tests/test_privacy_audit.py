@@ -191,3 +191,16 @@ def test_a_view_that_swaps_a_record_on_add_is_found_unaided(site, capsys, monkey
     code, text = _audit(site, capsys, "profile")
     assert code == 1 and "profile FAILS: its sensitivity is at least" in text
     assert "max-records (40): add" in text or "max-records (54)" in text  # found at or above the bound
+
+
+def test_bad_node_configs_are_refused_before_anything_runs(tmp_path, capsys):
+    from fedsyn_server.cli import main
+
+    assert main(["audit", "--node-config", 'partition-id=0 num-partitions=2']) == 1
+    assert "simulated" in capsys.readouterr().err
+    assert main(["audit", "--node-config", f'tier="weak" data-path="{tmp_path}/none.csv" max-records=10 '
+                                           f'state-dir="{tmp_path}" epsilon=8.0']) == 1
+    assert "none.csv" in capsys.readouterr().err
+    assert main(["audit", "--node-config", 'tier="weak" epsilon=8.0']) == 1  # no data-path, no max-records
+    err = capsys.readouterr().err
+    assert "data-path" in err or "max-records" in err

@@ -50,6 +50,12 @@ def add_ledger(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--reason", default="", help="why (kept in the ledger)")
     p.add_argument("--release-holds", action="store_true",
                    help="end every pre-flight hold (e.g. of a run that crashed and will not be resumed)")
+    p.add_argument("--html", default=None, metavar="PAGE",
+                   help="write one self-contained page of everything the node released (budget over time, every "
+                        "release, refusals, approved apps) to PAGE, for the people who sign off the node")
+    p.add_argument("--allow-list", default=None, metavar="FILE", help="with --html: the node's allow-list (its apps)")
+    p.add_argument("--audit-dir", default=None, metavar="DIR",
+                   help="with --html: the node's audit-dir (its outgoing replies: the refusals)")
     p.set_defaults(handler=_run_ledger)
 
 
@@ -253,6 +259,17 @@ def _run_ledger(args: argparse.Namespace) -> int:
     except NodeSetupError as err:
         print(f"fedsyn ledger: {err}", file=sys.stderr)
         return 1
+    if args.html:
+        from pathlib import Path
+
+        from common.io import atomic_write_text
+        from fedsyn_client.ledger_page import ledger_page
+
+        page = ledger_page(summary, Path(args.allow_list) if args.allow_list else None,
+                           Path(args.audit_dir) if args.audit_dir else None)
+        atomic_write_text(args.html, page)
+        print(f"wrote {args.html} ({len(summary['releases'])} releases; open it in any browser, offline)")
+        return 0
     # JSON has no Infinity: an unlimited budget is written "inf", as in the ledger file
     print(json.dumps(jsonable(summary), indent=2) if args.json else format_ledger(summary))
     return 0

@@ -13,55 +13,27 @@ from the ledger, the allow-list or the audit folder is HTML-escaped.
 
 from __future__ import annotations
 
-import base64
-import html
-import io
 import json
 import math
 import time
 from collections import Counter
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from common.html_page import (
+    document,
+    escape as _e,
+    figure_uri,
+    image,
+    number as _num,
+    section,
+    table as _table,
+    when as _when,
+)
+
 SECTIONS = ("summary", "budget-over-time", "releases", "refusals", "apps", "changes")
-_STYLE = """
-body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 72em; color: #222; }
-h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 2em; border-bottom: 1px solid #ccc; }
-table { border-collapse: collapse; font-size: 0.9em; } td, th { padding: 0.2em 0.6em; border: 1px solid #ddd; }
-th { background: #f3f3f3; text-align: left; } td.n { text-align: right; font-variant-numeric: tabular-nums; }
-.warn { color: #a40000; } .muted { color: #777; } img { max-width: 100%; }
-"""
-
-
-def _e(value: Any) -> str:
-    return html.escape(str(value), quote=True)
-
-
-def _num(value: Any, digits: int = 4) -> str:
-    try:
-        x = float(value)
-    except (TypeError, ValueError):
-        return _e(value if value is not None else "")
-    return "∞" if math.isinf(x) else f"{x:.{digits}g}"
-
-
-def _when(t: Any) -> str:
-    try:
-        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(t)))
-    except (TypeError, ValueError, OverflowError):
-        return ""
-
-
-def _table(header: Iterable[str], rows: Iterable[Iterable[str]], numeric: Iterable[int] = ()) -> str:
-    """An HTML table; cells are already escaped; ``numeric``: the columns aligned right."""
-    right = set(numeric)
-    head = "".join(f"<th>{_e(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f'<td class="n">{c}</td>' if i in right else f"<td>{c}</td>"
-                                    for i, c in enumerate(row)) + "</tr>" for row in rows)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
 def budget_plot(releases: list[dict[str, Any]], budget: float) -> str:
@@ -99,10 +71,7 @@ def budget_plot(releases: list[dict[str, Any]], budget: float) -> str:
     ax.legend(loc="upper left")
     fig.autofmt_xdate()
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+    return figure_uri(fig)
 
 
 def approved_apps(allow_list: Path) -> list[tuple[str, str]]:
@@ -142,15 +111,16 @@ def ledger_page(summary: dict[str, Any], allow_list: Path | None = None, audit_d
              f'<p class="muted">Written {_e(_when(time.time()))} by <code>fedsyn ledger --html</code>, from the '
              "node's own ledger. Every release a server received was noised on this node first.</p>"]
     spent_pld = summary.get("epsilon_composed", summary["epsilon_pld"])
-    parts.append('<h2 id="summary">Budget</h2>' + _table(
+    parts.append(section("summary", "Budget", _table(
         ("budget epsilon", "spent (basic)", "spent (PLD)", "remaining", "delta spent", "held for runs under way"),
         [[_num(budget), _num(summary["epsilon_spent"]), _num(spent_pld), _num(summary["epsilon_remaining"]),
-          _num(summary["delta_spent"], 3), _num(summary.get("epsilon_held", 0.0))]], numeric=range(6)))
-    image = budget_plot(releases, budget)
-    parts.append('<h2 id="budget-over-time">Budget used over time</h2>'
-                 + (f'<img alt="epsilon spent over time against the budget" src="{image}">' if image
-                    else '<p class="muted">Nothing released yet.</p>'))
+          _num(summary["delta_spent"], 3), _num(summary.get("epsilon_held", 0.0))]], numeric=range(6))))
+    plot = budget_plot(releases, budget)
+    parts.append(section("budget-over-time", "Budget used over time",
+                         image(plot, "epsilon spent over time against the budget") if plot
+                         else '<p class="muted">Nothing released yet.</p>'))
     rows = []
+
     def order(r: dict[str, Any]) -> tuple[str, str, int]:
         return str(r.get("run_id", "")), str(r.get("phase", "")), int(r.get("round", 0))
 
@@ -160,10 +130,10 @@ def ledger_page(summary: dict[str, Any], allow_list: Path | None = None, audit_d
                      _e(public.get("histogram", "")), _num(public.get("sigma", public.get("noise_multiplier", ""))),
                      _num(public.get("sensitivity", public.get("max_grad_norm", ""))), _num(r.get("epsilon")),
                      _num(r.get("delta"), 3), _e(r.get("status", "")), _e(_when(r.get("time")))])
-    parts.append('<h2 id="releases">Releases, per run and phase</h2>' + (_table(
+    parts.append(section("releases", "Releases, per run and phase", (_table(
         ("run", "phase", "round", "mechanism", "histogram", "sigma (or noise multiplier)",
          "sensitivity (or clipping norm)", "epsilon", "delta", "status", "time"), rows, numeric=(2, 5, 6, 7, 8))
-        if rows else '<p class="muted">No releases.</p>'))
+        if rows else '<p class="muted">No releases.</p>')))
     failed = Counter(str(r.get("phase", "")) for r in releases if r.get("status") == "failed")
     refused = refusals(audit_dir) if audit_dir is not None and audit_dir.is_dir() else None
     body = ""
@@ -178,19 +148,17 @@ def ledger_page(summary: dict[str, Any], allow_list: Path | None = None, audit_d
     if failed:
         body += ('<p class="warn">Releases that failed after their reservation (charged, nothing sent): '
                  + ", ".join(f"{_e(p)} {n}" for p, n in sorted(failed.items())) + "</p>")
-    parts.append('<h2 id="refusals">Refusals, by kind</h2>' + body)
+    parts.append(section("refusals", "Refusals, by kind", body))
     apps = approved_apps(allow_list) if allow_list is not None and allow_list.exists() else None
-    parts.append('<h2 id="apps">Approved app versions</h2>' + (
+    parts.append(section("apps", "Approved app versions", (
         _table(("FAB SHA-256", "checkout, version, when approved, note"), [[f"<code>{_e(d)}</code>", _e(c)]
                                                                            for d, c in apps])
         if apps else '<p class="muted">' + ("The allow-list approves no app." if apps is not None else
-                                           "No allow-list given (<code>--allow-list</code>).") + "</p>"))
+                                           "No allow-list given (<code>--allow-list</code>).") + "</p>")))
     changes = [[_e(_when(c.get("time"))), _e(f"budget {_num(c.get('from'))} → {_num(c.get('to'))}"),
                 _e(c.get("reason", ""))] for c in summary.get("budget_changes", [])]
     changes += [[_e(_when(c.get("time"))), _e(f"reset (previously spent {_num(c.get('previous_epsilon_spent'))})"),
                  _e(c.get("reason", ""))] for c in summary.get("resets", [])]
-    parts.append('<h2 id="changes">Budget changes and resets</h2>' + (
-        _table(("time", "change", "reason"), sorted(changes)) if changes else "<p>None.</p>"))
-    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            f"<title>fedsyn ledger: {_e(summary['ledger'])}</title><style>{_STYLE}</style></head>\n<body>\n"
-            + "\n".join(parts) + "\n</body></html>\n")
+    parts.append(section("changes", "Budget changes and resets", (
+        _table(("time", "change", "reason"), sorted(changes)) if changes else "<p>None.</p>")))
+    return document(f"fedsyn ledger: {summary['ledger']}", parts)

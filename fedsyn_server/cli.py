@@ -234,6 +234,29 @@ def _run_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_report(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "report", help="one self-contained page of a run: privacy per site, evaluation and plots, writers, samples",
+        description="Reads the run's outputs (privacy_report.json, evaluation.json, plots/, synthetic.jsonl) and "
+                    "writes one HTML page that opens offline (images inline, no script).",
+    )
+    p.add_argument("run_dir", help="a finished run's folder, e.g. outputs/latest")
+    p.add_argument("--out", default=None, help="the page (default: <run-dir>/report.html)")
+    p.set_defaults(handler=_run_report)
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from common.io import atomic_write_text
+    from fedsyn_server.report_page import report_page
+
+    out = Path(args.out) if args.out else Path(args.run_dir) / "report.html"
+    atomic_write_text(out, report_page(args.run_dir))
+    print(f"wrote {out} (open it in any browser, offline)")
+    return 0
+
+
 def _add_run(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "run", help="flwr run, with simulated ClientApps given the GPUs this machine has",
@@ -341,6 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_evaluate(subparsers)
     _add_experiment(subparsers)
     _add_export(subparsers)
+    _add_report(subparsers)
     _add_generate(subparsers)
     _add_plan(subparsers)
     _add_run(subparsers)

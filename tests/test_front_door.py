@@ -185,6 +185,20 @@ def test_generate_more_spends_nothing_and_carries_the_privacy_report(finished_ru
     assert "not a finished fedsyn run" in capsys.readouterr().err
 
 
+def test_the_run_page_is_written_from_a_real_runs_outputs(finished_run, tmp_path):
+    """``fedsyn report`` (issue 64) on a real run's folder: every section, each of its plots inline."""
+    from fedsyn_server.cli import main
+    from fedsyn_server.report_page import SECTIONS
+    from tests.test_ledger_page import _Page
+
+    assert main(["report", str(finished_run), "--out", str(tmp_path / "report.html")]) == 0
+    page = _Page()
+    page.feed((tmp_path / "report.html").read_text())
+    plots = list((finished_run / "plots").glob("*.png"))
+    assert set(SECTIONS) <= set(page.ids) and plots and len(page.links) == len(plots)
+    assert all(link.startswith("data:image/png;base64,") for link in page.links) and "script" not in page.tags
+
+
 def test_export_is_a_loadable_dataset_with_a_card_that_states_the_privacy(finished_run, tmp_path):
     import json
 

@@ -143,8 +143,8 @@ def admit(data: dict[str, Any], phase: str, epsilon: float, run_id: str, rnd: in
     bound = next((r["binding"] for r in run if "binding" in r), None)
     # compared as the ledger file holds them: JSON writes an epsilon of inf (a run without DP) as "inf"
     # and a tuple as a list, so the terms read back from it are compared with the request's so written
-    if binding is not None and bound is not None and jsonable(bound) != jsonable(binding):
-        written, asked = jsonable(bound), jsonable(binding)
+    written, asked = (jsonable(bound), jsonable(binding)) if binding is not None and bound is not None else ({}, {})
+    if written != asked:
         differs = sorted(k for k in set(written) | set(asked) if written.get(k) != asked.get(k))
         raise BudgetExceeded(refusals.BUDGET_BOUND, (
             f"{phase}: refused, this run's {phase} reservation was made for other terms "

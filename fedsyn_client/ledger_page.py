@@ -75,15 +75,16 @@ def budget_plot(releases: list[dict[str, Any]], budget: float) -> str:
 
 
 def approved_apps(allow_list: Path) -> list[tuple[str, str]]:
-    """(FAB hash, what the line says of it: checkout, version, when approved, the reviewer's note) for each
-    hash line of an allow-list written by ``fedsyn node approve``."""
-    out = []
+    """(FAB hash, what its line says of it: checkout, version, when approved, the reviewer's note) for each
+    hash the node's gate approves (``fab_gate.read_allow_list``: a damaged list raises ``ValueError``
+    naming the line, as the gate refuses it), in the list's order."""
+    from fedsyn_client.fab_gate import read_allow_list
+
+    approved, out = read_allow_list(allow_list), []
     for line in allow_list.read_text(encoding="utf-8").splitlines():
-        body = line.strip()
-        if not body or body.startswith("#"):
-            continue
-        digest, _, comment = body.partition("#")
-        out.append((digest.strip(), comment.strip()))
+        digest, _, comment = line.partition("#")
+        if digest.strip() in approved:
+            out.append((digest.strip(), comment.strip()))
     return out
 
 

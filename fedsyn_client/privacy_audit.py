@@ -261,7 +261,9 @@ class AuditNode:
     NODE_ID = 1
 
     def __init__(self, node_config: dict[str, Any], cfg: RunConfig, scratch: Path, bound: int, secret: Path | None):
-        self.node_config = {**node_config, "max-records": int(bound), "audit-dir": ""}
+        # the node's outgoing-message log goes to the scratch folder: "" would fall back to FEDSYN_AUDIT_DIR, and
+        # the operator's log would record replies that never left the node
+        self.node_config = {**node_config, "max-records": int(bound), "audit-dir": str(scratch / "outgoing")}
         self.run_config = cfg.to_flower()
         self.scratch, self.secret, self.sent = scratch, secret, 0
         # run keys no earlier audit in a reused scratch folder used: a repeated key and request would get

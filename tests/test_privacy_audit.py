@@ -141,9 +141,13 @@ def _audit(site, capsys, *release: str, fast: bool = True) -> tuple[int, str]:
     return code, out.out + out.err
 
 
-def test_the_audit_passes_the_node_as_built(site, capsys):
+def test_the_audit_passes_the_node_as_built(site, capsys, monkeypatch, tmp_path):
     """At its default settings, every release a weak node serves in the default run."""
+    from fedsyn_client.audit import AUDIT_ENV
+
+    monkeypatch.setenv(AUDIT_ENV, str(tmp_path / "live-log"))  # the operator's outgoing-message log
     code, text = _audit(site, capsys, fast=False)
+    assert not (tmp_path / "live-log").exists()  # the audit's replies never left the node: not logged there
     assert code == 0, text
     rows = {line.split()[0]: line.split() for line in text.splitlines() if line.startswith(("profile", "vote:"))}
     assert set(rows) == {"profile", "vote:knn-vote", "vote:contrastive-vote", "vote:nearest-neighbour",

@@ -32,6 +32,21 @@ def _atomic_write(path: str | Path, write: Callable[[IO[Any]], Any], binary: boo
     return path
 
 
+def folder_write_problem(folder: str | Path) -> str:
+    """Why this process cannot create ``folder`` (with its parents) and write a file in it (the
+    error and the user), or "" when it can: the check is the write itself (a probe file, removed), since permission bits,
+    ACLs, read-only mounts and full disks all say no only then."""
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-check-"):
+            pass
+    except OSError as err:
+        import pwd
+
+        return f"{err.strerror or err}, as user {pwd.getpwuid(os.geteuid()).pw_name}"
+    return ""
+
+
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     """Write ``data`` to ``path`` atomically (temp file in the same folder, mode 0600, then rename)."""
     return _atomic_write(path, lambda f: f.write(data), binary=True)

@@ -9,7 +9,8 @@
 #   --work DIR              the gate, FLWR_HOME, logs and pids (default ./fedsyn-node)
 #   --run-as USER           run every ClientApp as USER (process isolation: flower-superexec started
 #                           as USER, who must own and be able to write none of the gate, the allow-list,
-#                           the approved trees or the venv; node-check checks it). As root.
+#                           the approved trees or the venv; node-check checks it). As root. A state-dir
+#                           or audit-dir that does not exist yet is created, owned by USER, mode 700.
 #   --same-user             no --run-as: ClientApps run as you, who own the gate; accept that the
 #                           approved app could change it (node-check refuses this without the flag)
 #   --root-certificates CA  TLS to the SuperLink with this CA certificate (else --insecure)
@@ -71,6 +72,16 @@ if [[ -n "$run_as" ]]; then
     home="$work/clientapp-home"
     mkdir -p "$home" && chown "$run_as" "$home"
     as_user() { runuser -u "$run_as" -- env HOME="$home" "$@"; }
+    as_user "$bin_dir/python" -c "" 2> /dev/null || die "$run_as cannot run $bin_dir/python (it resolves to \
+$(readlink -f "$bin_dir/python"), under a folder $run_as cannot enter or read): build the node's venv from a Python \
+every user can run (e.g. /usr/bin/python3 -m venv /opt/fedsyn-node) and set FLWR_BIN to its bin folder"
+    # the folders the ClientApps write (state-dir: ledger, view, snapshot; audit-dir): a new one is made
+    # theirs; an existing one is left as it is, and node-check below says if they cannot write it
+    folders=$(as_user "$bin_dir/fedsyn" node folders --node-config "$node_config" 2> /dev/null) \
+        || die "$(as_user "$bin_dir/fedsyn" node folders --node-config "$node_config" 2>&1 | tail -1)"
+    while read -r folder; do
+        [[ -z "$folder" || -e "$folder" ]] || install -d -o "$run_as" -g "$(id -g "$run_as")" -m 700 "$folder"
+    done <<< "$folders"
 else
     as_user() { "$@"; }
 fi

@@ -10,7 +10,6 @@ the leak tests read it to prove no record text ever leaves.
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 import traceback
 from collections.abc import Mapping
@@ -21,7 +20,7 @@ from flwr.app import Context, Error, Message
 from flwr.clientapp.typing import ClientAppCallable
 
 from common import records as R
-from common.io import jsonl_line
+from common.io import folder_write_problem, jsonl_line
 from common.logs import get_logger
 from fedsyn_client import refusals
 
@@ -45,14 +44,9 @@ def check_audit_dir(folder: Path | None) -> None:
     """Raise ``NodeSetupError`` unless ``folder`` (None: no audit) can be created and written: a
     node fact, checked before a request is authorised so that no release is charged and then
     withheld for want of its audit line."""
-    if folder is None:
-        return
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-check-"):
-            pass
-    except OSError as err:
-        raise refusals.NodeSetupError(f"audit-dir {folder} cannot be written ({err.strerror or err}); fix its "
+    why = folder_write_problem(folder) if folder is not None else ""
+    if why:
+        raise refusals.NodeSetupError(f"audit-dir {folder} cannot be written ({why}); fix its "
                                       "permissions or unset audit-dir") from None
 
 

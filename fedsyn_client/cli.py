@@ -87,13 +87,13 @@ def _run_node_check(args: argparse.Namespace) -> int:
 
     config = parse_pairs([args.node_config], "--node-config")
     try:
-        ready = check_node(config)
-        try:
+        try:  # first: it reads no record and no model, so a gate mistake is said in a second
             gate = gate_status(args.clientapp_user, args.same_user)
         except (ValueError, RuntimeError) as err:
             if not args.allow_any_fab:
                 raise NodeSetupError(f"FAB gate: {err}") from None
             gate = f"NO FAB GATE (--allow-any-fab): any app the server sends runs on the records ({err})"
+        ready = check_node(config)
     except NodeSetupError as err:
         print(f"fedsyn node-check: {err}", file=sys.stderr)
         return 1
@@ -186,7 +186,7 @@ def _run_audit(args: argparse.Namespace) -> int:
 
 
 def add_node(subparsers: argparse._SubParsersAction) -> None:
-    """Register ``fedsyn node fab-hash|approve|install-launcher`` (the FAB gate, on the node)."""
+    """Register ``fedsyn node fab-hash|approve|install-launcher|folders`` (the FAB gate and the node's folders)."""
     p = subparsers.add_parser(
         "node", help="the node's FAB gate: hash, approve and pin the app it runs",
         description="A SuperNode runs the ClientApp the server ships in its FAB. The gate (fedsyn_client/fab_gate.py) "
@@ -205,6 +205,9 @@ def add_node(subparsers: argparse._SubParsersAction) -> None:
                                                 "put DIR first in the SuperNode's PATH")
     i.add_argument("dir")
     i.add_argument("--allow-list", required=True, help="the node's allow-list file")
+    f = sub.add_parser("folders", help="print the folders this node's ClientApps write (state-dir, audit-dir), one "
+                                       "per line: what the user they run as must own (deploy/start_node.sh --run-as)")
+    f.add_argument("--node-config", required=True, help="the node config flower-supernode gets")
     p.set_defaults(handler=_run_node)
 
 
@@ -220,6 +223,15 @@ def _run_node(args: argparse.Namespace) -> int:
         digest = approve(args.checkout, args.allow_list, args.note)
         print(f"approved {digest} in {args.allow_list}; its tree, the only one the gate imports: "
               f"{apps_dir(Path(args.allow_list).expanduser().resolve()) / digest}")
+    elif args.node_command == "folders":
+        from common.config import parse_pairs
+        from fedsyn_client.node import node_folders
+
+        try:
+            print("\n".join(str(f) for f in node_folders(parse_pairs([args.node_config], "--node-config")).values()))
+        except NodeSetupError as err:
+            print(f"fedsyn node folders: {err}", file=sys.stderr)
+            return 1
     else:
         path = install_launcher(args.dir, args.allow_list)
         print(f"wrote the gate's launchers into {path.parent}; start the SuperNode with PATH={path.parent}:$PATH (and "

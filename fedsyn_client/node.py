@@ -27,6 +27,7 @@ import numpy as np
 
 from common.config import RunConfig
 from common.data import TextData, dataset_fingerprint, load_node_data
+from common.io import folder_write_problem
 from common.logs import get_logger
 from common.rows import Schema, canonical, load_schema, split_record
 from fedsyn_client import refusals
@@ -222,6 +223,12 @@ def check_node(node_config: dict[str, Any]) -> str:
                              f"{len(data)} records has one of them (theirs look like: {seen}); check control-codes "
                              "and control-columns")
     _check_requirements(policy, node_config)
+    state = state_folder(policy)  # the audit-dir was checked with the requirements
+    why = folder_write_problem(state)
+    if why:
+        raise NodeSetupError(f"state-dir {state} cannot be written ({why}): the ClientApps keep the node's ledger, "
+                             f"view and snapshot there; create it for the user they run as (install -d -o USER -m 700 "
+                             f"{state}; deploy/start_node.sh --run-as does it for a new folder) or fix its owner")
     node = _open(policy, None)
     kept = len(node.data)
     bound = (f"max-records={policy.max_records}: every release does the work of {policy.max_records} records; the "
@@ -285,6 +292,25 @@ def _measurable(policy: NodePolicy) -> str:
                "noisy votes) read it" if free else ""))
 
 
+def state_folder(policy: NodePolicy) -> Path:
+    """The node's state folder (ledger, view, snapshot, record matrices): ``state-dir``, else
+    ``~/.fedsyn/state`` of the user the ClientApps run as."""
+    return Path(policy.state_dir).expanduser() if policy.state_dir else Path.home() / ".fedsyn" / "state"
+
+
+def node_folders(node_config: dict[str, Any]) -> dict[str, Path]:
+    """The folders a deployed node's ClientApps write, by node-config key: ``state-dir`` always,
+    ``audit-dir`` when auditing is on. ``NodeSetupError`` when the node config is unusable."""
+    from fedsyn_client.audit import audit_folder
+
+    try:
+        policy = policy_from_node_config(dict(node_config))
+    except (PolicyError, ValueError) as err:
+        raise NodeSetupError(str(err)) from None
+    audit = audit_folder(node_config)
+    return {"state-dir": state_folder(policy), **({"audit-dir": audit} if audit is not None else {})}
+
+
 def deployed_records(node_config: dict[str, Any]) -> tuple[NodePolicy, TextData]:
     """A deployed node's policy and the records of its whole file under it (the policy's columns and
     schema, before the view), as node-check and ``fedsyn audit`` read them first; ``NodeSetupError``
@@ -345,7 +371,7 @@ def _policy(run_id: str, node_config_items: tuple[tuple[str, str], ...], cfg: Ru
 
 @lru_cache(maxsize=16)
 def _open(policy: NodePolicy, sim_cfg: RunConfig | None) -> Node:
-    state_dir = policy.state_dir or str(Path.home() / ".fedsyn" / "state")
+    state_dir = str(state_folder(policy))
     snapshot = None
     if policy.max_records:
         data, snapshot = _view(policy, state_dir)

@@ -290,8 +290,8 @@ def test_node_check_refuses_what_would_burn_budget_on_the_first_request(tmp_path
     pd.DataFrame([{"text": f"note {i}", "topic": "x"} for i in range(4)]).to_csv(data, index=False)
     config = f'tier="weak" data-path="{data}" max-records=100 state-dir="{tmp_path / "s"}" epsilon=8 {extra}'
     assert main(["node-check", "--allow-any-fab", "--node-config", config]) == 1
-    err = capsys.readouterr().err.strip()
-    assert fragment in err and len(err.splitlines()) == 1
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("fedsyn node-check: ")]
+    assert len(said) == 1 and fragment in said[0], said
     assert not (tmp_path / "s").exists()  # nothing opened
 
 

@@ -34,8 +34,8 @@ def _atomic_write(path: str | Path, write: Callable[[IO[Any]], Any], binary: boo
 
 def folder_write_problem(folder: str | Path) -> str:
     """Why this process cannot create ``folder`` (with its parents) and write a file in it (the
-    error and the user), or "" when it can: the check is the write itself (a probe file, removed), since permission bits,
-    ACLs, read-only mounts and full disks all say no only then."""
+    error and the user), or "" when it can. The check is the write itself (a probe file, removed):
+    permission bits, ACLs, read-only mounts and full disks all say no only then."""
     try:
         Path(folder).mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-check-"):

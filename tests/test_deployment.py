@@ -266,27 +266,11 @@ def _deploy(tmp_path: Path, tiers: dict[str, str], policies: dict[str, str] | No
                        "policy": (policies or {}).get(name, ""),  # more node-config keys of the institution
                        "gate": _gate(root / f"gate-{name}", approved)}
     public = root / "public.csv"  # the server's public dataset: vocabulary + held-out loss
-    dep = Deployment(root=root, port=free_port(), cli_home=root / "home-cli", nodes=nodes,
-                     public_texts=_write_csv(public, 900, n=30), node_texts=node_texts)
-    dep.cli_home.mkdir()
-    # The operator's default stays Flower's local simulation: every command must name the deployment
-    # (and fedsyn must ask that SuperLink, not the default one, how a run ended).
-    (dep.cli_home / "config.toml").write_text(
-        '[superlink]\ndefault = "local"\n\n[superlink.local]\naddress = ":local:"\n\n'
-        f'[superlink.{CONNECTION}]\naddress = "127.0.0.1:{dep.port}"\ninsecure = true\n'
-    )
+    dep = _operator(root, nodes)
+    dep.public_texts, dep.node_texts = _write_csv(public, 900, n=30), node_texts
     t0 = time.time()
     try:
-        _start(dep, "superlink", [
-            *(superlink or [str(BIN / "flower-superlink")]), "--insecure", "--host", "127.0.0.1",
-            "--port", str(dep.port),
-            "--database", str(root / "superlink.db"), "--disable-runtime-dependency-installation",
-        ], root / "home-superlink")
-        deadline = time.time() + 60
-        while not _port_open(dep.port):
-            assert dep.procs["superlink"].poll() is None, "SuperLink exited\n" + dep.diagnostics()
-            assert time.time() < deadline, "SuperLink did not open its port\n" + dep.diagnostics()
-            time.sleep(0.3)
+        _start_superlink(dep, superlink)
         for name in nodes:
             dep.start_node(name)
         deadline = time.time() + 90
@@ -298,15 +282,48 @@ def _deploy(tmp_path: Path, tiers: dict[str, str], policies: dict[str, str] | No
         print(f"deployment up in {time.time() - t0:.1f}s on 127.0.0.1:{dep.port}")
         yield dep
     finally:
-        # SuperNodes first, then the SuperLink; each with its whole tree (SuperExec,
-        # flwr-serverapp, flwr-clientapp), collected before any signal is sent.
-        for name in [*(n for n in dep.procs if n != "superlink"), "superlink"]:
-            if name in dep.procs:
-                stop_pids(with_descendants([dep.procs[name].pid]), timeout=15)
-                dep.procs[name].wait(timeout=5)
-        stop_processes_of(root)  # anything else that names our folders (e.g. a stuck `flwr run`)
-        survivors = [p for p, cmd in processes().items() if alive(p) and str(root) in cmd]
-        assert not survivors, f"processes still alive after teardown: {survivors}"
+        _stop_all(dep)
+
+
+def _operator(root: Path, nodes: dict[str, dict] | None = None) -> Deployment:
+    """The operator's side in ``root``: a Deployment (SuperLink port, CLI home whose config names
+    it as CONNECTION and keeps Flower's local simulation the default) with no process started."""
+    dep = Deployment(root=root, port=free_port(), cli_home=root / "home-cli", nodes=nodes or {})
+    dep.cli_home.mkdir()
+    # The operator's default stays Flower's local simulation: every command must name the deployment
+    # (and fedsyn must ask that SuperLink, not the default one, how a run ended).
+    (dep.cli_home / "config.toml").write_text(
+        '[superlink]\ndefault = "local"\n\n[superlink.local]\naddress = ":local:"\n\n'
+        f'[superlink.{CONNECTION}]\naddress = "127.0.0.1:{dep.port}"\ninsecure = true\n'
+    )
+    return dep
+
+
+def _start_superlink(dep: Deployment, superlink: list[str] | None = None) -> None:
+    """Start the SuperLink (``superlink``: its command, default Flower's) and wait for its port."""
+    _start(dep, "superlink", [
+        *(superlink or [str(BIN / "flower-superlink")]), "--insecure", "--host", "127.0.0.1",
+        "--port", str(dep.port),
+        "--database", str(dep.root / "superlink.db"), "--disable-runtime-dependency-installation",
+    ], dep.root / "home-superlink")
+    deadline = time.time() + 60
+    while not _port_open(dep.port):
+        assert dep.procs["superlink"].poll() is None, "SuperLink exited\n" + dep.diagnostics()
+        assert time.time() < deadline, "SuperLink did not open its port\n" + dep.diagnostics()
+        time.sleep(0.3)
+
+
+def _stop_all(dep: Deployment) -> None:
+    """Stop what the test started: SuperNodes first, then the SuperLink, each with its whole tree
+    (SuperExec, flwr-serverapp, flwr-clientapp) collected before any signal is sent; then whatever
+    else names the deployment's folder (e.g. a stuck `flwr run`). Fails if anything survives."""
+    for name in [*(n for n in dep.procs if n != "superlink"), "superlink"]:
+        if name in dep.procs:
+            stop_pids(with_descendants([dep.procs[name].pid]), timeout=15)
+            dep.procs[name].wait(timeout=5)
+    stop_processes_of(dep.root)
+    survivors = [p for p, cmd in processes().items() if alive(p) and str(dep.root) in cmd]
+    assert not survivors, f"processes still alive after teardown: {survivors}"
 
 
 def _approved_fab() -> bytes:

@@ -16,6 +16,10 @@
 #   --root-certificates CA  TLS to the SuperLink with this CA certificate (else --insecure)
 #   --auth-key KEY          SuperNode authentication: this node's private key
 #   --port P                this SuperNode's Runtime API port, on 127.0.0.1 (default: free)
+#   --foreground            stay in the foreground, the processes' output on stdout, for a service manager
+#                           (fedsyn node service writes the systemd unit): TERM stops them and exits 0;
+#                           when one of them exits the other is stopped and this exits 1 (the unit's
+#                           Restart=on-failure starts it again, node-check first). No WORK/pids.
 #
 # What it does, in order, and stops at the first problem with one line:
 #  1. writes the gate WORK/gate/: one launcher per task process Flower's SuperExec starts
@@ -30,13 +34,15 @@
 #  3. starts flower-supernode through the gate's launcher, with that PATH; with --run-as in process isolation, and
 #     flower-superexec as USER, so ClientApps run as USER and pass through the gate.
 # Writes WORK/pids ("PID ROLE NAME"); deploy/stop_local_deployment.sh WORK stops exactly those.
+# With --foreground it writes no pids and returns only when the node stops.
 # Flower's and fedsyn's binaries come from FLWR_BIN (a folder) or PATH.
 set -euo pipefail
+umask 022  # the gate and the ClientApp's home must be readable by the ClientApp user (a service may start us at 077)
 
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 [[ $# -ge 1 && "$1" != "-h" && "$1" != "--help" ]] || { usage; [[ $# -ge 1 ]] && exit 0 || exit 2; }
 
-superlink=""; node_config=""; allow_list=""; work=./fedsyn-node; run_as=""; ca=""; auth_key=""; port=""; same_user=""
+superlink=""; node_config=""; allow_list=""; work=./fedsyn-node; run_as=""; ca=""; auth_key=""; port=""; same_user=""; foreground=""
 while [[ $# -gt 0 ]]; do
     case $1 in
         --superlink) superlink=$2; shift 2 ;;
@@ -48,6 +54,7 @@ while [[ $# -gt 0 ]]; do
         --root-certificates) ca=$2; shift 2 ;;
         --auth-key) auth_key=$2; shift 2 ;;
         --port) port=$2; shift 2 ;;
+        --foreground) foreground=1; shift ;;
         *) echo "error: unknown option $1" >&2; usage >&2; exit 2 ;;
     esac
 done
@@ -86,7 +93,8 @@ else
     as_user() { "$@"; }
 fi
 pidfile="$work/pids"
-if [[ -s "$pidfile" ]]; then
+if [[ -n "$foreground" ]]; then pidfile=/dev/null
+elif [[ -s "$pidfile" ]]; then
     while read -r pid _; do [[ -d /proc/$pid ]] && die "$pidfile lists running PID $pid; stop it first"; done < "$pidfile"
 fi
 : > "$pidfile"
@@ -111,16 +119,41 @@ if [[ -n "$ca" ]]; then args+=(--root-certificates "$ca"); else args+=(--insecur
 [[ -n "$auth_key" ]] && args+=(--auth-supernode-private-key "$auth_key")
 [[ -n "$run_as" ]] && args+=(--isolation process)
 mkdir -p "$work/flwr-home"
+children=()
+launch() {  # ROLE NAME LOG COMMAND...: COMMAND in the background (with --foreground, its output on ours)
+    local role=$1 name=$2 log=$3; shift 3
+    if [[ -n "$foreground" ]]; then "$@" < /dev/null & else nohup "$@" > "$log" 2>&1 < /dev/null & fi
+    children+=("$!")
+    echo "$! $role $name" >> "$pidfile"
+}
 # the gate's flower-supernode: Flower's own, with its FAB reads behind the gate (bounds, allow-list)
-FLWR_HOME="$work/flwr-home" nohup "$work/gate/flower-supernode" "${args[@]}" > "$work/supernode.log" 2>&1 < /dev/null &
-echo "$! supernode node" >> "$pidfile"
-echo "SuperNode  PID $!  runtime API 127.0.0.1:$port  log $work/supernode.log"
+launch supernode node "$work/supernode.log" env FLWR_HOME="$work/flwr-home" "$work/gate/flower-supernode" "${args[@]}"
+echo "SuperNode  PID ${children[0]}  runtime API 127.0.0.1:$port  log $work/supernode.log"
 if [[ -n "$run_as" ]]; then
     # No --parent-pid: Flower's check (os.kill(pid, 0)) takes another user's process for a dead one.
-    # The stop script stops this SuperExec by its PID with the SuperNode.
-    nohup runuser -u "$run_as" -- env HOME="$home" PATH="$PATH" FLWR_HOME="$home/flwr" "$bin_dir/flower-superexec" \
-        --insecure --runtime-api-address "127.0.0.1:$port" > "$work/superexec.log" 2>&1 < /dev/null &
-    echo "$! superexec $run_as" >> "$pidfile"
-    echo "SuperExec  PID $!  ClientApps run as $run_as behind the gate in $work/gate  log $work/superexec.log"
+    # The stop script (or, in the foreground, this script) stops this SuperExec by its PID with the SuperNode.
+    launch superexec "$run_as" "$work/superexec.log" runuser -u "$run_as" -- env HOME="$home" PATH="$PATH" \
+        FLWR_HOME="$home/flwr" "$bin_dir/flower-superexec" --insecure --runtime-api-address "127.0.0.1:$port"
+    echo "SuperExec  PID ${children[1]}  ClientApps run as $run_as behind the gate in $work/gate  log $work/superexec.log"
 fi
-echo "Stop it: $(dirname "$0")/stop_local_deployment.sh $work"
+if [[ -z "$foreground" ]]; then
+    echo "Stop it: $(dirname "$0")/stop_local_deployment.sh $work"
+    exit 0
+fi
+
+# --foreground: this shell is the service's main process. Its children's trees are stopped by PID
+# (never by name) on TERM, or when one of them exits, so that nothing outlives the node.
+# shellcheck source=deploy/stop_lib.sh
+. "$(dirname "$0")/stop_lib.sh"
+stop_children() {
+    local tree=() pid
+    for pid in "${children[@]}"; do mapfile -t -O "${#tree[@]}" tree < <(descendants "$pid"); done
+    kill -TERM "${tree[@]}" 2> /dev/null || true
+    kill_left_after_15s "${tree[@]}"
+}
+trap 'echo "stopping the node"; stop_children; exit 0' TERM INT
+wait -n "${children[@]}" && status=0 || status=$?
+trap - TERM INT
+echo "error: a node process exited (status $status); stopping the rest, exit 1 (a service manager restarts it)" >&2
+stop_children
+exit 1

@@ -186,7 +186,7 @@ def _run_audit(args: argparse.Namespace) -> int:
 
 
 def add_node(subparsers: argparse._SubParsersAction) -> None:
-    """Register ``fedsyn node fab-hash|approve|install-launcher|folders`` (the FAB gate and the node's folders)."""
+    """Register ``fedsyn node fab-hash|approve|install-launcher|folders|service`` (the gate, folders, service)."""
     p = subparsers.add_parser(
         "node", help="the node's FAB gate: hash, approve and pin the app it runs",
         description="A SuperNode runs the ClientApp the server ships in its FAB. The gate (fedsyn_client/fab_gate.py) "
@@ -208,6 +208,21 @@ def add_node(subparsers: argparse._SubParsersAction) -> None:
     f = sub.add_parser("folders", help="print the folders this node's ClientApps write (state-dir, audit-dir), one "
                                        "per line: what the user they run as must own (deploy/start_node.sh --run-as)")
     f.add_argument("--node-config", required=True, help="the node config flower-supernode gets")
+    v = sub.add_parser("service", help="write a systemd unit and its environment file that keep this node running "
+                                       "(deploy/start_node.sh --foreground: node-check before each start, restarted "
+                                       "on failure); docs/deployment.md#an-operators-day")
+    v.add_argument("--name", required=True, help="the node's name: the unit is fedsyn-node-NAME.service")
+    v.add_argument("--out", required=True, help="the folder for the unit and its environment file (e.g. /etc/fedsyn)")
+    for flag, what in (("--superlink", "HOST:PORT of the operator's SuperLink"),
+                       ("--node-config", "this node's policy"), ("--allow-list", "the node's allow-list file")):
+        v.add_argument(flag, required=True, help=what)
+    v.add_argument("--work", default=None, help="start_node.sh's --work (default /var/lib/fedsyn-node/NAME)")
+    v.add_argument("--run-as", default="", metavar="USER", help="ClientApps run as USER (start_node.sh --run-as)")
+    v.add_argument("--same-user", action="store_true", help="ClientApps run as the service's user, root")
+    v.add_argument("--root-certificates", default=None, help="TLS to the SuperLink with this CA certificate")
+    v.add_argument("--auth-key", default=None, help="SuperNode authentication: this node's private key")
+    v.add_argument("--port", type=int, default=None, help="the SuperNode's Runtime API port (default: free)")
+    v.add_argument("--flwr-bin", default=None, help="the node venv's bin folder (default: this fedsyn's)")
     p.set_defaults(handler=_run_node)
 
 
@@ -232,10 +247,40 @@ def _run_node(args: argparse.Namespace) -> int:
         except NodeSetupError as err:
             print(f"fedsyn node folders: {err}", file=sys.stderr)
             return 1
+    elif args.node_command == "service":
+        return _write_service(args)
     else:
         path = install_launcher(args.dir, args.allow_list)
         print(f"wrote the gate's launchers into {path.parent}; start the SuperNode with PATH={path.parent}:$PATH (and "
               "fedsyn node-check in the same environment)")
+    return 0
+
+
+def _write_service(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from fedsyn_client.node_service import NodeService, write_service
+
+    def absolute(path: str | None) -> Path | None:
+        return Path(path).expanduser().resolve() if path else None
+
+    service = NodeService(
+        name=args.name, superlink=args.superlink, node_config=args.node_config,
+        allow_list=Path(args.allow_list).expanduser().resolve(),
+        work=absolute(args.work) or Path("/var/lib/fedsyn-node") / args.name,
+        flwr_bin=absolute(args.flwr_bin) or Path(sys.executable).parent,
+        start_script=Path(__file__).resolve().parents[1] / "deploy" / "start_node.sh",
+        run_as=args.run_as, same_user=args.same_user, root_certificates=absolute(args.root_certificates),
+        auth_key=absolute(args.auth_key), port=args.port)
+    try:
+        unit, env = write_service(service, Path(args.out))
+    except ValueError as err:
+        print(f"fedsyn node service: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {unit} and {env} (the node's settings)\n"
+          f"check it:  systemd-analyze verify {unit}\n"
+          f"install:   systemctl link {unit} && systemctl enable --now {unit.name}\n"
+          f"watch:     journalctl -fu {unit.name}     stop: systemctl stop {unit.name}")
     return 0
 
 

@@ -5,15 +5,20 @@ started by the script as root with ClientApps as a user made for the test (CI ru
 a small fedsyn run to the end through the nodes' FAB gates. Checked: every process under each
 node's SuperExec ran as that user; the user can write none of the gate, the allow-list, the
 approved trees or the venv; the run's releases are in the nodes' ledgers (written by that user);
-node-check, as the ClientApps run, refuses the ownership mistakes an operator can make; and the
-ledger's page is written from a deployed node's ledger. Everything started is stopped by PID and
-the user removed.
+node-check, as the ClientApps run, refuses the ownership mistakes an operator can make; the
+ledger's page is written from a deployed node's ledger. Then the same node as a service:
+``fedsyn node service`` writes a unit that ``systemd-analyze verify`` accepts, and its ExecStart
+line, run as written with its environment file (systemd itself cannot run here), starts the
+node, exits 1 when the SuperNode dies (Restart=on-failure starts it again) and stops every
+process on TERM. Everything started is stopped by PID and the user removed.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -47,6 +52,7 @@ pytestmark = [
 ]
 START_NODE = APP_DIR / "deploy" / "start_node.sh"
 STOP = APP_DIR / "deploy" / "stop_local_deployment.sh"
+SYSTEMD_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"  # a system service's PATH
 
 
 @contextmanager
@@ -242,8 +248,35 @@ def test_a_node_started_with_run_as_runs_its_clientapps_as_that_user_who_can_cha
                                          check=False)
                 assert stopped.returncode == 0, stopped.stderr
                 time.sleep(0.5)
-                assert not [p for p in trees_of[tier] if Path(f"/proc/{p}").exists()
-                            and "zombie" not in _state(p)], (tier, stopped.stdout)
+                assert not [p for p in trees_of[tier] if _running(p)], (tier, stopped.stdout)
+
+            # ---- the node as a service: `fedsyn node service`, checked by systemd-analyze, its command line run
+            unit, settings = _service(weak, allow, dep.port, user, root / "etc", env)
+            argv = _exec_start(unit.read_text(), settings)
+            for attempt in ("crash", "stop"):
+                with (root / f"service-{attempt}.log").open("w") as log:
+                    main = subprocess.Popen(argv, env={"PATH": SYSTEMD_PATH, **settings}, stdout=log,
+                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd="/")
+                said = lambda: (root / f"service-{attempt}.log").read_text(errors="replace")  # noqa: E731
+                deadline = time.time() + 180
+                while dep.online_nodes() < 1:
+                    assert main.poll() is None and time.time() < deadline, said()[-3000:]
+                    time.sleep(1)
+                assert "node ready:" in said() and f"ClientApps run as {user}" in said(), said()[-3000:]
+                tree = with_descendants([main.pid])
+                supernode = next(pid for pid in tree if "flower-supernode" in _command(pid))
+                if attempt == "crash":  # the SuperNode dies: the rest is stopped, exit 1 (systemd restarts it)
+                    os.kill(supernode, signal.SIGKILL)
+                    assert main.wait(timeout=60) == 1, said()[-3000:]
+                    assert "a node process exited" in said()
+                else:  # systemctl stop: TERM to the main process stops the SuperNode and SuperExec, exit 0
+                    main.send_signal(signal.SIGTERM)
+                    assert main.wait(timeout=60) == 0, said()[-3000:]
+                time.sleep(0.5)
+                assert not [pid for pid in tree if _running(pid)], (attempt, said()[-3000:])
+                deadline = time.time() + 60
+                while dep.online_nodes() > 0 and time.time() < deadline:  # the SuperLink sees it go
+                    time.sleep(1)
         finally:
             if dep is not None:
                 for node in dep.nodes.values():
@@ -253,8 +286,48 @@ def test_a_node_started_with_run_as_runs_its_clientapps_as_that_user_who_can_cha
     shutil.rmtree(root, ignore_errors=True)
 
 
-def _state(pid: int) -> str:
+def _running(pid: int) -> bool:
+    """The process exists and has not exited (an exited, unreaped one is a zombie)."""
     try:
-        return next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("State:"))
-    except (OSError, StopIteration):
-        return "zombie"
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return not any(line.startswith("State:") and "Z" in line.split()[1] for line in status.splitlines())
+
+
+def _command(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _service(node: dict, allow: Path, port: int, user: str, out: Path, env: dict[str, str]) -> tuple[Path, dict]:
+    """``fedsyn node service`` for ``node``; returns the unit's path and its environment file's
+    settings, read as systemd reads them (KEY="value", a backslash escaping " \\ ` $)."""
+    written = subprocess.run([BIN / "fedsyn", "node", "service", "--name", "weak", "--out", out, "--superlink",
+                              f"127.0.0.1:{port}", "--node-config", _node_config(node), "--allow-list", allow,
+                              "--work", node["work"], "--run-as", user], capture_output=True, text=True, check=False,
+                             env=env)
+    assert written.returncode == 0, written.stderr
+    unit = out / "fedsyn-node-weak.service"
+    if shutil.which("systemd-analyze"):
+        verified = subprocess.run(["systemd-analyze", "verify", unit], capture_output=True, text=True, check=False)
+        assert verified.returncode == 0 and not verified.stderr.strip(), verified.stderr
+    settings = {}
+    for line in (out / "fedsyn-node-weak.env").read_text().splitlines():
+        if line.strip() and not line.startswith(("#", ";")):
+            key, _, value = line.partition("=")
+            if value[:1] == value[-1:] == '"':
+                value = re.sub(r'\\(["\\`$])', r"\1", value[1:-1])
+            settings[key] = value
+    assert settings["FEDSYN_NODE_CONFIG"] == _node_config(node)  # the node config's quotes arrive as written
+    assert "Restart=on-failure" in unit.read_text().splitlines()
+    return unit, settings
+
+
+def _exec_start(unit: str, settings: dict[str, str]) -> list[str]:
+    """The unit's ExecStart= as systemd runs it: words split on spaces, each ``${KEY}`` one argument."""
+    line = next(line for line in unit.splitlines() if line.startswith("ExecStart="))
+    words = line.removeprefix("ExecStart=").split()
+    return [settings[w[2:-1]] if re.fullmatch(r"\$\{\w+\}", w) else w for w in words]

@@ -127,8 +127,10 @@ def ledger_page(summary: dict[str, Any], allow_list: Path | None = None, audit_d
 
     for r in sorted(releases, key=order):
         public = r.get("public") or {}
+        # DP-SGD's noise multiplier is in the release's node-only part; the page is the node's own
+        noise = public.get("sigma", (r.get("private") or {}).get("noise_multiplier", ""))
         rows.append([_e(r.get("run_id", "")), _e(r.get("phase", "")), _e(r.get("round", 0)), _e(r.get("mechanism", "")),
-                     _e(public.get("histogram", "")), _num(public.get("sigma", public.get("noise_multiplier", ""))),
+                     _e(public.get("histogram", "")), _num(noise),
                      _num(public.get("sensitivity", public.get("max_grad_norm", ""))), _num(r.get("epsilon")),
                      _num(r.get("delta"), 3), _e(r.get("status", "")), _e(_when(r.get("time")))])
     parts.append(section("releases", "Releases, per run and phase", (_table(

@@ -16,6 +16,8 @@
 #   --root-certificates CA  TLS to the SuperLink with this CA certificate (else --insecure)
 #   --auth-key KEY          SuperNode authentication: this node's private key
 #   --port P                this SuperNode's Runtime API port, on 127.0.0.1 (default: free)
+#   --check-only            steps 1 and 2 only (the gate, the folders, node-check as the ClientApps
+#                           will run), start nothing: exit 0 when the node could start, else 1
 #   --foreground            stay in the foreground, the processes' output on stdout, for a service manager
 #                           (fedsyn node service writes the systemd unit): TERM stops them and exits 0;
 #                           when one of them exits the other is stopped and this exits 1 (the unit's
@@ -42,7 +44,7 @@ umask 022  # the gate and the ClientApp's home must be readable by the ClientApp
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 [[ $# -ge 1 && "$1" != "-h" && "$1" != "--help" ]] || { usage; [[ $# -ge 1 ]] && exit 0 || exit 2; }
 
-superlink=""; node_config=""; allow_list=""; work=./fedsyn-node; run_as=""; ca=""; auth_key=""; port=""; same_user=""; foreground=""
+superlink=""; node_config=""; allow_list=""; work=./fedsyn-node; run_as=""; ca=""; auth_key=""; port=""; same_user=""; foreground=""; check_only=""
 while [[ $# -gt 0 ]]; do
     case $1 in
         --superlink) superlink=$2; shift 2 ;;
@@ -55,6 +57,7 @@ while [[ $# -gt 0 ]]; do
         --auth-key) auth_key=$2; shift 2 ;;
         --port) port=$2; shift 2 ;;
         --foreground) foreground=1; shift ;;
+        --check-only) check_only=1; shift ;;
         *) echo "error: unknown option $1" >&2; usage >&2; exit 2 ;;
     esac
 done
@@ -93,7 +96,7 @@ else
     as_user() { "$@"; }
 fi
 pidfile="$work/pids"
-if [[ -n "$foreground" ]]; then pidfile=/dev/null
+if [[ -n "$foreground" || -n "$check_only" ]]; then pidfile=/dev/null
 elif [[ -s "$pidfile" ]]; then
     while read -r pid _; do [[ -d /proc/$pid ]] && die "$pidfile lists running PID $pid; stop it first"; done < "$pidfile"
 fi
@@ -111,6 +114,7 @@ export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1} TRANSFORMERS_OFFLINE=${TRANSFORMERS_O
 as_user env PATH="$PATH" "$bin_dir/fedsyn" node-check --node-config "$node_config" $same_user > "$work/node-check.log" 2>&1 \
     || { cat "$work/node-check.log" >&2; die "the node cannot start (above)"; }
 cat "$work/node-check.log"
+[[ -z "$check_only" ]] || exit 0
 
 # 3. the SuperNode (and, with --run-as, its SuperExec as the ClientApp user)
 port=${port:-$("$bin_dir/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}

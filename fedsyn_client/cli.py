@@ -223,6 +223,9 @@ def add_node(subparsers: argparse._SubParsersAction) -> None:
     v.add_argument("--auth-key", default=None, help="SuperNode authentication: this node's private key")
     v.add_argument("--port", type=int, default=None, help="the SuperNode's Runtime API port (default: free)")
     v.add_argument("--flwr-bin", default=None, help="the node venv's bin folder (default: this fedsyn's)")
+    v.add_argument("--start-script", default=None,
+                   help="the reviewed checkout's deploy/start_node.sh (default: the one beside this fedsyn's code, "
+                        "an editable install's)")
     p.set_defaults(handler=_run_node)
 
 
@@ -269,7 +272,7 @@ def _write_service(args: argparse.Namespace) -> int:
         allow_list=Path(args.allow_list).expanduser().resolve(),
         work=absolute(args.work) or Path("/var/lib/fedsyn-node") / args.name,
         flwr_bin=absolute(args.flwr_bin) or Path(sys.executable).parent,
-        start_script=Path(__file__).resolve().parents[1] / "deploy" / "start_node.sh",
+        start_script=absolute(args.start_script) or Path(__file__).resolve().parents[1] / "deploy" / "start_node.sh",
         run_as=args.run_as, same_user=args.same_user, root_certificates=absolute(args.root_certificates),
         auth_key=absolute(args.auth_key), port=args.port)
     try:

@@ -78,7 +78,7 @@ def check_service(service: NodeService) -> None:
         except KeyError:
             raise ValueError(f"--run-as {service.run_as}: no such user; create one (useradd --system "
                              f"--user-group {service.run_as})") from None
-    paths = [("--allow-list", service.allow_list), ("deploy/start_node.sh", service.start_script),
+    paths = [("--allow-list", service.allow_list), ("--start-script", service.start_script),
              *((flag, p) for flag, p in (("--root-certificates", service.root_certificates),
                                           ("--auth-key", service.auth_key)) if p is not None)]
     for flag, path in paths:

@@ -45,7 +45,7 @@ def operator_day() -> list[str]:
     """The ```bash blocks of docs/deployment.md's "An operator's day", in order."""
     text = DOC.read_text()
     start = text.index("## An operator's day")
-    section = text[start:text.index("\n## ", start + 1) if "\n## " in text[start + 1:] else len(text)]
+    section = text[start:text.index("\nSettings live in", start)]  # the paragraph after the day's last step
     return re.findall(r"```bash\n(.*?)```", section, flags=re.S)
 
 

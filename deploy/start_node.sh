@@ -80,7 +80,7 @@ if [[ -n "$run_as" ]]; then
     id "$run_as" > /dev/null 2>&1 || die "no user $run_as"
     # the ClientApp user's home: the FABs it unpacks and the model cache, nothing else of its own
     home="$work/clientapp-home"
-    mkdir -p "$home" && chown "$run_as" "$home"
+    mkdir -p "$home" && chown "$run_as" "$home" && chmod 700 "$home"
     as_user() { runuser -u "$run_as" -- env HOME="$home" "$@"; }
     as_user "$bin_dir/python" -c "" 2> /dev/null || die "$run_as cannot run $bin_dir/python (it resolves to \
 $(readlink -f "$bin_dir/python"), under a folder $run_as cannot enter or read): build the node's venv from a Python \
@@ -111,6 +111,9 @@ export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1} TRANSFORMERS_OFFLINE=${TRANSFORMERS_O
 
 # 2. the start-up check, as the ClientApps will run
 [[ -n "$run_as" && -n "$same_user" ]] && die "--run-as and --same-user exclude each other"
+# the node's own logs name counts and paths: the operator's to read, no other user's
+private_log() { (umask 077; : > "$1"); }
+private_log "$work/node-check.log"
 as_user env PATH="$PATH" "$bin_dir/fedsyn" node-check --node-config "$node_config" $same_user > "$work/node-check.log" 2>&1 \
     || { cat "$work/node-check.log" >&2; die "the node cannot start (above)"; }
 cat "$work/node-check.log"
@@ -126,7 +129,7 @@ mkdir -p "$work/flwr-home"
 children=()
 launch() {  # ROLE NAME LOG COMMAND...: COMMAND in the background (with --foreground, its output on ours)
     local role=$1 name=$2 log=$3; shift 3
-    if [[ -n "$foreground" ]]; then "$@" < /dev/null & else nohup "$@" > "$log" 2>&1 < /dev/null & fi
+    if [[ -n "$foreground" ]]; then "$@" < /dev/null & else private_log "$log"; nohup "$@" > "$log" 2>&1 < /dev/null & fi
     children+=("$!")
     echo "$! $role $name" >> "$pidfile"
 }

@@ -87,13 +87,13 @@ def _run_node_check(args: argparse.Namespace) -> int:
 
     config = parse_pairs([args.node_config], "--node-config")
     try:
-        try:  # first: it reads no record and no model, so a gate mistake is said in a second
+        ready = check_node(config)
+        try:
             gate = gate_status(args.clientapp_user, args.same_user)
         except (ValueError, RuntimeError) as err:
             if not args.allow_any_fab:
                 raise NodeSetupError(f"FAB gate: {err}") from None
             gate = f"NO FAB GATE (--allow-any-fab): any app the server sends runs on the records ({err})"
-        ready = check_node(config)
     except NodeSetupError as err:
         print(f"fedsyn node-check: {err}", file=sys.stderr)
         return 1

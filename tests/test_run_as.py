@@ -165,6 +165,8 @@ def test_a_node_started_with_run_as_runs_its_clientapps_as_that_user_who_can_cha
                 for folder in ("state", "audit"):  # made the user's by the script, private
                     st = node[folder].stat()
                     assert st.st_uid == uid and stat.S_IMODE(st.st_mode) == 0o700, (folder, oct(st.st_mode))
+                private = [node["work"] / "clientapp-home", *node["work"].glob("*.log")]  # no other user reads them
+                assert len(private) == 4 and all(not p.stat().st_mode & 0o077 for p in private), private
             superexecs = [_pids(n["work"])["superexec"] for n in nodes.values()]
             deadline = time.time() + 90
             while dep.online_nodes() < 2:

@@ -63,6 +63,7 @@ while [[ $# -gt 0 ]]; do
 done
 die() { echo "error: $*" >&2; exit 1; }
 [[ -n "$superlink" && -n "$node_config" && -n "$allow_list" ]] || die "--superlink, --node-config and --allow-list are required"
+[[ -n "$run_as" && -n "$same_user" ]] && die "--run-as and --same-user exclude each other"
 [[ -f "$allow_list" ]] || die "$allow_list does not exist: approve the reviewed app first (fedsyn node approve CHECKOUT --allow-list $allow_list)"
 allow_list=$(cd "$(dirname "$allow_list")" && pwd)/$(basename "$allow_list")
 
@@ -110,7 +111,6 @@ export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 FLWR_TELEMETRY_ENABLED=0 F
 export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1} TRANSFORMERS_OFFLINE=${TRANSFORMERS_OFFLINE:-1} TOKENIZERS_PARALLELISM=false
 
 # 2. the start-up check, as the ClientApps will run
-[[ -n "$run_as" && -n "$same_user" ]] && die "--run-as and --same-user exclude each other"
 # the node's own logs name counts and paths: the operator's to read, no other user's
 private_log() { (umask 077; : > "$1"); }
 private_log "$work/node-check.log"

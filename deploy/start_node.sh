@@ -88,8 +88,8 @@ $(readlink -f "$bin_dir/python"), under a folder $run_as cannot enter or read): 
 every user can run (e.g. /usr/bin/python3 -m venv /opt/fedsyn-node) and set FLWR_BIN to its bin folder"
     # the folders the ClientApps write (state-dir: ledger, view, snapshot; audit-dir): a new one is made
     # theirs; an existing one is left as it is, and node-check below says if they cannot write it
-    folders=$(as_user "$bin_dir/fedsyn" node folders --node-config "$node_config" 2> /dev/null) \
-        || die "$(as_user "$bin_dir/fedsyn" node folders --node-config "$node_config" 2>&1 | tail -1)"
+    folders=$(as_user "$bin_dir/fedsyn" node folders --node-config "$node_config" 2> "$work/folders.err") \
+        || die "$(tail -1 "$work/folders.err")"
     while read -r folder; do
         [[ -z "$folder" || -e "$folder" ]] || install -d -o "$run_as" -g "$(id -g "$run_as")" -m 700 "$folder"
     done <<< "$folders"

@@ -47,7 +47,7 @@ def check_audit_dir(folder: Path | None) -> None:
     why = folder_write_problem(folder) if folder is not None else ""
     if why:
         raise refusals.NodeSetupError(f"audit-dir {folder} cannot be written ({why}); fix its "
-                                      "permissions or unset audit-dir") from None
+                                      "permissions or unset audit-dir")
 
 
 def describe_reply(reply: Message) -> dict[str, Any]:

@@ -24,7 +24,6 @@ import argparse
 import json
 import math
 import sys
-import time
 
 from fedsyn_client.refusals import NodeSetupError
 
@@ -337,6 +336,8 @@ def _run_ledger(args: argparse.Namespace) -> int:
 
 def format_ledger(summary: dict) -> str:
     """A node's ledger summary as a readable table."""
+    from common.html_page import when as _when
+
     lines = [
         f"ledger           {summary['ledger']}",
         f"budget           epsilon = {float(summary['budget']):g}",
@@ -364,6 +365,3 @@ def format_ledger(summary: dict) -> str:
         lines.append("(no releases)")
     return "\n".join(lines)
 
-
-def _when(t: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(t)))

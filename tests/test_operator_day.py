@@ -24,9 +24,9 @@ import pytest
 
 from fedsyn_client.approval import build_fab, install_tree
 from fedsyn_client.fab_gate import fab_sha256
-from fedsyn_server.flwr_runner import APP_DIR, free_port, with_descendants
+from fedsyn_server.flwr_runner import APP_DIR, alive, free_port, with_descendants
 from tests.test_deployment import BIN, CONNECTION, TINY, Deployment, _ledger, _overrides, _start, _stop_all, _write_csv
-from tests.test_run_as import SYSTEMD_PATH, _clientapp_user, _enterable, _exec_start, _running
+from tests.test_run_as import SYSTEMD_PATH, _clientapp_user, _enterable, _env_settings, _exec_start
 
 pytestmark = [
     pytest.mark.flwr,
@@ -107,11 +107,7 @@ def test_the_operator_day_runs_as_written_from_a_fresh_venv_to_a_finished_run():
             checked = step(2)
             assert "node ready:" in checked and f"ClientApps run as {user}" in checked, checked[-3000:]
             unit = root / "etc" / "fedsyn" / "fedsyn-node-notes.service"
-            settings = {}
-            for line in unit.with_suffix(".env").read_text().splitlines():
-                if line and not line.startswith("#"):
-                    key, _, value = line.partition("=")
-                    settings[key] = re.sub(r'\\(["\\`$])', r"\1", value[1:-1])
+            settings = _env_settings(unit.with_suffix(".env"))
             argv = _exec_start(unit.read_text(), settings)
             assert argv[0].startswith("/") and str(root / "review" / "fedsyn" / "deploy") in argv[1]
 
@@ -158,7 +154,7 @@ def test_the_operator_day_runs_as_written_from_a_fresh_venv_to_a_finished_run():
                 proc.send_signal(signal.SIGTERM)
                 assert proc.wait(timeout=60) == 0, (root / "service.log").read_text()[-3000:]
                 time.sleep(0.5)
-                assert not [p for p in tree if _running(p)]
+                assert not [p for p in tree if alive(p)]
 
             def online(count: int) -> None:
                 deadline = time.time() + 180

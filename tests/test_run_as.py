@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from fedsyn_server.flwr_runner import APP_DIR, flwr_env, with_descendants
+from fedsyn_server.flwr_runner import APP_DIR, alive, flwr_env, with_descendants
 from tests.test_deployment import (
     BIN,
     CODES,
@@ -106,8 +106,7 @@ class _Watch(threading.Thread):
                     continue
                 try:
                     uid = os.stat(f"/proc/{pid}").st_uid
-                    cmd = (Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-                           or Path(f"/proc/{pid}/comm").read_text().strip())  # an exited, unreaped one: its name
+                    cmd = _command(pid) or Path(f"/proc/{pid}/comm").read_text().strip()  # an unreaped one: its name
                 except OSError:
                     continue
                 self.seen[pid] = (uid, cmd)
@@ -250,7 +249,7 @@ def test_a_node_started_with_run_as_runs_its_clientapps_as_that_user_who_can_cha
                                          check=False)
                 assert stopped.returncode == 0, stopped.stderr
                 time.sleep(0.5)
-                assert not [p for p in trees_of[tier] if _running(p)], (tier, stopped.stdout)
+                assert not [p for p in trees_of[tier] if alive(p)], (tier, stopped.stdout)
 
             # ---- the node as a service: `fedsyn node service`, checked by systemd-analyze, its command line run
             unit, settings = _service(weak, allow, dep.port, user, root / "etc", env)
@@ -275,7 +274,7 @@ def test_a_node_started_with_run_as_runs_its_clientapps_as_that_user_who_can_cha
                     main.send_signal(signal.SIGTERM)
                     assert main.wait(timeout=60) == 0, said()[-3000:]
                 time.sleep(0.5)
-                assert not [pid for pid in tree if _running(pid)], (attempt, said()[-3000:])
+                assert not [pid for pid in tree if alive(pid)], (attempt, said()[-3000:])
                 deadline = time.time() + 60
                 while dep.online_nodes() > 0 and time.time() < deadline:  # the SuperLink sees it go
                     time.sleep(1)
@@ -288,15 +287,6 @@ def test_a_node_started_with_run_as_runs_its_clientapps_as_that_user_who_can_cha
     shutil.rmtree(root, ignore_errors=True)
 
 
-def _running(pid: int) -> bool:
-    """The process exists and has not exited (an exited, unreaped one is a zombie)."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return False
-    return not any(line.startswith("State:") and "Z" in line.split()[1] for line in status.splitlines())
-
-
 def _command(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
@@ -306,7 +296,7 @@ def _command(pid: int) -> str:
 
 def _service(node: dict, allow: Path, port: int, user: str, out: Path, env: dict[str, str]) -> tuple[Path, dict]:
     """``fedsyn node service`` for ``node``; returns the unit's path and its environment file's
-    settings, read as systemd reads them (KEY="value", a backslash escaping " \\ ` $)."""
+    settings (``_env_settings``)."""
     written = subprocess.run([BIN / "fedsyn", "node", "service", "--name", "weak", "--out", out, "--superlink",
                               f"127.0.0.1:{port}", "--node-config", _node_config(node), "--allow-list", allow,
                               "--work", node["work"], "--run-as", user], capture_output=True, text=True, check=False,
@@ -316,16 +306,23 @@ def _service(node: dict, allow: Path, port: int, user: str, out: Path, env: dict
     if shutil.which("systemd-analyze"):
         verified = subprocess.run(["systemd-analyze", "verify", unit], capture_output=True, text=True, check=False)
         assert verified.returncode == 0 and not verified.stderr.strip(), verified.stderr
+    settings = _env_settings(out / "fedsyn-node-weak.env")
+    assert settings["FEDSYN_NODE_CONFIG"] == _node_config(node)  # the node config's quotes arrive as written
+    assert "Restart=on-failure" in unit.read_text().splitlines()
+    return unit, settings
+
+
+def _env_settings(path: Path) -> dict[str, str]:
+    """An environment file's settings read as systemd reads them (KEY="value", a backslash escaping
+    " \\ ` $ inside the quotes; # and ; lines are comments)."""
     settings = {}
-    for line in (out / "fedsyn-node-weak.env").read_text().splitlines():
+    for line in path.read_text().splitlines():
         if line.strip() and not line.startswith(("#", ";")):
             key, _, value = line.partition("=")
             if value[:1] == value[-1:] == '"':
                 value = re.sub(r'\\(["\\`$])', r"\1", value[1:-1])
             settings[key] = value
-    assert settings["FEDSYN_NODE_CONFIG"] == _node_config(node)  # the node config's quotes arrive as written
-    assert "Restart=on-failure" in unit.read_text().splitlines()
-    return unit, settings
+    return settings
 
 
 def _exec_start(unit: str, settings: dict[str, str]) -> list[str]:

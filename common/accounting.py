@@ -34,6 +34,8 @@ from common.calibration import (
     ledger_epsilon,
     pld_charge,
     pld_noise,
+    pld_skellam_mu,
+    skellam_charge,
 )
 from common.dp import DPSGD, dpsgd_epsilon, dpsgd_noise_multiplier
 
@@ -80,6 +82,15 @@ class Accounting(ABC):
         """What a Gaussian release of ``sigma`` costs after ``base``; None: its request's epsilon."""
 
     @abstractmethod
+    def skellam_mu(self, earlier: Base, epsilon: float, count: int, delta: float, policy_delta: float) -> float:
+        """The Skellam mu one release of ``epsilon`` on ``count`` moved coordinates needs in the sum
+        (issue 73), after the node's ``earlier`` releases; ``delta``: the release's own (basic)."""
+
+    @abstractmethod
+    def skellam_charge(self, base: Base, mu: float, count: int, policy_delta: float) -> float | None:
+        """What a Skellam release of ``mu`` costs after ``base``; None: its request's epsilon."""
+
+    @abstractmethod
     def dpsgd_noise(self, base: Base, phase: Planned, delta: float) -> float:
         """The noise multiplier of a whole DP-SGD ``phase`` (its share, q and steps) at ``delta``."""
 
@@ -122,6 +133,16 @@ class Basic(Accounting):
                         asked: float) -> float | None:
         return None
 
+    def skellam_mu(self, earlier: Base, epsilon: float, count: int, delta: float,  # noqa: D102 - documented on Accounting
+                   policy_delta: float) -> float:
+        from common.skellam import solve_mu
+
+        return solve_mu(epsilon, count, delta)
+
+    def skellam_charge(self, base: Base, mu: float, count: int,  # noqa: D102 - documented on Accounting
+                       policy_delta: float) -> float | None:
+        return None
+
     def dpsgd_noise(self, base: Base, phase: Planned, delta: float) -> float:  # noqa: D102 - documented on Accounting
         return rdp_noise(phase.share, delta, phase.sample_rate, phase.steps)
 
@@ -159,6 +180,14 @@ class Pld(Accounting):
     def gaussian_charge(self, base: Base, sigma: float, sensitivity: float, policy_delta: float,  # noqa: D102 - documented on Accounting
                         asked: float) -> float | None:
         return math.inf if sigma == 0 else pld_charge(base, sigma, sensitivity, policy_delta, asked)
+
+    def skellam_mu(self, earlier: Base, epsilon: float, count: int, delta: float,  # noqa: D102 - documented on Accounting
+                   policy_delta: float) -> float:
+        return pld_skellam_mu(earlier, epsilon, count, policy_delta)
+
+    def skellam_charge(self, base: Base, mu: float, count: int,  # noqa: D102 - documented on Accounting
+                       policy_delta: float) -> float | None:
+        return math.inf if mu == 0 else skellam_charge(base, mu, count, policy_delta)
 
     def dpsgd_noise(self, base: Base, phase: Planned, delta: float) -> float:  # noqa: D102 - documented on Accounting
         return pld_noise(base, phase, delta) or rdp_noise(phase.share, delta, phase.sample_rate, phase.steps)

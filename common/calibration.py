@@ -44,7 +44,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from common.dp import DPSGD, GAUSSIAN, analytic_gaussian_sigma, dpsgd_event, dpsgd_noise_multiplier, pld_accountant
+from common.dp import (
+    DPSGD,
+    GAUSSIAN,
+    SKELLAM,
+    analytic_gaussian_sigma,
+    dpsgd_event,
+    dpsgd_noise_multiplier,
+    pld_accountant,
+)
 
 # The search stops when the noise is known to this relative width; it keeps the side whose
 # composition is within the target, so a node never spends more than its share.
@@ -97,7 +105,9 @@ class Planned:
 # sensitivity, delta), from its statement; a DP-SGD phase as ("dp-sgd", noise multiplier, q, all
 # R x tau steps, delta): the whole phase, as its first round reserved it, whatever number of
 # rounds ran; a release whose terms are unknown as ("opaque", epsilon, delta), its statement.
-# The deltas of the first two kinds are what the requests asked (informational: the PLD is read
+# A Skellam release under secure aggregation (issue 73) as ("skellam", mu, coordinates, delta): the
+# noise the sum carries under the site's trust, on a count histogram of that many moved coordinates.
+# The deltas of the first three kinds are what the requests asked (informational: the PLD is read
 # at the policy's delta); an opaque release's delta is spent. A DP-SGD state stored before issue 60
 # holds Gaussian and DP-SGD terms only, which still read.
 Base = tuple[tuple[Any, ...], ...]
@@ -113,18 +123,21 @@ class _Parts:
     dpsgd: tuple[tuple[float, float, int], ...] = ()
     epsilon: float = 0.0
     delta: float = 0.0
+    skellam: tuple[tuple[float, int], ...] = ()  # (mu, coordinates) of each Skellam release
 
 
 def _parts(base: Base) -> _Parts:
-    mu2, dpsgd, eps, delta = 0.0, [], 0.0, 0.0
+    mu2, dpsgd, eps, delta, sk = 0.0, [], 0.0, 0.0, []
     for b in base:
         if b[0] == DPSGD:
             dpsgd.append((float(b[1]), float(b[2]), int(b[3])))
+        elif b[0] == SKELLAM:
+            sk.append((float(b[1]), int(b[2])))
         elif b[0] == OPAQUE:
             eps, delta = eps + float(b[1]), delta + float(b[2])
         else:
             mu2 += (float(b[1]) / float(b[0])) ** 2
-    return _Parts(mu2, tuple(dpsgd), eps, delta)
+    return _Parts(mu2, tuple(dpsgd), eps, delta, tuple(sorted(sk)))
 
 
 def _gaussian(mu2: float) -> Any:
@@ -144,16 +157,37 @@ def _compose(parts: _Parts, delta: float) -> float:
     """Epsilon of ``parts`` at ``delta``: the PLD of the composable releases at what the opaque
     ones leave of ``delta``, plus the opaque epsilons (basic composition of the two); inf when
     nothing is left of ``delta``."""
-    if parts.mu2 == 0 and not parts.dpsgd:
+    if parts.mu2 == 0 and not parts.dpsgd and not parts.skellam:
         return parts.epsilon if parts.delta <= delta else math.inf
     left = delta - parts.delta
     if not left > 0:
+        return math.inf
+    if any(mu <= 0 for mu, _ in parts.skellam):  # no noise: no bound
         return math.inf
     acc = _prefix(0.0, parts.dpsgd)  # the DP-SGD phases composed once; the Gaussian onto a copy
     if parts.mu2 > 0:
         acc = copy.deepcopy(acc)
         acc.compose(_gaussian(parts.mu2))
-    return float(acc.get_epsilon(left)) + parts.epsilon
+    if not parts.skellam:
+        return float(acc.get_epsilon(left)) + parts.epsilon
+    return float(_with_skellam(acc, parts.skellam).get_epsilon_for_delta(left)) + parts.epsilon
+
+
+def _with_skellam(acc: Any, releases: tuple[tuple[float, int], ...]) -> Any:
+    """The privacy-loss distribution of ``acc`` (a PLD accountant) composed with the Skellam
+    ``releases``. ``dp_accounting`` has no event for the Skellam mechanism, so its PLD is built from
+    the two probability mass functions (``common.skellam.pld``) and composed onto the accountant's
+    own distribution, which the library keeps as ``_pld`` (0.4-0.6): there is no public way to
+    compose a PLD of one's own with an accountant's."""
+    from collections import Counter
+
+    from common import skellam
+
+    pld = acc._pld  # noqa: SLF001 - see the docstring
+    for (mu, count), times in sorted(Counter(releases).items()):
+        one = skellam.pld(mu, count)
+        pld = pld.compose(one if times == 1 else one.self_compose(times))
+    return pld
 
 
 def composition_delta(base: Base, delta: float) -> float:
@@ -166,7 +200,7 @@ def composition_delta(base: Base, delta: float) -> float:
 
 def clear_caches() -> None:
     """Forget every memoised composition and noise (a test that plants another rule)."""
-    for cached in (base_epsilon, pld_noise, pld_charge, calibrate_pld, _prefix):
+    for cached in (base_epsilon, pld_noise, pld_charge, calibrate_pld, _prefix, pld_skellam_mu):
         cached.cache_clear()
 
 
@@ -204,6 +238,8 @@ def solve_noise(base: Base, phase: Planned, target: float, delta: float) -> floa
     def excess(noise: float) -> float:  # the composition's epsilon over the target (<= 0 fits)
         acc = copy.deepcopy(prefix)
         acc.compose(event(noise))
+        if parts.skellam:  # masked releases before it (issue 73) compose as their own PLDs
+            return float(_with_skellam(acc, parts.skellam).get_epsilon_for_delta(left)) - room
         return float(acc.get_epsilon(left)) - room
 
     def fits(noise: float) -> bool:
@@ -285,6 +321,9 @@ def release_base(entries: Sequence[dict[str, Any]]) -> Base:
             continue
         epsilon = float(e["epsilon"])
         public = e.get("public", {})
+        if e.get("mechanism") == SKELLAM and math.isfinite(epsilon) and float(public.get("mu", 0.0) or 0.0) > 0:
+            base.append((SKELLAM, float(public["mu"]), int(public["coordinates"]), float(e["delta"])))
+            continue
         sigma = float(public.get("sigma", e.get("sigma", 0.0)) or 0.0)
         if not math.isfinite(epsilon):
             base.append((OPAQUE, math.inf, 0.0))
@@ -347,6 +386,52 @@ def pld_charge(base: Base, sigma: float, sensitivity: float, delta: float, asked
     request asked, kept with its terms like a ledger entry's (the composition does not read it)."""
     after = base + ((sigma, sensitivity, asked),)
     return max(0.0, base_epsilon(after, delta) - base_epsilon(base, delta))
+
+
+def skellam_terms(mu: float, count: int, delta: float) -> tuple[Any, ...]:
+    """A Skellam release's ``Base`` term: Skellam(``mu``) in the sum, ``count`` moved coordinates."""
+    return (SKELLAM, float(mu), int(count), float(delta))
+
+
+@functools.lru_cache(maxsize=256)
+def pld_skellam_mu(base: Base, share: float, count: int, delta: float) -> float:
+    """The least mu (within ``common.skellam.MU_TOLERANCE``, on the side that fits) of one Skellam
+    release on ``count`` coordinates such that ``base`` and it compose at ``delta`` (the policy's)
+    within ``base_epsilon(base, delta) + share``; inf when no noise fits (``base`` alone leaves
+    nothing of ``delta``), 0 for an infinite share (no DP). A base unbounded on its own is left out."""
+    from common.skellam import MU_TOLERANCE, solve_mu
+
+    if math.isinf(share):
+        return 0.0
+    spent = base_epsilon(base, delta)
+    if not math.isfinite(spent):
+        base, spent = (), 0.0
+    if not base:
+        return solve_mu(share, count, delta)
+
+    def fits(mu: float) -> bool:
+        return base_epsilon(base + (skellam_terms(mu, count, 0.0),), delta) <= spent + share
+
+    hi = max(solve_mu(share, count, delta), 1e-3)  # what fits alone: composed, more or less may fit
+    while not fits(hi):
+        hi *= 2
+        if hi > 1e12:
+            return math.inf
+    lo = hi / 2
+    while fits(lo):
+        lo, hi = lo / 2, lo
+        if lo < 1e-6:
+            return hi
+    while hi - lo > MU_TOLERANCE * hi:
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return hi
+
+
+def skellam_charge(base: Base, mu: float, count: int, delta: float) -> float:
+    """What a Skellam release of ``mu`` on ``count`` coordinates costs after ``base``: the growth
+    of the composition at ``delta`` (the policy's; never below 0), as ``pld_charge`` for a Gaussian."""
+    return max(0.0, base_epsilon(base + (skellam_terms(mu, count, 0.0),), delta) - base_epsilon(base, delta))
 
 
 def rounds_of(share: float) -> int:

@@ -111,6 +111,9 @@ class RunConfig:
     grpo_learning_rate: float = 1e-4
     voters: str = "all"  # VOTERS; "all" chosen by issue 46's grid (docs/results.md), "weak" is the paper's
     accounting: str = DEFAULT_ACCOUNTING  # simulated nodes' rule (a deployed node's is its node-config accounting)
+    # simulated sites' trust (issue 73): each counts on this many sites, itself included, adds 1/sqrt(t) of
+    # each Gaussian release's noise as Skellam noise, and masks it under secure aggregation; 1: trusts nobody
+    min_honest_nodes: int = 1
     min_nodes: int = 0
     node_timeout: float = 3600.0
     on_node_shortfall: str = "refuse"  # a node that cannot finish the run: refuse to start, or go on without it
@@ -203,6 +206,7 @@ class RunConfig:
             ("grpo-learning-rate", 0 < self.grpo_learning_rate < 1, "a float in (0, 1)"),
             ("voters", self.voters in VOTERS, f"one of {list(VOTERS)}"),
             ("accounting", self.accounting in ACCOUNTING, f"one of {list(ACCOUNTING)}"),
+            ("min-honest-nodes", self.min_honest_nodes >= 1, "an integer >= 1 (1: every site adds the whole noise)"),
             ("min-nodes", self.min_nodes >= 0, "an integer >= 0 (0 = wait until the node count is stable)"),
             ("node-timeout", self.node_timeout > 0, "seconds > 0"),
             ("on-node-shortfall", self.on_node_shortfall in ON_NODE_SHORTFALL, f"one of {list(ON_NODE_SHORTFALL)}"),

@@ -27,6 +27,7 @@ TRAIN, PROFILE, VOTE = "train", "profile", "vote"
 MARGINALS = "marginals"
 PHASES = (TRAIN, PROFILE, VOTE, MARGINALS)
 GAUSSIAN, DPSGD = "gaussian", "dp-sgd"
+SKELLAM = "skellam"  # integer noise, each site its share, under secure aggregation (common.skellam)
 
 
 # RDP orders for DP-SGD's accountant: Opacus' defaults (1.1-63) reach from both ends. At a small

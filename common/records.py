@@ -47,6 +47,12 @@ CANDIDATES = "candidates"
 MARGINALS = "marginals"  # a marginals reply's vector; a request's cliques under CLIQUES in its config
 CLIQUES = "cliques"
 RELEASE = "release"
+# secure aggregation (issue 73): a release request's config names the step and the round's session;
+# the step's payload (and its reply's) is one JSON text under SECAGG
+SECAGG = "secagg"
+SECAGG_STEP, SECAGG_SESSION = "secagg-step", "secagg-session"
+ADVERTISE, SHARE, MASK, CONFIRM, REVEAL = "advertise", "share", "mask", "confirm", "reveal"
+SECAGG_STEPS = (ADVERTISE, SHARE, MASK, CONFIRM, REVEAL)
 LEDGER = "ledger"
 # Error codes in replies (Flower reserves small ints; these are app-level).
 ERR_BUDGET = 1001  # refused: would exceed the node's privacy budget
@@ -93,17 +99,19 @@ def release_record(release: dict[str, Any], spent: float, budget: float) -> Conf
 
 
 def tier_reply(tier: str, budget: float, needed: float, remaining: float, shortfall: float,
-               ledger_ref: str = "", held: float = 0.0, records_bound: int = 0) -> RecordDict:
+               ledger_ref: str = "", held: float = 0.0, records_bound: int = 0, honest: int = 1) -> RecordDict:
     """Content of a ``query.tier`` reply: the node's tier, its (policy) budget, its pre-flight
     statement (epsilon this run still needs of it, epsilon left in its ledger for this run, of
     which ``held`` is held for other runs under way, and the shortfall, 0 when the node can
     finish the run) and its ledger's random name (``PrivacyLedger.ref``). All of it is about the
     ledger, none of it about the records. ``records_bound``: the node policy's public max-records
-    (0 for a simulated node), so that ``fedsyn plan`` can show each node's noise and time at it."""
+    (0 for a simulated node), so that ``fedsyn plan`` can show each node's noise and time at it;
+    ``honest``: its min-honest-nodes (issue 73), the sites it counts on: above 1 it adds a share of
+    the noise and the server must mask its rounds (its own choice, public)."""
     return RecordDict({TIER: ConfigRecord({
         "tier": tier, "epsilon-budget": float(budget), "epsilon-needed": float(needed),
         "epsilon-remaining": float(remaining), "epsilon-shortfall": float(shortfall), "ledger-ref": ledger_ref,
-        "epsilon-held": float(held), "records-bound": float(records_bound)})})
+        "epsilon-held": float(held), "records-bound": float(records_bound), "min-honest-nodes": float(honest)})})
 
 
 def vector_reply(key: str, values: np.ndarray, release: ConfigRecord) -> RecordDict:

@@ -27,9 +27,10 @@ from common import records as R
 from common.config import ConfigError, RunConfig
 from common.dp import MARGINALS, PROFILE, STRONG, TRAIN, VOTE
 from common.logs import get_logger, plain_console
+from common.marginals import cells, column_sizes
 from common.models import load_embedder
 from common.phases import phase as phase_named, phases
-from fedsyn_client import refusals
+from fedsyn_client import refusals, secagg_node
 from fedsyn_client.audit import audit_dir, audit_mod, check_audit_dir
 from fedsyn_client.histograms import marginals_histogram, vote_histogram
 from fedsyn_client.node import Node, node_policy, open_node, readable_schema
@@ -122,7 +123,7 @@ def tier(msg: Message, node: Node, cfg: RunConfig, req: Request) -> RecordDict:
                     "beyond the budget will be refused", req.epsilon, max(pre.remaining, 0.0), node.policy.epsilon,
                     pre.held)
     return R.tier_reply(node.tier, node.policy.epsilon, req.epsilon, pre.remaining, pre.shortfall, pre.ref, pre.held,
-                        node.policy.max_records)
+                        node.policy.max_records, node.policy.min_honest_nodes)
 
 
 # --------------------------------------------------------------------------- stage 1
@@ -152,7 +153,10 @@ def profile(msg: Message, node: Node, cfg: RunConfig, req: Request) -> RecordDic
     """Algorithm 1 stage 2: per-code counts + analytic Gaussian noise (L2 sensitivity 1)."""
     # One record is in exactly one bucket: adding/removing it moves one count by 1.
     # (records are restricted to the vocabulary, so every one is counted exactly once)
-    mechanism = GaussianHistogram("code-counts", lambda: node.code_counts(req.vocabulary), 1.0)
+    counts = lambda: node.code_counts(req.vocabulary)  # noqa: E731 - one closure, two paths
+    if R.SECAGG_STEP in req.params:  # a masked round (issue 73)
+        return secagg_node.serve(msg, node, req, "code-counts", counts, 1.0, len(req.vocabulary))
+    mechanism = GaussianHistogram("code-counts", counts, 1.0)
     noisy, statement = release(node, req, mechanism)
     return R.vector_reply(R.PROFILE, noisy, statement)
 
@@ -175,6 +179,9 @@ def vote(msg: Message, node: Node, cfg: RunConfig, req: Request) -> RecordDict:
     embedded = node.embedded(req.vocabulary, free_text, cfg.embedder, cfg.vote_window, cfg.precision)
     compute, sensitivity = vote_histogram(name, records, texts, codes, req.params, cfg, bound=node.bound,
                                           embedded=embedded)
+    if R.SECAGG_STEP in req.params:  # a masked round (issue 73)
+        return secagg_node.serve(msg, node, req, name, compute, sensitivity, len(texts),
+                                 prepare=lambda: load_embedder(cfg.embedder))
     noisy, statement = release(node, req, GaussianHistogram(name, compute, sensitivity,
                                                             prepare=lambda: load_embedder(cfg.embedder)))
     return R.vector_reply(R.VOTES, noisy, statement)
@@ -192,6 +199,9 @@ def marginals(msg: Message, node: Node, cfg: RunConfig, req: Request) -> RecordD
     cliques = R.read_cliques(req.params)
     compute, sensitivity = marginals_histogram(node.records(req.vocabulary), cliques, schema, cfg.control_columns,
                                                cfg.marginal_bins, bound=node.bound)
+    if R.SECAGG_STEP in req.params:  # a masked round (issue 73)
+        length = sum(cells(c, column_sizes(schema, cfg.marginal_bins)) for c in cliques)
+        return secagg_node.serve(msg, node, req, MARGINALS, compute, sensitivity, length)
     noisy, statement = release(node, req, GaussianHistogram(MARGINALS, compute, sensitivity))
     return R.vector_reply(R.MARGINALS, noisy, statement)
 

@@ -365,7 +365,7 @@ def _policy(run_id: str, node_config_items: tuple[tuple[str, str], ...], cfg: Ru
         delta=cfg.resolve_delta(len(bench.train)), text_column=cfg.text_column,
         control_columns=cfg.control_columns, vocabulary=bench.vocabulary, state_dir=state, partition=(pid, num),
         model=cfg.model, embedder=cfg.embedder, finetune=cfg.finetune, table_schema=canonical(cfg.schema()),
-        max_length=cfg.max_length, accounting=cfg.accounting,
+        max_length=cfg.max_length, accounting=cfg.accounting, min_honest_nodes=cfg.min_honest_nodes,
     )
 
 

@@ -24,6 +24,7 @@ a node's records can lose, and what runs on them, comes from here, never from th
 | unconfirmed holds | ``max-unconfirmed-holds`` (default 1)   | 1                                |
 | reply retention   | ``keep-replies-days`` (default 30; 0 = forever) | 30 (the store is the run's)  |
 | token cap         | ``max-length`` (default 512): the longest ``max-length`` a request may ask | the run's ``max-length`` |
+| trust (secure aggregation) | ``min-honest-nodes`` (default 1: nobody), ``peer-keys`` (a file of the peers' SuperNode public keys), ``identity-key`` (its own SuperNode private key) | run config ``min-honest-nodes``; every site counts |
 | accounting        | ``accounting`` (default ``pld``: a privacy-loss distribution prices each release, ``common.calibration``; ``basic``: epsilons add up, the paper's) | run config ``accounting`` |
 | public size bound | ``max-records`` (**required**): every release does the work of exactly this many records; a file with more is subsampled once (``fedsyn_client.view``) | none: the partition's size, no padding |
 
@@ -143,6 +144,12 @@ class NodePolicy:
     max_records: int = 0  # the public size bound (0 in simulation: the partition's size, public there)
     accounting: str = DEFAULT_ACCOUNTING  # how this node composes its releases (common.config.ACCOUNTING)
     measurable_columns: tuple[str, ...] = ()  # the columns any release may read; () = all of the schema's
+    # secure aggregation (issue 73): the sites, this one included, it counts on to follow the protocol;
+    # the SuperNode public keys of the peers it may count (OpenSSH lines; simulation: every site counts)
+    # and its own SuperNode private key, which signs its round keys
+    min_honest_nodes: int = 1
+    peer_keys: tuple[str, ...] = ()
+    identity_key: str = ""
     simulated: bool = False
     partition: tuple[int, ...] = ()  # simulation: (partition id, number of partitions)
     warnings: tuple[str, ...] = field(default=(), compare=False)
@@ -456,7 +463,60 @@ def _table(phases: tuple[str, ...]) -> tuple[NodeKey, ...]:
                                    "noise)"),), policy_field="accounting"),
         NodeKey("measurable-columns", "a table node: the columns any release may read (default: every column of "
                                       "its table-schema)", _list, (), policy_field="measurable_columns"),
+        NodeKey("min-honest-nodes", "the sites, this one included, it counts on under secure aggregation: it adds "
+                                    "1/sqrt(t) of each release's noise and unmasks only with t of them present "
+                                    "(default 1: nobody, the whole noise)", _float, 1.0,
+                checks=((lambda v: 1 <= v <= 10_000 and v == int(v),
+                         lambda v: f"node-config min-honest-nodes = {v:g} must be an integer >= 1 (default 1: "
+                                   "trust nobody, add the whole noise)"),),
+                policy_field="min_honest_nodes", to=int),
+        NodeKey("peer-keys", "a file of the SuperNode public keys (one OpenSSH line each) of the peers it may count "
+                             "on (with min-honest-nodes > 1)", _peer_keys, (), policy_field="peer_keys"),
+        NodeKey("identity-key", "this node's SuperNode private key (a file), which signs its secure-aggregation keys "
+                                "(with min-honest-nodes > 1)", _identity_key, "", policy_field="identity_key"),
     )
+
+
+def _peer_keys(key: str, raw: Any) -> tuple[str, ...]:
+    """The public-key lines of the file ``raw`` names (blank lines and ``#`` comments skipped), each
+    checked to be a SuperNode key; ``PolicyError`` naming the file and line otherwise."""
+    from common.secagg.masks import load_public_key
+
+    path = Path(_text(key, raw)).expanduser()
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as err:
+        raise PolicyError(f"node-config {key} = {str(path)!r} cannot be read ({err.strerror}): a file of the "
+                          "peers' SuperNode public keys, one OpenSSH line each") from None
+    keys = []
+    for number, line in enumerate(lines, start=1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        try:
+            load_public_key(line)
+        except (ValueError, TypeError):
+            raise PolicyError(f"node-config {key}: line {number} of {path} is not a SuperNode public key (an "
+                              "'ecdsa-sha2-nistp384 ...' line, as deploy/generate_node_keys.sh writes NAME.pub)"
+                              ) from None
+        keys.append(line)
+    return tuple(keys)
+
+
+def _identity_key(key: str, raw: Any) -> str:
+    """The path of this node's SuperNode private key, checked to load; ``PolicyError`` otherwise."""
+    from common.secagg.masks import load_signing_key
+
+    path = Path(_text(key, raw)).expanduser()
+    try:
+        load_signing_key(path.read_bytes())
+    except OSError as err:
+        raise PolicyError(f"node-config {key} = {str(path)!r} cannot be read ({err.strerror}): this node's "
+                          "SuperNode private key (the file given to --auth-supernode-private-key)") from None
+    except (ValueError, TypeError):
+        raise PolicyError(f"node-config {key} = {str(path)!r} is not an elliptic-curve private key (ssh-keygen -t "
+                          "ecdsa -b 384, as deploy/generate_node_keys.sh makes)") from None
+    return str(path)
 
 
 def node_table(phases: Sequence[str] | None = None) -> tuple[NodeKey, ...]:
@@ -534,6 +594,12 @@ def _policy(values: Mapping[str, Any], table: Sequence[NodeKey], phases: Sequenc
     elif measurable:
         raise PolicyError("node-config measurable-columns needs a table-schema: it names the table columns this "
                           "node's releases may read")
+    honest = values["min-honest-nodes"]
+    if honest > 1 and (not values["identity-key"] or len(values["peer-keys"]) < honest - 1):
+        raise PolicyError(f"node-config min-honest-nodes = {honest} needs identity-key (this node's SuperNode private "
+                          f"key) and peer-keys listing at least {honest - 1} peers' SuperNode public keys "
+                          f"({len(values['peer-keys'])} listed): the node counts only sites whose keys its operator "
+                          "lists, so a server cannot invent them")
     notes = () if values["control-codes"] else (
         "node-config control-codes is not set: this node accepts the server's public vocabulary and drops "
         "records whose code is not in it; set control-codes to pin the vocabulary",)
@@ -545,7 +611,7 @@ def simulation_policy(tier: str, epsilon: float, delta: float, text_column: str,
                       control_columns: Sequence[str], vocabulary: Sequence[str], state_dir: str,
                       partition: tuple[int, int], model: str, embedder: str, finetune: str,
                       table_schema: str = "", max_length: int = DEFAULT_MAX_LENGTH,
-                      accounting: str = DEFAULT_ACCOUNTING) -> NodePolicy:
+                      accounting: str = DEFAULT_ACCOUNTING, min_honest_nodes: int = 1) -> NodePolicy:
     """The policy of a simulated node: built from the run config, since no institution exists
     (its models and table schema are the run's own)."""
     return NodePolicy(tier=tier, epsilon=epsilon, delta=delta, text_column=text_column,
@@ -553,7 +619,8 @@ def simulation_policy(tier: str, epsilon: float, delta: float, text_column: str,
                       table_schema=table_schema,
                       state_dir=state_dir, simulated=True, partition=tuple(partition),
                       models=(model,), embedders=(embedder,), finetune_modes=(finetune,),
-                      max_length=max(DEFAULT_MAX_LENGTH, max_length), accounting=accounting)
+                      max_length=max(DEFAULT_MAX_LENGTH, max_length), accounting=accounting,
+                      min_honest_nodes=int(min_honest_nodes))
 
 
 def _canonical(key: str) -> str:

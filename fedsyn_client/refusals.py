@@ -9,6 +9,7 @@ reply passes ``public_reason``, which turns any text outside this set into ``FAI
 from __future__ import annotations
 
 from common import records as R
+from common.secagg.protocol import FORGED, INCONSISTENT, MALFORMED, REPLAYED, UNTRUSTED
 
 FAILED = "failed on the node (see the node's log); a reserved release stays spent"
 REQUEST = "request: invalid (see the node's log)"
@@ -29,6 +30,9 @@ RULE_FINETUNE = "finetune not allowed"
 RULE_MAX_LENGTH = "max-length above the node's cap"
 RULES = (RULE_COLUMNS, RULE_EPSILON, RULE_VOCABULARY, RULE_DELTA, RULE_CAP, RULE_PHASE, RULE_MODEL, RULE_EMBEDDER,
          RULE_FINETUNE, RULE_MAX_LENGTH)
+
+# secure aggregation's refusals (facts of the round's messages and the node's trust, never of the records)
+SECAGG_REASONS = (MALFORMED, UNTRUSTED, FORGED, INCONSISTENT, REPLAYED)
 
 # budget rules (facts of the ledger, never of the records)
 BUDGET = "budget"
@@ -80,6 +84,14 @@ class NodeSetupError(Refusal):
         super().__init__(reply, detail)
 
 
+class SecAggRefusal(Refusal):
+    """A secure-aggregation step this node will not take (``common.secagg.protocol``'s fixed
+    texts: too few trusted sites, a forged key, survivors it did not see, a replayed step)."""
+
+    code = R.ERR_POLICY
+    prefix = "refused: "
+
+
 def public_reason(text: str) -> str:
     """``text`` if it is one of the fixed replies, else ``FAILED``: a guard, so that a new
     refusal with a computed text can never reach the server."""
@@ -89,4 +101,5 @@ def public_reason(text: str) -> str:
 FIXED_REPLIES = frozenset({FAILED, REQUEST, DATA, NODE, BAD_WEIGHTS}
                           | {f"refused: {r}" for r in (BUDGET, BUDGET_PHASE, BUDGET_CAP, BUDGET_ROUND, BUDGET_STEPS,
                                                        BUDGET_BOUND, BUDGET_REPLAYED)}
-                          | {f"refused: policy: {r}" for r in RULES})
+                          | {f"refused: policy: {r}" for r in RULES}
+                          | {f"refused: {r}" for r in SECAGG_REASONS})

@@ -170,7 +170,7 @@ COMPUTATION_TERMS = ("model", "finetune", "lora_rank", "lora_layers", "embedder"
                      "marginal_share", "prompt", "zero_shot_template", "batch_size", "local_steps",
                      "num_server_rounds", "learning_rate", "max_grad_norm", "contrastive_weight", "precision",
                      "seed", "epsilon", "epsilon_profile", "voters", "accounting", "dataset", "partitioning",
-                     "strong_fraction", "test_fraction")
+                     "strong_fraction", "test_fraction", "min_honest_nodes")
 
 
 def computation_terms(cfg: RunConfig) -> dict[str, Any]:

@@ -32,7 +32,7 @@ STATE = "state.json"
 FORMAT = 1
 # FedSynResult fields keyed by node id (JSON makes the keys strings) and those that are arrays.
 _BY_NODE = ("tiers", "train_metrics", "eval_metrics", "node_profiles", "node_votes", "releases", "ledgers", "budgets",
-            "ledger_refs")
+            "ledger_refs", "bounds", "trust")
 _ARRAYS = ("profile", "votes", "selected")
 
 

@@ -50,6 +50,7 @@ from strategies.checkpoint import Checkpoint
 from strategies.graphical_model import Clique, Measured, first_round, fit_and_sample, model_measurements, second_round
 from strategies.refinement import Generator, Refinement, final_size
 from strategies.result import FedSynResult
+from strategies.secagg_rounds import SecureSum, secure
 from strategies.session import Orchestration, RoundUnanswered, RunSession
 from strategies.text_stages import EvaluateFn, TextStages
 
@@ -166,21 +167,30 @@ class MarginalsStrategy(Orchestration):
         grid = session.run_grid()
         session.members.admit(grid, f"before marginals round {rnd}")
         sites = sorted(session.members.active())
-        replies = session.courier.ask(grid, sites, R.MSG_MARGINALS, MARGINALS, RecordDict({
-            R.CONFIG: session.request(**{R.CLIQUES: R.cliques_value(cliques), "epsilon-share": share,
-                                       "server-round": rnd})}))
+        content = RecordDict({R.CONFIG: session.request(**{R.CLIQUES: R.cliques_value(cliques), "epsilon-share": share,
+                                                          "server-round": rnd})})
         length = sum(cells(c, self.sizes) for c in cliques)
-        vectors = session.courier.vectors(replies, R.MARGINALS, length, MARGINALS)
-        sigmas = {n: self._sigma(n, replies[n]) for n in vectors}
-        stated = {n: s for n, s in sigmas.items() if s is not None}
-        answered = {n: v for n, v in vectors.items() if n in stated}
+        if secure(session.result.trust, sites):  # some site shares the noise: the server sees the sum alone
+            masked = SecureSum(session.courier, session.result.bounds).run(grid, sites, R.MSG_MARGINALS, MARGINALS,
+                                                                           content, length)
+            answered: dict[int, Any] = dict.fromkeys(masked.survivors if masked else ())
+        else:
+            masked = None
+            replies = session.courier.ask(grid, sites, R.MSG_MARGINALS, MARGINALS, content)
+            vectors = session.courier.vectors(replies, R.MARGINALS, length, MARGINALS)
+            sigmas = {n: self._sigma(n, replies[n]) for n in vectors}
+            stated = {n: s for n, s in sigmas.items() if s is not None}
+            answered = {n: v for n, v in vectors.items() if n in stated}
         session.courier.coverage(f"marginals round {rnd}", answered, sites)
         if not answered:
             raise RoundUnanswered(f"marginals round {rnd}: no site answered (see failures above); the run stops "
                                   "before this round with its checkpoint: resume it when the sites are back "
                                   "(flwr run . --run-config <run-dir>/resume.toml)")
-        total = np.sum([np.asarray(v) for v in answered.values()], axis=0)
-        stddev = math.sqrt(sum(float(stated[n]) ** 2 for n in answered))
+        if masked is not None:
+            total, stddev = masked.total, masked.stddev
+        else:
+            total = np.sum([np.asarray(v) for v in answered.values()], axis=0)
+            stddev = math.sqrt(sum(float(stated[n]) ** 2 for n in answered))
         session.result.vote_rounds.append({"round": rnd, "histogram": MARGINALS, "epsilon_share": share,
                                         "cliques": ["|".join(c) for c in cliques], "voters": sorted(answered),
                                         "stddev": stddev})

@@ -122,6 +122,7 @@ class Membership:
                 continue
             self.result.budgets[nid], self.answered[nid] = budget, tier
             self.result.bounds[nid] = int(R.number(rec.get("records-bound", 0) or 0))
+            self.result.trust[nid] = max(1, int(R.number(rec.get("min-honest-nodes", 1) or 1)))
             if rec.get("ledger-ref"):
                 self.result.ledger_refs[nid] = str(rec["ledger-ref"])
             if short > 0:

@@ -44,6 +44,7 @@ class FedSynResult:
     ledgers: dict[int, dict[str, Any]] = field(default_factory=dict)  # node -> its own book of this run
     budgets: dict[int, float] = field(default_factory=dict)
     bounds: dict[int, int] = field(default_factory=dict)  # node -> its public max-records (0: none stated)
+    trust: dict[int, int] = field(default_factory=dict)  # node -> its min-honest-nodes (issue 73; 1: trusts nobody)
     ledger_refs: dict[int, str] = field(default_factory=dict)  # node -> its ledger's random name (restarts)
     failures: list[dict[str, Any]] = field(default_factory=list)
     degradations: list[str] = field(default_factory=list)  # what the run did with less than it asked for

@@ -31,6 +31,7 @@ from strategies.allocation import aggregate_profiles, allocate
 from strategies.coverage import finetune_coverage, pretrained_codes
 from strategies.messaging import SubGrid
 from strategies.refinement import FINETUNED, PRETRAINED, Generator, Refinement, RefinementContext
+from strategies.secagg_rounds import SecureSum, secure
 from strategies.session import RoundUnanswered, RunSession
 from strategies.stages import Stage
 from strategies.writers import effective_share, generate_pool, pretrained_counts, writers_of
@@ -166,17 +167,28 @@ class TextStages:
     def _profile(self, grid: Grid, nodes: dict[int, str]) -> None:
         """Stage 2: every node's noisy per-code counts; their sum allocates the pool (stage 3)."""
         res, t = self.session.result, time.time()
-        profile_replies = self.session.courier.ask(grid, sorted(nodes), R.MSG_PROFILE, PROFILE, RecordDict(
-            {R.CONFIG: self.session.request()}))
-        res.node_profiles = self.session.courier.vectors(profile_replies, R.PROFILE, len(self.vocabulary), PROFILE)
-        self.session.courier.coverage("profile", res.node_profiles, nodes)
-        if not res.node_profiles:
-            raise RuntimeError("no node returned a profile; nothing to allocate (see failures above)")
-        res.profile = aggregate_profiles(list(res.node_profiles.values()))
+        content = RecordDict({R.CONFIG: self.session.request()})
+        if secure(res.trust, sorted(nodes)):  # some site shares the noise: the server sees the sum alone
+            masked = SecureSum(self.session.courier, res.bounds).run(grid, sorted(nodes), R.MSG_PROFILE, PROFILE,
+                                                                      content, len(self.vocabulary))
+            self.session.courier.coverage("profile", dict.fromkeys(masked.survivors if masked else ()), nodes)
+            if masked is None:
+                raise RuntimeError("the masked profile could not be unmasked; nothing to allocate (see failures above)")
+            res.node_profiles, res.profile = {}, masked.total
+        else:
+            profile_replies = self.session.courier.ask(grid, sorted(nodes), R.MSG_PROFILE, PROFILE, content)
+            res.node_profiles = self.session.courier.vectors(profile_replies, R.PROFILE, len(self.vocabulary), PROFILE)
+            self.session.courier.coverage("profile", res.node_profiles, nodes)
+            if not res.node_profiles:
+                raise RuntimeError("no node returned a profile; nothing to allocate (see failures above)")
+            res.profile = aggregate_profiles(list(res.node_profiles.values()))
         res.allocation = dict(zip(self.vocabulary,
                                   (int(a) for a in allocate(res.profile, self.refinement.pool_size(self.cfg)))))
         log.info("noisy profile %s -> allocation %s", np.round(res.profile, 1).tolist(), res.allocation)
-        if self.cfg.coverage_floor > 0 and self.cfg.prompt != "zero-shot":
+        if self.cfg.coverage_floor > 0 and self.cfg.prompt != "zero-shot" and not res.node_profiles:
+            log.warning("coverage-floor is not applied: the profile was masked, so the strong sites' own part of it "
+                        "is not known to the server")
+        elif self.cfg.coverage_floor > 0 and self.cfg.prompt != "zero-shot":
             strong = [p for n, p in res.node_profiles.items() if res.tiers.get(n) == "strong"]
             rho = finetune_coverage(strong, list(res.node_profiles.values()))
             res.pretrained_codes = pretrained_codes(self.vocabulary, rho, self.cfg.coverage_floor)
@@ -267,15 +279,23 @@ class TextStages:
             self.session.courier.degrade(f"vote round {rnd}: no voters (voters={self.cfg.voters} and no weak node); "
                                          "votes are all zero", skipped=True)
         failed_before = len(res.failures)
-        replies = self.session.courier.ask(grid, voters, R.MSG_VOTE, VOTE, RecordDict({
+        content = RecordDict({
             R.CANDIDATES: ConfigRecord({"texts": list(texts), "codes": list(codes)}),
             R.CONFIG: self.session.request(**params, **{"histogram": histogram, "epsilon-share": float(epsilon_share),
                                                  "server-round": rnd}),
-        }))
-        res.node_votes = self.session.courier.vectors(replies, R.VOTES, len(texts), VOTE)
-        self.session.courier.coverage(f"vote round {rnd}", res.node_votes, voters)
+        })
+        masked = None
+        if voters and secure(res.trust, voters):  # some voter shares the noise: the server sees the sum alone
+            masked = SecureSum(self.session.courier, res.bounds).run(grid, voters, R.MSG_VOTE, VOTE, content,
+                                                                      len(texts))
+            res.node_votes = {}
+            answered: dict[int, Any] = dict.fromkeys(masked.survivors if masked else ())
+        else:
+            replies = self.session.courier.ask(grid, voters, R.MSG_VOTE, VOTE, content)
+            res.node_votes = answered = self.session.courier.vectors(replies, R.VOTES, len(texts), VOTE)
+        self.session.courier.coverage(f"vote round {rnd}", answered, voters)
         refused = {f["node_id"] for f in res.failures[failed_before:] if f.get("code") in R.ERR_REFUSED}
-        if voters and not res.node_votes and not set(voters) <= refused:
+        if voters and not answered and not set(voters) <= refused:
             # Not a round done with zero votes: later rounds would build on it and a resume could not
             # ask it again. The checkpoint stands before this round; a resume asks it anew (a voter
             # that released and lost its reply answers with the stored one, at no cost). A round every
@@ -283,10 +303,14 @@ class TextStages:
             raise RoundUnanswered(f"vote round {rnd}: no voter answered (see failures above); the run stops "
                                   "before this round with its checkpoint: resume it when the voters are back "
                                   "(flwr run . --run-config <run-dir>/resume.toml)")
-        total = (np.sum([np.asarray(v) for v in res.node_votes.values()], axis=0)
-                 if res.node_votes else np.zeros(len(texts)))
+        if masked is not None:
+            total = masked.total
+        else:
+            total = (np.sum([np.asarray(v) for v in res.node_votes.values()], axis=0)
+                     if res.node_votes else np.zeros(len(texts)))
         res.vote_rounds.append({"round": rnd, "histogram": histogram, "epsilon_share": float(epsilon_share),
-                                "candidates": len(texts), "voters": sorted(res.node_votes)})
+                                "candidates": len(texts), "voters": sorted(answered),
+                                **({"masked": True} if masked is not None else {})})
         self.session.progress.vote_totals.append([float(v) for v in total])
         self.session.checkpoint()
         return total

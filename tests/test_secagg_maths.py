@@ -120,16 +120,20 @@ def test_a_sealed_share_opens_for_its_pair_only() -> None:
         shares.unseal(key, 1, 3, sealed)
     with pytest.raises(ValueError, match="does not open"):
         shares.unseal(bytes([1]) + bytes(31), 1, 2, sealed)
-    tampered = sealed[:-2] + bytes([sealed[-2] ^ 1]) + sealed[-1:]
+    import base64
+
+    raw = bytearray(base64.urlsafe_b64decode(sealed))
+    raw[len(raw) // 2] ^= 1  # one bit of the ciphertext (a base64 character's low bits may be padding)
+    tampered = base64.urlsafe_b64encode(bytes(raw))
     with pytest.raises(ValueError, match="does not open"):
         shares.unseal(key, 1, 2, tampered)
 
 
 # ----------------------------------------------------------------- a round of the protocol
-def _round(n: int, honest: int = 1, noise: float = 1.0, needed: float = 0.0, terms: Terms = TERMS,
+def _round(n: int, honest: int = 1, needed: float = 1.0, terms: Terms = TERMS,
            identities: list[ec.EllipticCurvePrivateKey] | None = None, peers=None) -> list[Participant]:
     ids = [10 + 7 * i for i in range(n)]  # Flower's node ids are arbitrary integers
-    return [Participant(s, terms, honest, noise, needed, identity=identities[i] if identities else None,
+    return [Participant(s, terms, honest, needed, identity=identities[i] if identities else None,
                         peers=peers[i] if peers else None) for i, s in enumerate(ids)]
 
 
@@ -172,6 +176,37 @@ def test_a_site_that_drops_after_sharing_is_unmasked_from_the_survivors() -> Non
     assert all(gone.site in r.keys and gone.site not in r.seeds for r in revealed.values())
     total = unmask(TERMS, adverts, commits, masked, revealed)
     assert np.array_equal(total, np.sum([vectors[p.site] for p in survivors], axis=0))
+
+
+def test_a_site_lost_after_signing_is_unmasked_from_the_others_shares() -> None:
+    rng = np.random.default_rng(4)
+    sites = _round(5)
+    adverts, inbox, commits = _share(sites)
+    vectors = _vectors(sites, rng)
+    masked = {p.site: p.mask(inbox[p.site], vectors[p.site]) for p in sites}
+    signatures = {p.site: p.confirm(sorted(masked)) for p in sites}
+    revealed = {p.site: p.reveal(signatures) for p in sites[:4]}  # the fifth died before revealing
+    total = unmask(TERMS, adverts, commits, masked, revealed)
+    assert np.array_equal(total, np.sum(list(vectors.values()), axis=0))
+
+
+def test_a_site_that_refuses_the_survivors_stops_the_round() -> None:
+    """A site that does not sign the survivors (it trusts all five; one is gone) keeps its vector
+    masked: the others, which would go on, reveal no share of its seed, and none of its key (it
+    survived), so the sum is never unmasked."""
+    ids = [10, 17, 24, 31, 38]
+    sites = [Participant(s, TERMS, 5 if i == 0 else 1, 1.0) for i, s in enumerate(ids)]
+    adverts, inbox, commits = _share(sites)
+    masked = {p.site: p.mask(inbox[p.site], np.ones(TERMS.length, dtype=np.int64)) for p in sites[:4]}
+    with pytest.raises(SecAggRefused) as err:
+        sites[0].confirm(sorted(masked))
+    assert err.value.reason == UNTRUSTED
+    signatures = {p.site: p.confirm(sorted(masked)) for p in sites[1:4]}
+    revealed = {p.site: p.reveal(signatures) for p in sites[1:4]}
+    assert all(ids[0] not in r.seeds and ids[0] not in r.keys for r in revealed.values())
+    assert all(ids[1] in r.seeds for r in revealed.values())  # a survivor that signed is revealed
+    with pytest.raises(ValueError, match="needed"):
+        unmask(TERMS, adverts, commits, masked, revealed)
 
 
 def test_a_site_dropped_before_sharing_is_left_out_of_the_masks() -> None:
@@ -250,7 +285,7 @@ def test_only_listed_peers_count_and_an_invented_site_is_not_one() -> None:
     listed = {masks.key_id(k.public_key()): k.public_key() for k in keys}
     sites = _round(3, honest=3, identities=keys, peers=[listed] * 3)
     adverts, _, _ = _share(sites)  # all listed: accepted
-    impostor = Participant(99, TERMS, 1, 1.0, 0.0)  # the server's own site, its own identity
+    impostor = Participant(99, TERMS, 1, 1.0)  # the server's own site, its own identity
     honest = _round(3, honest=3, identities=keys, peers=[listed] * 3)
     ads = [honest[0].advertise(3), honest[1].advertise(3), impostor.advertise(3)]
     with pytest.raises(SecAggRefused) as err:
@@ -259,18 +294,32 @@ def test_only_listed_peers_count_and_an_invented_site_is_not_one() -> None:
 
 
 def test_too_few_counted_survivors_or_too_little_noise_is_refused() -> None:
-    sites = _round(5, honest=4, noise=2.0, needed=8.0)
+    sites = _round(5, honest=4, needed=8.0)
     _, inbox, _ = _share(sites)
+    assert all(p.noise == pytest.approx(2.0) for p in sites)  # a quarter of the need each
     masked = {p.site: p.mask(inbox[p.site], np.zeros(TERMS.length, dtype=np.int64)) for p in sites}
     with pytest.raises(SecAggRefused) as err:
         sites[0].confirm(sorted(masked)[:3])  # three survive; it trusts four
     assert err.value.reason in (UNTRUSTED, INCONSISTENT)
-    stingy = _round(4, honest=4, noise=1.5, needed=8.0)  # 4 x 1.5 < 8: the sum lacks the noise
-    _, inbox, _ = _share(stingy)
-    masked = {p.site: p.mask(inbox[p.site], np.zeros(TERMS.length, dtype=np.int64)) for p in stingy}
+    # a site that counts on two, among sites that count on four: the two least noisy it may rely on
+    # add half of the most any site needs, which is its own need: refused
+    ids = [10, 17, 24, 31]
+    mixed = [Participant(s, TERMS, 2 if i == 0 else 4, 8.0) for i, s in enumerate(ids)]
+    _, inbox, _ = _share(mixed)
+    assert mixed[0].noise == pytest.approx(4.0) and mixed[1].noise == pytest.approx(2.0)
+    masked = {p.site: p.mask(inbox[p.site], np.zeros(TERMS.length, dtype=np.int64)) for p in mixed}
     with pytest.raises(SecAggRefused) as err:
-        stingy[0].confirm(sorted(masked))
+        mixed[0].confirm(sorted(masked))
     assert err.value.reason == UNTRUSTED
+    mixed[1].confirm(sorted(masked))  # a site that counts on four: 2 + 2 + 2 + 4 >= 8
+
+
+def test_the_most_needed_noise_is_every_sites_reference() -> None:
+    """Sites whose ledgers need different noise all add a share of the largest need, so each
+    one's need is met in the sum."""
+    sites = [Participant(s, TERMS, 3, need) for s, need in ((1, 2.0), (2, 6.0), (3, 3.0))]
+    _share(sites)
+    assert all(p.noise == pytest.approx(2.0) for p in sites)
 
 
 def test_a_step_asked_twice_is_refused() -> None:

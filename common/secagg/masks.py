@@ -21,7 +21,7 @@ import hashlib
 from dataclasses import dataclass
 
 import numpy as np
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
@@ -90,8 +90,11 @@ def load_signing_key(pem: bytes) -> ec.EllipticCurvePrivateKey:
     """A SuperNode's private key (PEM or OpenSSH, as ``deploy/generate_node_keys.sh`` writes it)."""
     try:
         key = serialization.load_pem_private_key(pem, password=None)
-    except ValueError:
-        key = serialization.load_ssh_private_key(pem, password=None)
+    except (ValueError, UnsupportedAlgorithm):
+        try:
+            key = serialization.load_ssh_private_key(pem, password=None)
+        except UnsupportedAlgorithm:
+            raise ValueError("not a private key of a known kind") from None
     if not isinstance(key, ec.EllipticCurvePrivateKey):
         raise ValueError("a SuperNode key is an elliptic-curve key (ssh-keygen -t ecdsa -b 384)")
     return key
@@ -100,8 +103,11 @@ def load_signing_key(pem: bytes) -> ec.EllipticCurvePrivateKey:
 def load_public_key(text: str) -> ec.EllipticCurvePublicKey:
     """A SuperNode's public key: an OpenSSH line (``ecdsa-sha2-nistp384 AAAA...``) or a PEM."""
     data = text.strip().encode()
-    key = (serialization.load_pem_public_key(data) if data.startswith(b"-----")
-           else serialization.load_ssh_public_key(data))
+    try:
+        key = (serialization.load_pem_public_key(data) if data.startswith(b"-----")
+               else serialization.load_ssh_public_key(data))
+    except UnsupportedAlgorithm:
+        raise ValueError("not a public key of a known kind") from None
     if not isinstance(key, ec.EllipticCurvePublicKey):
         raise ValueError("a SuperNode public key is an elliptic-curve key (ecdsa-sha2-nistp384)")
     return key

@@ -5,7 +5,8 @@ Learning"), on the full graph of the round's sites, with its consistency check; 
 its own Shamir threshold from the number of sites it counts on (``shares.threshold``). Five
 requests of the server, each answered by one method of ``Participant``:
 
-1. ``advertise``: two fresh X25519 public keys, the site's threshold and noise share, signed by
+1. ``advertise``: two fresh X25519 public keys, the site's threshold, the noise it needs in the
+   sum and the sites it counts on (every site's share follows from all adverts: ``noise_share``), signed by
    its identity key (its SuperNode key in a deployment, else a key made for the round);
 2. ``share``: given every advert, checked (signatures; in a deployment, only keys the operator
    listed are counted), Shamir shares of the self-mask seed and of the mask key, one sealed
@@ -15,7 +16,10 @@ requests of the server, each answered by one method of ``Participant``:
 4. ``confirm``: given the survivors (the sites whose masked vector the server holds), a signature
    over that list, unless the list leaves fewer sites it counts than it trusts to be honest;
 5. ``reveal``: given the survivors' signatures (at least its threshold, all over the same list),
-   a share of each survivor's seed and of each dropped site's mask key, never both for one site.
+   a share of the seed of each survivor that signed and of each dropped site's mask key, never
+   both for one site. A survivor that did not sign (it refused the list) is never unmasked: so a
+   site that finds too few sites it trusts among the survivors stops the whole round; a site lost
+   after signing is unmasked from the others' shares.
 
 ``unmask`` is the server's: the sum of the survivors' vectors from their masked vectors and the
 revealed shares. Everything here is pure (no Flower, no files); a refusal is ``SecAggRefused``
@@ -25,9 +29,11 @@ with a fixed text (what the node may send), its detail in ``detail``.
 from __future__ import annotations
 
 import hashlib
+import math
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -54,33 +60,36 @@ REPLAYED = "secure aggregation: a step asked twice or out of order"
 @dataclass(frozen=True)
 class Terms:
     """A round's public terms, the same for every site: ``context`` binds every key, seal and
-    signature to this round (the run, phase, round and request), ``length`` and ``bits`` the ring."""
+    signature to this round (the run, phase, round and request), ``length`` and ``bits`` the ring
+    (0 until the server sizes it from the adverts, at ``share``)."""
 
     context: bytes
     length: int
-    bits: int
+    bits: int = 0
 
     def __post_init__(self) -> None:
-        if self.length < 0 or not 2 <= self.bits <= ring.MAX_BITS or not self.context:
+        if self.length < 0 or not (self.bits == 0 or 2 <= self.bits <= ring.MAX_BITS) or not self.context:
             raise SecAggRefused(MALFORMED, f"terms length={self.length} bits={self.bits}")
 
 
 @dataclass(frozen=True)
 class Advert:
-    """A site's announcement: its two round keys, its threshold and noise share, and who it is."""
+    """A site's announcement: its two round keys, its threshold, the Skellam mu its release needs
+    in the sum and its ``honest`` (the sites it counts on), and who it is."""
 
     site: int
     seal_public: bytes
     mask_public: bytes
     threshold: int
-    noise: float  # the Skellam mu this site adds to each coordinate (public: its policy's share)
+    needed: float  # the Skellam mu this site's release needs in the sum (public: its request and ledger's)
+    honest: int  # its min-honest-nodes
     identity: str  # its identity key, an OpenSSH public-key line
     signature: bytes = b""
 
     def signed_part(self, context: bytes) -> bytes:
         """What the identity key signs: the round and every other field."""
         return b"advert|" + _fields(context, self.site, self.seal_public, self.mask_public, self.threshold,
-                                    repr(float(self.noise)).encode(), self.identity.encode())
+                                    repr(float(self.needed)).encode(), self.honest, self.identity.encode())
 
 
 @dataclass
@@ -93,17 +102,18 @@ class Revealed:
 
 class Participant:
     """One site's side of one round. ``honest``: the sites, itself included, this site counts on
-    to follow the protocol (its ``min-honest-nodes``); ``noise``: the Skellam mu it adds, and
-    ``needed``: the mu it needs in the sum (its release's); ``identity``: its signing key (None:
+    to follow the protocol (its ``min-honest-nodes``); ``needed``: the Skellam mu its release
+    needs in the sum (what it adds is ``noise_share`` of the round's adverts); ``identity``: its signing key (None:
     a key made for the round, which authenticates nothing); ``peers``: the identity keys its
     operator lists (fingerprint -> key; None: every site of the round counts, as in simulation)."""
 
-    def __init__(self, site: int, terms: Terms, honest: int, noise: float, needed: float,
+    def __init__(self, site: int, terms: Terms, honest: int, needed: float,
                  identity: ec.EllipticCurvePrivateKey | None = None,
                  peers: Mapping[str, ec.EllipticCurvePublicKey] | None = None) -> None:
-        if honest < 1 or noise < 0 or needed < 0:
-            raise SecAggRefused(MALFORMED, f"honest={honest} noise={noise} needed={needed}")
-        self.site, self.terms, self.honest, self.noise, self.needed = int(site), terms, int(honest), noise, needed
+        if honest < 1 or not needed >= 0 or math.isinf(needed):
+            raise SecAggRefused(MALFORMED, f"honest={honest} needed={needed}")
+        self.site, self.terms, self.honest, self.needed = int(site), terms, int(honest), float(needed)
+        self.noise = 0.0  # the mu it adds: fixed from every advert at ``share``
         self.identity = identity or ec.generate_private_key(ec.SECP384R1())
         self.own_key = masks.key_id(self.identity.public_key())
         self.peers = dict(peers) if peers is not None else None
@@ -123,15 +133,19 @@ class Participant:
         if sites < 1:
             raise SecAggRefused(MALFORMED, f"a round of {sites} sites")
         self.threshold = shamir.threshold(sites, min(self.honest, sites))
-        advert = Advert(self.site, self.seal_keys.public, self.mask_keys.public, self.threshold, float(self.noise),
-                        masks.public_key_text(self.identity.public_key()))
+        advert = Advert(self.site, self.seal_keys.public, self.mask_keys.public, self.threshold, self.needed,
+                        self.honest, masks.public_key_text(self.identity.public_key()))
         return _signed(advert, self.identity, self.terms.context)
 
     # ---------------------------------------------------------- 2. share
-    def share(self, adverts: Sequence[Advert]) -> tuple[dict[int, bytes], bytes]:
-        """Given every site's advert (its own among them), the bundles it seals for each peer and
-        the commitment to its self-mask seed."""
+    def share(self, adverts: Sequence[Advert], bits: int | None = None) -> tuple[dict[int, bytes], bytes]:
+        """Given every site's advert (its own among them) and the ring's ``bits`` (None: the terms'),
+        the bundles it seals for each peer and the commitment to its self-mask seed."""
         self._next(2)
+        if bits is not None:
+            self.terms = Terms(self.terms.context, self.terms.length, int(bits))
+        if not self.terms.bits:
+            raise SecAggRefused(MALFORMED, "no ring size")
         by_site = {a.site: a for a in adverts}
         own = by_site.get(self.site)
         expected = shamir.threshold(len(adverts), min(self.honest, len(adverts)))
@@ -142,9 +156,10 @@ class Participant:
         for a in adverts:
             if not masks.verify(masks.load_public_key(a.identity), a.signature, a.signed_part(self.terms.context)):
                 raise SecAggRefused(FORGED, f"site {a.site}'s advert")
-            if not 1 <= a.threshold <= len(adverts) or not a.noise >= 0:
-                raise SecAggRefused(MALFORMED, f"site {a.site}'s threshold or noise")
+            if not 1 <= a.threshold <= len(adverts) or not 0 <= a.needed < math.inf or a.honest < 1:
+                raise SecAggRefused(MALFORMED, f"site {a.site}'s threshold, noise or trust")
         self.adverts = by_site
+        self.noise = noise_share(by_site, self.site)
         if len(self.counted(by_site)) < min(self.honest, len(adverts)) or self.honest > len(adverts):
             raise SecAggRefused(UNTRUSTED, f"{len(self.counted(by_site))} counted of {len(adverts)} adverts")
         order = sorted(by_site)
@@ -205,8 +220,9 @@ class Participant:
         present = self.counted({s: self.adverts[s] for s in chosen})
         if len(present) < self.honest:
             raise SecAggRefused(UNTRUSTED, f"{len(present)} counted sites survive, {self.honest} required")
-        # the honest sites it counts on may be any ``honest`` of those present: the least noise they add
-        least = sum(sorted(self.adverts[s].noise for s in present)[:self.honest])
+        # itself, and any ``honest - 1`` of the others present: the least noise they add
+        others = sorted(noise_share(self.adverts, s) for s in present if s != self.site)
+        least = noise_share(self.adverts, self.site) + sum(others[:self.honest - 1])
         if least < self.needed * (1 - 1e-12):
             raise SecAggRefused(UNTRUSTED, f"the {self.honest} least noisy counted survivors add mu {least:g}, "
                                 f"{self.needed:g} required")
@@ -227,10 +243,55 @@ class Participant:
         out = Revealed()
         for peer, (seed_share, key_share) in self.held.items():
             if peer in self.survivors:
-                out.seeds[peer] = seed_share
+                # only a survivor that signed the list: a site that refused it (too few sites it trusts)
+                # keeps its vector masked, and being a survivor its key is never revealed either, so
+                # nothing of the round is unmasked without its consent
+                if peer in valid:
+                    out.seeds[peer] = seed_share
             elif peer in self.shared:
                 out.keys[peer] = key_share
         return out
+
+    # ---------------------------------------------------------- between requests
+    def state(self, keep_identity: bool) -> dict[str, Any]:
+        """Everything this site must remember between requests, JSON-ready (its private keys
+        among them: the node keeps it in its own state folder, never sends it). ``keep_identity``:
+        include the identity key (a key made for the round); else the node reloads its SuperNode key."""
+        from cryptography.hazmat.primitives import serialization
+
+        identity = (self.identity.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                serialization.NoEncryption()).decode() if keep_identity else "")
+        return {"site": self.site, "context": b64(self.terms.context), "length": self.terms.length,
+                "bits": self.terms.bits, "honest": self.honest, "noise": self.noise, "needed": self.needed,
+                "identity": identity, "seal": b64(self.seal_keys.private_bytes()),
+                "mask": b64(self.mask_keys.private_bytes()), "step": self.step, "threshold": self.threshold,
+                "seed": b64(getattr(self, "_seed", b"")),
+                "adverts": [advert_to_dict(a) for a in self.adverts.values()],
+                "held": {str(k): [b64(a), b64(b)] for k, (a, b) in self.held.items()},
+                "shared": list(self.shared), "survivors": list(self.survivors)}
+
+    @staticmethod
+    def restore(state: Mapping[str, Any], identity: ec.EllipticCurvePrivateKey | None = None,
+                peers: Mapping[str, ec.EllipticCurvePublicKey] | None = None) -> Participant:
+        """The site ``state`` describes (``identity``: its SuperNode key where the state holds none)."""
+        from cryptography.hazmat.primitives import serialization
+
+        if identity is None:
+            loaded = serialization.load_pem_private_key(str(state["identity"]).encode(), password=None)
+            assert isinstance(loaded, ec.EllipticCurvePrivateKey)
+            identity = loaded
+        p = Participant(int(state["site"]), Terms(unb64(state["context"]), int(state["length"]), int(state["bits"])),
+                        int(state["honest"]), float(state["needed"]), identity, peers)
+        p.noise = float(state["noise"])
+        p.seal_keys = masks.KeyPair.from_private_bytes(unb64(state["seal"]))
+        p.mask_keys = masks.KeyPair.from_private_bytes(unb64(state["mask"]))
+        p.step, p.threshold = int(state["step"]), int(state["threshold"])
+        if state["seed"]:
+            p._seed = unb64(state["seed"])
+        p.adverts = {a.site: a for a in (advert_from_dict(d) for d in state["adverts"])}
+        p.held = {int(k): (unb64(a), unb64(b)) for k, (a, b) in state["held"].items()}
+        p.shared, p.survivors = [int(s) for s in state["shared"]], tuple(int(s) for s in state["survivors"])
+        return p
 
     # ---------------------------------------------------------- helpers
     def counted(self, adverts: Mapping[int, Advert]) -> list[int]:
@@ -255,6 +316,61 @@ class Participant:
 
 
 # ----------------------------------------------------------------- shared by both sides
+def noise_share(adverts: Mapping[int, Advert], site: int) -> float:
+    """The Skellam mu ``site`` adds in a round of ``adverts``: the most any site needs in the sum,
+    over the sites it counts on (its ``honest``). Sites of one trust then put at least every
+    site's need in the sum; a site that counts on fewer adds more. Every site and the server
+    compute it from the adverts alone."""
+    return max(a.needed for a in adverts.values()) / adverts[site].honest
+
+
+def advert_to_dict(a: Advert) -> dict[str, Any]:
+    """An advert as JSON-ready values (bytes as base64)."""
+    return {"site": a.site, "seal": b64(a.seal_public), "mask": b64(a.mask_public), "threshold": a.threshold,
+            "needed": a.needed, "honest": a.honest, "identity": a.identity, "signature": b64(a.signature)}
+
+
+def advert_from_dict(d: Mapping[str, Any]) -> Advert:
+    """The advert of ``advert_to_dict``'s values; ``SecAggRefused(MALFORMED)`` for anything else."""
+    try:
+        return Advert(int(d["site"]), unb64(d["seal"]), unb64(d["mask"]), int(d["threshold"]), float(d["needed"]),
+                      int(d["honest"]), str(d["identity"]), unb64(d["signature"]))
+    except (KeyError, TypeError, ValueError) as err:
+        raise SecAggRefused(MALFORMED, f"an advert: {type(err).__name__}") from None
+
+
+def revealed_to_dict(r: Revealed) -> dict[str, Any]:
+    """What a site reveals, JSON-ready."""
+    return {"seeds": {str(k): b64(v) for k, v in r.seeds.items()}, "keys": {str(k): b64(v) for k, v in r.keys.items()}}
+
+
+def revealed_from_dict(d: Mapping[str, Any]) -> Revealed:
+    """``revealed_to_dict``'s values back; ``ValueError`` for anything else."""
+    try:
+        return Revealed({int(k): unb64(v) for k, v in d["seeds"].items()},
+                        {int(k): unb64(v) for k, v in d["keys"].items()})
+    except (KeyError, TypeError, AttributeError) as err:
+        raise ValueError(f"a reveal: {type(err).__name__}") from None
+
+
+def b64(raw: bytes) -> str:
+    """``raw`` as base64 text (how bytes travel in a JSON payload)."""
+    import base64
+
+    return base64.b64encode(raw).decode()
+
+
+def unb64(text: Any) -> bytes:
+    """The bytes of base64 ``text``; ``ValueError`` for anything else."""
+    import base64
+    import binascii
+
+    try:
+        return base64.b64decode(str(text), validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError("not base64") from None
+
+
 def commitment(seed: bytes) -> bytes:
     """SHA-256 of a self-mask seed: the server checks the seed it reconstructs against it."""
     return hashlib.sha256(b"fedsyn-secagg-seed|" + seed).digest()
@@ -316,8 +432,8 @@ def _rebuild(parts: list[bytes], needed: int) -> bytes:
 
 
 def _signed(advert: Advert, key: ec.EllipticCurvePrivateKey, context: bytes) -> Advert:
-    return Advert(advert.site, advert.seal_public, advert.mask_public, advert.threshold, advert.noise,
-                  advert.identity, masks.sign(key, advert.signed_part(context)))
+    return Advert(advert.site, advert.seal_public, advert.mask_public, advert.threshold, advert.needed,
+                  advert.honest, advert.identity, masks.sign(key, advert.signed_part(context)))
 
 
 def _fields(context: bytes, *parts: int | bytes) -> bytes:

@@ -63,7 +63,8 @@ def _run(tmp_path: Path, honest: int = 4, strangers: int = 0, epsilon: float = 8
         peers = tmp_path / f"peers{i}.txt"  # what the operator lists
         listed = [pub for j, (_, pub) in enumerate(keys) if j != i]
         peers.write_text("\n".join(listed[:1] + others if strangers else listed) + "\n")
-        config = {"tier": tier, "data-path": data, "max-records": 100, "state-dir": str((states or tmp_path) / f"state{nid}"),
+        state = str((states or tmp_path) / f"state{nid}")
+        config = {"tier": tier, "data-path": data, "max-records": 100, "state-dir": state,
                   "epsilon": epsilon, "min-honest-nodes": honest, "identity-key": str(keys[i][0]),
                   "peer-keys": str(peers)}
         nodes[nid] = client_node(app, nid, config, rc, run_id=run_id)

@@ -22,8 +22,11 @@ BLOCK_PAIRS = 1 << 22
 FILLER = -2  # a filler row's code: no candidate's (a record's code no candidate has is -1)
 
 
+TILE = 64  # rows multiplied at a time (``_similarities``); the blocks below are whole tiles
+
+
 def _blocks(n_rows: int, n_cols: int) -> Iterator[slice]:
-    step = max(1, BLOCK_PAIRS // max(1, n_cols))
+    step = max(TILE, BLOCK_PAIRS // max(1, n_cols) // TILE * TILE)  # whole tiles: a row's tile never moves
     for start in range(0, n_rows, step):
         yield slice(start, min(n_rows, start + step))
 
@@ -81,12 +84,17 @@ def _scored(local_emb: np.ndarray, local_codes: list[str], syn_emb: np.ndarray, 
 
 
 def _similarities(loc: np.ndarray, syn_t: np.ndarray) -> np.ndarray:
-    """``loc @ syn_t``, each row's values the same bits whatever block it is in: numpy multiplies a
-    single row by BLAS' gemv, whose sums round differently from gemm's, so a one-row block is
-    multiplied as two rows (it and a zero row) and the first kept."""
-    if len(loc) != 1:
-        return loc @ syn_t
-    return (np.vstack([loc, np.zeros_like(loc)]) @ syn_t)[:1]
+    """``loc @ syn_t``, each row's values the same bits whatever block it is in and however many
+    rows follow it: BLAS picks its kernel by the matrix's shape (gemv for one row, and OpenBLAS'
+    gemm rounds a row differently at 17 rows than at 64), so the rows are multiplied in tiles of
+    ``TILE`` rows, the last one padded with zero rows, and every tile has the same shape."""
+    out = np.empty((len(loc), syn_t.shape[1]))
+    for start in range(0, len(loc), TILE):
+        tile = loc[start:start + TILE]
+        if len(tile) < TILE:
+            tile = np.vstack([tile, np.zeros((TILE - len(tile), loc.shape[1]))])
+        out[start:start + TILE] = (tile @ syn_t)[:min(TILE, len(loc) - start)]
+    return out
 
 
 def _nearest(sims: np.ndarray, allowed: np.ndarray, counts: np.ndarray, k: int) -> np.ndarray:
@@ -164,6 +172,8 @@ def similarity_scores(local_emb: np.ndarray, local_codes: list[str], syn_emb: np
         for sims, own, counts in _scored(local_emb, local_codes, syn_emb, syn_codes, bound):
             mine = np.where(own, sims, 0.0)
             norms = np.linalg.norm(mine, axis=1, keepdims=True)
-            # row by row (axis 0 is reduced in row order): a filler row adds 0.0, which changes no sum
-            scores += np.where(counts[:, None], mine / np.maximum(1.0, norms), 0.0).sum(axis=0)
+            # row by row, in row order: a filler row adds 0.0, which changes no sum. Not ``.sum(axis=0)``:
+            # numpy 2.4 reduces axis 0 pairwise, so the filler rows would regroup the records' sums
+            for row in np.where(counts[:, None], mine / np.maximum(1.0, norms), 0.0):
+                scores += row
     return scores

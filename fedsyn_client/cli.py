@@ -334,6 +334,13 @@ def _run_ledger(args: argparse.Namespace) -> int:
     return 0
 
 
+def _trust(public: dict) -> str:
+    """A masked release's two guarantees, for its row: the trust it was charged under, and alone."""
+    if not public.get("secure_aggregation"):
+        return ""
+    return f"  (masked, min-honest-nodes {public.get('honest')}; alone epsilon {float(public['epsilon_alone']):.4g})"
+
+
 def format_ledger(summary: dict) -> str:
     """A node's ledger summary as a readable table."""
     from common.html_page import when as _when
@@ -348,6 +355,10 @@ def format_ledger(summary: dict) -> str:
            if summary.get("holds") else ""),
         f"delta spent      {summary['delta_spent']:.3g}",
     ]
+    if "epsilon_alone" in summary:  # masked releases (issue 73): the guarantee without the trust
+        lines.append(f"if the rest collude  epsilon = {summary['epsilon_alone']:.4g} at the policy's delta: every "
+                     "masked release by this node's own noise share alone (the spent figures count the sum's "
+                     "noise, under min-honest-nodes)")
     for change in summary["budget_changes"]:
         lines.append(f"budget change    {float(change['from']):g} -> {float(change['to']):g} at {_when(change['time'])}"
                      + (f": {change['reason']}" if change.get("reason") else ""))
@@ -360,7 +371,8 @@ def format_ledger(summary: dict) -> str:
     lines += ["", header, "-" * len(header)]
     for r in summary["releases"]:
         lines.append(f"{_when(r.get('time', 0)):19}  {str(r['run_id'])[-20:]:>20}  {r['phase']:8} {r['round']:>5}  "
-                     f"{r['mechanism']:9} {float(r['epsilon']):8.4g} {float(r['delta']):8.2g}  {r['status']}")
+                     f"{r['mechanism']:9} {float(r['epsilon']):8.4g} {float(r['delta']):8.2g}  {r['status']}"
+                     + _trust(r.get("public") or {}))
     if not summary["releases"]:
         lines.append("(no releases)")
     return "\n".join(lines)

@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from common.calibration import ledger_epsilon
-from common.dp import GAUSSIAN, composed_epsilon, preflight
+from common.dp import GAUSSIAN, SKELLAM, composed_epsilon, preflight
 from common.io import atomic_write_json, read_json
 from fedsyn_client import admission, holds, refusals
 from fedsyn_client.admission import CONFIRMED, FAILED, RESERVED, Rule
@@ -381,11 +381,25 @@ class PrivacyLedger:
                                                                           else {}), **r} for r in entries]),
             **({"policy": policy, "epsilon_composed": ledger_epsilon(entries, float(policy["delta"]))}
                if policy.get("delta") else {}),
+            **({"epsilon_alone": ledger_epsilon(alone(entries), float(policy["delta"]))}
+               if policy.get("delta") and any(r.get("mechanism") == SKELLAM for r in entries) else {}),
             "delta_spent": delta, "epsilon_remaining": admission.remaining(data), "epsilon_held": admission.held(data),
             "holds": data.get("holds", {}),
             "budget_changes": data["budget_changes"], "resets": data["resets"], "data": data["data"],
             "releases": data["releases"],
         }
+
+
+def alone(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``entries`` as they stand if every other site of each masked round colludes with the server
+    (issue 73): each masked release's noise is then its own share alone (``mu_share``), not the sum's."""
+    out = []
+    for r in entries:
+        public = r.get("public") or {}
+        if r.get("mechanism") == SKELLAM and public.get("mu_share") is not None:
+            r = {**r, "public": {**public, "mu": float(public["mu_share"])}}
+        out.append(r)
+    return out
 
 
 def reset_ledger(state_dir: str | Path, reason: str, ledger_id: str = "", budget: float | None = None) -> Path | None:

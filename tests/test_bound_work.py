@@ -89,17 +89,17 @@ def test_finding7_the_shapes_through_the_vote_are_the_bounds_whatever_the_record
         return nearest(sims, allowed, counts, k)
 
     monkeypatch.setattr(voting, "_nearest", spy)
-    monkeypatch.setattr(voting, "BLOCK_PAIRS", 40 * 30)  # blocks of 40 rows: the last one short
+    monkeypatch.setattr(voting, "BLOCK_PAIRS", 64 * 30)  # blocks of 64 rows (whole tiles): the last one short
     _, _, syn, syn_codes = _inputs(0, 0)
     rng = np.random.default_rng(1)
     shapes = []
-    for n, pick in ((0, ["a"]), (3, ["a"]), (90, ["a", "b", "c"]), (90, ["c"])):
+    for n, pick in ((0, ["a"]), (3, ["a"]), (150, ["a", "b", "c"]), (150, ["c"])):
         local = _unit(rng.normal(size=(n, 8))) if n else np.zeros((0, 8))
         seen.clear()
-        voting.contrastive_votes(local, list(rng.choice(pick, size=n)), syn, syn_codes, 3, bound=90)
+        voting.contrastive_votes(local, list(rng.choice(pick, size=n)), syn, syn_codes, 3, bound=150)
         shapes.append(list(seen))
     assert all(s == shapes[0] for s in shapes)
-    assert [s[0] for s in shapes[0]] == [(40, 30)] * 4 + [(10, 30)] * 2  # own and other, for each block
+    assert [s[0] for s in shapes[0]] == [(64, 30)] * 4 + [(22, 30)] * 2  # own and other, for each block
 
 
 @pytest.mark.parametrize("name", sorted(HISTOGRAMS))

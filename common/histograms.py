@@ -39,6 +39,9 @@ class Histogram(ABC):
 
     name: str = ""
     formula: str = ""  # the sensitivity in words, as the plan and the report print it
+    # whether its values are counts in which one record moves each of sensitivity^2 coordinates by at
+    # most 1: then a site may add Skellam noise to it and mask it (issue 73, ``common.skellam``)
+    counts: bool = False
 
     @abstractmethod
     def sensitivity(self, params: Mapping[str, Any]) -> float:
@@ -59,6 +62,7 @@ class KnnVote(Histogram):
     """Paper A.2: each record +1 to its K nearest same-code candidates; sensitivity sqrt(K)."""
 
     name, formula = "knn-vote", "sqrt(K)"
+    counts = True
 
     def sensitivity(self, params: Mapping[str, Any]) -> float:
         """sqrt(K): a record adds +1 to at most K distinct candidates."""
@@ -75,6 +79,7 @@ class ContrastiveVote(Histogram):
     other-code candidates; sensitivity sqrt(2K)."""
 
     name, formula = "contrastive-vote", "sqrt(2K)"
+    counts = True
 
     def sensitivity(self, params: Mapping[str, Any]) -> float:
         """sqrt(2K): +1 to K candidates of the record's code and -1 to K of the others."""
@@ -90,6 +95,7 @@ class NearestNeighbour(Histogram):
     """Private Evolution's histogram: each record +1 to its nearest same-code candidate; sensitivity 1."""
 
     name, formula = "nearest-neighbour", "1"
+    counts = True
 
     def sensitivity(self, params: Mapping[str, Any]) -> float:
         """1: +1 to one candidate."""
@@ -164,6 +170,13 @@ def histogram(name: str) -> Histogram:
         return HISTOGRAMS[name]
     except KeyError:
         raise ConfigError(f"histogram {name!r} is not registered; known: {sorted(HISTOGRAMS)}") from None
+
+
+def maskable(name: str) -> bool:
+    """Whether a vote round of the registered histogram ``name`` may be masked (its values are
+    counts: ``Histogram.counts``); False for an unknown name."""
+    histogram = HISTOGRAMS.get(name)
+    return bool(histogram is not None and histogram.counts)
 
 
 def sensitivity(name: str, params: Mapping[str, Any]) -> float:

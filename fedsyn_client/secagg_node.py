@@ -38,6 +38,7 @@ from common import records as R, skellam
 from common.calibration import release_base
 from common.config import ConfigError
 from common.dp import SKELLAM
+from common.histograms import maskable
 from common.io import atomic_write_text
 from common.logs import get_logger
 from common.secagg import masks
@@ -62,9 +63,9 @@ from fedsyn_client.replies import request_digest
 
 log = get_logger(__name__)
 
-# the histograms whose un-noised values are counts, one record moving each of sensitivity^2
-# coordinates by at most 1 (common.skellam's accounting); a real-valued score is not masked yet
-MASKABLE = ("code-counts", "marginals", "knn-vote", "contrastive-vote", "nearest-neighbour")
+# besides the vote histograms that declare themselves counts (common.histograms.maskable): the profile's
+# and the marginals', one record moving each of sensitivity^2 coordinates by at most 1 (common.skellam)
+COUNTS = ("code-counts", "marginals")
 STALE_SECONDS = 86_400.0  # a round's state not finished within a day is removed (its keys with it)
 
 
@@ -76,8 +77,8 @@ def serve(msg: Message, node: Node, req: Request, histogram: str, compute: Calla
     if step not in R.SECAGG_STEPS or not re.fullmatch(r"[0-9a-f]{32}", session):
         raise ConfigError(f"a secure-aggregation step {step!r} of session {session!r}: one of {R.SECAGG_STEPS}, "
                           "a session of 32 hex digits")
-    if histogram not in MASKABLE:
-        raise ConfigError(f"histogram {histogram!r} is not a count histogram: it cannot be masked (one of {MASKABLE})")
+    if histogram not in COUNTS and not maskable(histogram):
+        raise ConfigError(f"histogram {histogram!r} is not a count histogram: it cannot be masked")
     count = skellam.coordinates(sensitivity)
     payload = _payload(msg)
     path = round_path(node.policy, req, session)

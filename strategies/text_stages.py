@@ -25,6 +25,7 @@ from flwr.serverapp.strategy import Strategy
 
 from common import records as R
 from common.dp import PROFILE, TRAIN, VOTE
+from common.histograms import maskable
 from common.logs import get_logger
 from common.phases import phases as registered_phases
 from strategies.allocation import aggregate_profiles, allocate
@@ -285,7 +286,7 @@ class TextStages:
                                                  "server-round": rnd}),
         })
         masked = None
-        if voters and secure(res.trust, voters):  # some voter shares the noise: the server sees the sum alone
+        if voters and secure(res.trust, voters) and maskable(histogram):  # the server sees the sum alone
             masked = SecureSum(self.session.courier, res.bounds).run(grid, voters, R.MSG_VOTE, VOTE, content,
                                                                       len(texts))
             res.node_votes = {}

@@ -185,3 +185,48 @@ def test_flwr_run_of_the_table_preset_writes_a_typed_table_of_the_schema(tmp_pat
     assert metrics["failures"] == []
     report = json.loads((run_dir / "privacy_report.json").read_text())
     assert all(n["epsilon_spent"] <= n["epsilon_budget"] + 1e-6 for n in report["nodes"])
+
+
+@pytest.mark.flwr
+def test_flwr_run_at_t_equals_k_masks_every_sum_the_server_takes(tmp_path):
+    """Issue 73 through ``flwr run``: three simulated sites that each count on all three
+    (``min-honest-nodes = 3``): the profile and every vote round are masked rounds, the run ends
+    with every output, and each site's releases are Skellam shares charged under its trust."""
+    res = run_app({
+        "model": "tiny-gpt2", "num-server-rounds": 1, "local-steps": 2, "batch-size": 4,
+        "num-synthetic": 20, "max-new-tokens": 8, "out-dir": str(tmp_path), "run-name": "masked",
+        "test-fraction": 0.02, "strong-fraction": 0.34, "min-honest-nodes": 3,
+    }, federation_config="num-supernodes=3", timeout=1200)
+    assert res.ok, f"{res.status}\n{res.output[-4000:]}"
+    run_dir = tmp_path / "masked"
+    check_tiny_run_outputs(run_dir)
+    report = json.loads((run_dir / "privacy_report.json").read_text())
+    for node in report["nodes"]:
+        masked = [r for r in node["releases"] if r["mechanism"] == "skellam"]
+        assert {r["phase"] for r in masked} == {"profile", "vote"}
+        assert all(r["honest"] == 3 and r["epsilon_alone"] > r["epsilon"] for r in masked)
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    rounds = metrics["refinement"]["vote_rounds"]
+    assert rounds and all(r.get("masked") for r in rounds)
+    assert "the masked sum of 3 sites unmasked" in res.output
+
+
+@pytest.mark.flwr
+def test_flwr_run_of_a_table_by_marginals_at_t_equals_k(tmp_path):
+    """Issue 73: ``presets/table-marginals.toml`` with every site counting on all of them: each
+    marginals round is one masked sum, and the typed table is written."""
+    import tomllib
+    from pathlib import Path
+
+    preset = tomllib.loads((Path(__file__).parents[1] / "presets" / "table-marginals.toml").read_text())
+    preset["table-schema"] = json.dumps(json.loads(preset["table-schema"]))
+    res = run_app({**preset, "out-dir": str(tmp_path), "run-name": "table", "min-honest-nodes": 2, "marginal-rounds": 2},
+                  federation_config="num-supernodes=2", timeout=1200)
+    assert res.ok, f"{res.status}\n{res.output[-4000:]}"
+    run_dir = tmp_path / "table"
+    assert (run_dir / "synthetic.parquet").exists()
+    report = json.loads((run_dir / "privacy_report.json").read_text())
+    for node in report["nodes"]:
+        assert [r["mechanism"] for r in node["releases"] if r["phase"] == "marginals"] == ["skellam"] * 2
+        assert node["epsilon_spent"] <= node["epsilon_budget"] + 1e-6
+    assert res.output.count("the masked sum of 2 sites unmasked") >= 2

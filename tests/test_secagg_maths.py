@@ -132,7 +132,7 @@ def test_a_sealed_share_opens_for_its_pair_only() -> None:
 # ----------------------------------------------------------------- a round of the protocol
 def _round(n: int, honest: int = 1, needed: float = 1.0, terms: Terms = TERMS,
            identities: list[ec.EllipticCurvePrivateKey] | None = None, peers=None) -> list[Participant]:
-    ids = [10 + 7 * i for i in range(n)]  # Flower's node ids are arbitrary integers
+    ids = [10 + 7 * i for i in range(n - 1)] + [2 ** 64 - 5][:n]  # Flower's node ids: any uint64, past 2^63 too
     return [Participant(s, terms, honest, needed, identity=identities[i] if identities else None,
                         peers=peers[i] if peers else None) for i, s in enumerate(ids)]
 

@@ -440,7 +440,7 @@ def _fields(context: bytes, *parts: int | bytes) -> bytes:
     """Length-prefixed fields, so no two field lists sign the same bytes."""
     out = [hashlib.sha256(context).digest()]
     for p in parts:
-        raw = p if isinstance(p, bytes) else int(p).to_bytes(8, "big", signed=True)
+        raw = p if isinstance(p, bytes) else str(int(p)).encode()  # any size: Flower's node ids are uint64
         out.append(struct.pack(">I", len(raw)) + raw)
     return b"".join(out)
 

@@ -220,8 +220,8 @@ def test_flwr_run_of_a_table_by_marginals_at_t_equals_k(tmp_path):
 
     preset = tomllib.loads((Path(__file__).parents[1] / "presets" / "table-marginals.toml").read_text())
     preset["table-schema"] = json.dumps(json.loads(preset["table-schema"]))
-    res = run_app({**preset, "out-dir": str(tmp_path), "run-name": "table", "min-honest-nodes": 2, "marginal-rounds": 2},
-                  federation_config="num-supernodes=2", timeout=1200)
+    res = run_app({**preset, "out-dir": str(tmp_path), "run-name": "table", "min-honest-nodes": 2,
+                   "marginal-rounds": 2}, federation_config="num-supernodes=2", timeout=1200)
     assert res.ok, f"{res.status}\n{res.output[-4000:]}"
     run_dir = tmp_path / "table"
     assert (run_dir / "synthetic.parquet").exists()

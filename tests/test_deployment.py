@@ -150,17 +150,17 @@ class Deployment:
         except (ValueError, KeyError):
             return 0
 
-    def run(self, run_config: dict[str, object]) -> tuple[int, str, dict]:
+    def run(self, run_config: dict[str, object], timeout: float = RUN_TIMEOUT) -> tuple[int, str, dict]:
         """``flwr run APP deploy-test --stream``; returns (exit code, output, `flwr list` record)."""
         try:
             res = self.flwr("run", str(APP_DIR), CONNECTION, "--stream", "--run-config", _overrides(run_config),
-                            timeout=RUN_TIMEOUT)
+                            timeout=timeout)
             code, output = res.returncode, res.stdout + res.stderr
         except subprocess.TimeoutExpired as err:
             out = err.stdout or ""
             output = (out.decode(errors="replace") if isinstance(out, bytes) else out)
             code = -1
-            output += f"\nTIMEOUT after {RUN_TIMEOUT}s"
+            output += f"\nTIMEOUT after {timeout}s"
         return code, output, self.status(output)
 
     def plan(self, run_config: dict[str, object]) -> tuple[int, str, str]:
@@ -761,3 +761,42 @@ def test_deployment_a_disallowed_model_and_nan_weights_are_refused_through_flowe
         trains = [r for r in _ledger(dep.nodes["strong"]["state"])["releases"] if r["phase"] == "train"]
         assert [(r["round"], r["status"]) for r in trains] == [(1, "confirmed")], trains
         assert "non-finite values" in dep.log("strong"), diag  # the detail stays on the node
+
+
+def test_deployment_at_t_equals_k_masks_every_sum_the_server_takes(tmp_path):
+    """Issue 73 on real processes: a SuperLink and three SuperNodes whose operators each list the
+    other two's SuperNode public keys (``deploy/generate_node_keys.sh``) and count on all three
+    (``min-honest-nodes = 3``). A tiny run ends; every profile and vote release in each ledger is a
+    Skellam share charged under that trust, with its guarantee alone beside it; `fedsyn ledger`
+    prints both; no round's keys stay on a node."""
+    keys = tmp_path / "keys"
+    names = ("strong", "weak", "weak2")
+    for name in names:
+        subprocess.run([str(DEPLOY / "generate_node_keys.sh"), str(keys), name], check=True, capture_output=True)
+    policies = {}
+    for name in names:
+        peers = keys / f"{name}-peers.txt"
+        peers.write_text("".join((keys / f"{other}.pub").read_text() for other in names if other != name))
+        policies[name] = f'min-honest-nodes=3 peer-keys="{peers}" identity-key="{keys / name}"'
+    with _deploy(tmp_path, {"strong": "strong", "weak": "weak", "weak2": "weak"}, policies=policies) as dep:
+        out = dep.root / "out"
+        run_config = {**TINY, "dataset": str(dep.root / "public.csv"), "out-dir": str(out), "run-name": "masked"}
+        t0 = time.time()
+        # five requests a masked round, each a ClientApp process on every node: more start-ups than a plain run
+        code, output, status = dep.run(run_config, timeout=3 * RUN_TIMEOUT)
+        print(f"masked run: {time.time() - t0:.1f}s, status {status.get('status')}")
+        diag = output[-4000:] + "\n" + dep.diagnostics()
+        assert code == 0 and status.get("status") == "finished:completed", f"{status}\n{diag}"
+        assert read_jsonl(out / "masked" / "synthetic.jsonl"), diag
+        for name, node in dep.nodes.items():
+            ledger = _ledger(node["state"])
+            masked = [r for r in ledger["releases"] if r["phase"] in ("profile", "vote")]
+            assert masked and all(r["mechanism"] == "skellam" for r in masked), ledger
+            assert all(r["public"]["honest"] == 3 and r["public"]["epsilon_alone"] > float(r["epsilon"])
+                       for r in masked)
+            assert _spent(ledger) <= EPSILON + 1e-6
+            assert not list(Path(node["state"]).glob("secagg/*.json")), "a round's keys stayed on the node"
+        shown = subprocess.run([str(BIN / "fedsyn"), "ledger", str(dep.nodes["weak"]["state"])],
+                               capture_output=True, text=True, check=False)
+        assert shown.returncode == 0, shown.stderr
+        assert "if the rest collude" in shown.stdout and "masked, min-honest-nodes 3" in shown.stdout, shown.stdout

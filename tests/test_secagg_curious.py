@@ -30,9 +30,13 @@ IDS = (11, 12, 13)
 class Server:
     """Drives one masked profile round over three real sites, one step at a time."""
 
-    def __init__(self, tmp_path: Path, honest: int = 3) -> None:
+    def __init__(self, tmp_path: Path, honest: int = 3, extra: str = "") -> None:
         tmp_path.mkdir(parents=True, exist_ok=True)
         data = write_topic_csv(tmp_path / "data.csv", TOPICS, per_topic=10)
+        if extra:  # one more record at the top of the file: the neighbouring dataset
+            path = Path(data)
+            head, *rows = path.read_text().splitlines(keepends=True)
+            path.write_text(head + extra + "".join(rows))
         keys = _keys(tmp_path / "keys", 3)
         rc = RunConfig(model="tiny-gpt2", dataset=data, test_fraction=0.0, epsilon=8.0, num_server_rounds=0,
                        voters="weak").to_flower()
@@ -179,3 +183,21 @@ def test_every_site_adds_its_share_of_the_largest_need(tmp_path: Path) -> None:
     adverts = {n: advert_from_dict(a) for n, a in server.advertise().items()}
     shares = [noise_share(adverts, n) for n in IDS]
     assert shares == pytest.approx([max(a.needed for a in adverts.values()) / 3] * 3)
+
+
+def test_neighbouring_sites_answer_every_step_alike(tmp_path: Path) -> None:
+    """Two rounds whose sites differ in one record (added at the top of the file): every step's
+    reply has the same fields and sizes, and the mask step's statement is the same, noise terms and
+    all: only the masked bytes differ, and they are uniform either way."""
+    shapes = []
+    for name, extra in (("d", ""), ("d1", "a record of its own,x\n")):
+        server = Server(tmp_path / name, extra=extra)
+        adverts = server.advertise()
+        inbox, _ = server.share(adverts)
+        replies = {n: server.ask(n, R.MASK, {"bundles": {str(k): b64(v) for k, v in inbox[n].items()}})
+                   for n in IDS}
+        statements = [{k: v for k, v in dict(r.content.config_records[R.RELEASE]).items()} for r in replies.values()]
+        sizes = [len(unb64(json.loads(str(r.content.config_records[R.SECAGG]["payload"]))["masked"]))
+                 for r in replies.values()]
+        shapes.append((sorted(adverts[11]), statements, sizes))
+    assert shapes[0] == shapes[1]

@@ -162,8 +162,8 @@ class MarginalsStrategy(Orchestration):
         rnd, share = self._round, 1.0 / self.cfg.marginal_rounds
         if rnd <= len(session.progress.vote_totals):
             log.info("marginals round %d: taken from the checkpoint", rnd)
-            stddev, *total = session.progress.vote_totals[rnd - 1]
-            return self._measured(np.asarray(total), float(stddev), cliques)
+            stored_stddev, *stored = session.progress.vote_totals[rnd - 1]
+            return self._measured(np.asarray(stored), float(stored_stddev), cliques)
         grid = session.run_grid()
         session.members.admit(grid, f"before marginals round {rnd}")
         sites = sorted(session.members.active())

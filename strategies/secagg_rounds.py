@@ -78,7 +78,7 @@ class SecureSum:
             length: int) -> MaskedSum | None:
         """The sum of the vectors of ``length`` that ``node_ids`` release for ``content`` (the
         phase's request), masked; None when the round could not be unmasked."""
-        conf = dict(content.config_records.get(R.CONFIG, {}))
+        conf: dict[str, Any] = dict(content.config_records.get(R.CONFIG, {}))
         rnd, share = int(conf.get("server-round", 0)), float(conf.get("epsilon-share", 1.0))
         session = secrets.token_hex(16)
 
@@ -87,11 +87,13 @@ class SecureSum:
             messages = []
             for n in nodes:
                 body = payload[n] if per_node else payload  # type: ignore[index]  # per node: keyed by node id
-                records = RecordDict(dict(content.config_records) | {
-                    R.CONFIG: ConfigRecord(conf | {R.SECAGG_STEP: step, R.SECAGG_SESSION: session}),
-                    R.SECAGG: ConfigRecord({"payload": json.dumps(body)})})
+                records = RecordDict()
+                for name, rec in content.config_records.items():
+                    records[name] = rec
                 for name, arrays in content.array_records.items():
                     records[name] = arrays
+                records[R.CONFIG] = ConfigRecord(conf | {R.SECAGG_STEP: step, R.SECAGG_SESSION: session})
+                records[R.SECAGG] = ConfigRecord({"payload": json.dumps(body)})
                 messages.append(Message(content=records, message_type=message_type, dst_node_id=n))
             replies = list(grid.send_and_receive(messages, timeout=self.courier.cfg.node_timeout))
             good = self.courier.collect(replies, messages, phase, rnd, share)

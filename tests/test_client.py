@@ -52,14 +52,15 @@ def test_tier_reply_states_tier_budget_and_the_ledger_preflight_only(csv_path, t
     node = _node(csv_path, tmp_path)
     assert _tier(node) == {"tier": "weak", "epsilon-budget": 8.0, "epsilon-needed": 8.0,
                            "epsilon-remaining": 8.0, "epsilon-shortfall": 0.0, "epsilon-held": 0.0,
-                           "records-bound": 100.0}  # the policy's public max-records, never the count
+                           "records-bound": 100.0,  # the policy's public max-records, never the count
+                           "min-honest-nodes": 1.0}  # its trust (issue 73): public, its own choice
     assert _tier(node, ["profile"])["epsilon-needed"] == 2.0  # a run that sends no votes needs less
     assert _tier(node, ["train", "profile"])["epsilon-needed"] == 2.0  # a weak node does not train
     # this run's profile is paid for: the run can still be finished
     assert not _send(node, R.MSG_PROFILE, _profile_request(["topic=x", "topic=y"])).has_error()
     assert _tier(node) == {"tier": "weak", "epsilon-budget": 8.0, "epsilon-needed": 8.0,
                            "epsilon-remaining": 6.0, "epsilon-shortfall": 0.0, "epsilon-held": 0.0,
-                           "records-bound": 100.0}
+                           "records-bound": 100.0, "min-honest-nodes": 1.0}
     # a run started beside it needs 8 and finds the 6 held for this one: refused before it spends
     rc = RunConfig(model="tiny-gpt2", dataset=csv_path, test_fraction=0.0).to_flower()
     later = client_node(app, 5, {"tier": "weak", "data-path": csv_path, "max-records": 100, "state-dir": str(tmp_path),

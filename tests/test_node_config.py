@@ -27,7 +27,8 @@ BAD = {
     "tier": "medium", "data-path": " ", "text-column": "topic", "control-columns": "", "table-schema": "{bad",
     "control-codes": None, "epsilon": 0, "delta": 1, "cap-window-days": -1, "model": "", "embedder": ",",
     "finetune": "lora,qlora", "max-unconfirmed-holds": 1.5, "keep-replies-days": "forever", "max-length": 7,
-    "max-records": 0, "accounting": "rdp", "measurable-columns": "sex",
+    "max-records": 0, "accounting": "rdp", "measurable-columns": "sex", "min-honest-nodes": 0,
+    "peer-keys": "/no/such/peer-keys.txt", "identity-key": "/no/such/node.key",
     **{f"max-epsilon-{phase}": 9.0 for phase in PHASES},
 }
 

@@ -162,6 +162,8 @@ def test_a_step_replayed_or_a_round_under_a_new_session_gets_nothing(tmp_path: P
     again = Server.__new__(Server)
     again.__dict__.update(server.__dict__, session=secrets.token_hex(16))
     adverts2 = again.advertise()
+    assert all(adverts2[n]["mask"] != adverts[n]["mask"] and adverts2[n]["seal"] != adverts[n]["seal"]
+               for n in IDS)  # a new session never reuses a round's keys
     inbox2, _ = again.share(adverts2)
     reply = again.ask(11, R.MASK, {"bundles": {str(k): b64(v) for k, v in inbox2[11].items()}})
     assert _refusal(reply) == "refused: budget: released before for another request"

@@ -110,8 +110,8 @@ def test_a_swapped_key_is_refused_before_anything_is_spent(tmp_path: Path) -> No
     adverts = server.advertise()
     forged = dict(adverts)
     a = advert_from_dict(adverts[12])
-    forged[12] = advert_to_dict(type(a)(a.site, a.seal_public, KeyPair.generate().public, a.threshold, a.needed,
-                                        a.honest, a.identity, a.signature))  # the server's own mask key for 12
+    forged[12] = advert_to_dict(type(a)(a.site, a.seal_public, KeyPair.generate().public, a.needed, a.honest,
+                                        a.identity, a.signature))  # the server's own mask key for 12
     for n in (11, 13):
         reason = _refusal(server.ask(n, R.SHARE, {"adverts": list(forged.values()), "bits": 40}))
         assert reason == "refused: secure aggregation: a signature does not verify"

@@ -42,11 +42,12 @@ def _keys(folder: Path, n: int) -> list[tuple[Path, str]]:
 
 
 def _run(tmp_path: Path, honest: int = 4, strangers: int = 0, epsilon: float = 8.0, extra: dict | None = None,
-         run_id: int = 21, states: Path | None = None):
+         run_id: int = 21, states: Path | None = None, lost: dict[int, tuple[str, str]] | None = None):
     """The real strategy over a fake Grid with four real ClientApp sites under secure aggregation;
     each lists its three peers' keys, or (``strangers`` > 0) one peer's and that many keys of sites
     that are not in the run. ``states``: where the sites' state folders are (default ``tmp_path``):
-    the same sites, with the same views of their records, in another run (``run_id``)."""
+    the same sites, with the same views of their records, in another run (``run_id``). ``lost``:
+    site -> (message type, step) from which on it never answers again (killed)."""
     from fedsyn_server.privacy_report import privacy_report
     from fedsyn_server.server_app import build_strategy
 
@@ -68,6 +69,8 @@ def _run(tmp_path: Path, honest: int = 4, strangers: int = 0, epsilon: float = 8
                   "epsilon": epsilon, "min-honest-nodes": honest, "identity-key": str(keys[i][0]),
                   "peer-keys": str(peers)}
         nodes[nid] = client_node(app, nid, config, rc, run_id=run_id)
+        if lost and nid in lost:
+            nodes[nid] = _killed(nodes[nid], *lost[nid])
     set_task_identity()
     cfg = RunConfig.from_flower(rc)
     strategy, _, model = build_strategy(cfg)
@@ -75,6 +78,19 @@ def _run(tmp_path: Path, honest: int = 4, strangers: int = 0, epsilon: float = 8
     grid = FakeGrid(nodes)
     res = strategy.start(grid, model.initial_arrays())
     return res, privacy_report(cfg, res), grid, tmp_path
+
+
+def _killed(node, message_type: str, step: str):
+    """``node`` until it gets ``step`` of a ``message_type`` round, then dead: it answers nothing."""
+    dead = []
+
+    def serve(msg):
+        if msg.metadata.message_type == message_type and \
+                msg.content.config_records[R.CONFIG].get(R.SECAGG_STEP) == step:
+            dead.append(True)
+        return None if dead else node(msg)
+
+    return serve
 
 
 def _steps(grid: FakeGrid, message_type: str) -> list[str]:
@@ -150,3 +166,24 @@ def test_sites_that_count_too_few_listed_peers_refuse_and_spend_nothing(tmp_path
     for state in tmp_path.glob("state*"):
         texts = [f.read_text() for f in state.rglob("*") if f.is_file() and f.suffix in (".json", ".jsonl")]
         assert not any('"profile"' in t and '"confirmed"' in t for t in texts)
+
+
+def test_a_site_killed_after_signing_is_unmasked_from_the_others_shares(tmp_path: Path) -> None:
+    """Sites that count on three; site 14 dies after signing the profile's survivors (it never
+    reveals): the profile is the sum of all four, from the others' shares of its seed. The run
+    goes on without it: each vote round is the masked sum of the three left."""
+    res, _, _, _ = _run(tmp_path, honest=3, lost={14: (R.MSG_PROFILE, R.REVEAL)}, extra={"num-server-rounds": 0})
+    assert res.selected is not None
+    assert not [f for f in res.failures if f["node_id"] != 14], res.failures
+    assert all(r["voters"] == [11, 12, 13] for r in res.vote_rounds)
+    statements = res.releases[14]
+    assert [r["phase"] for r in statements] == ["profile"]  # its masked profile is in the sum, and booked
+
+
+def test_a_site_killed_after_sharing_is_left_out_and_its_masks_rebuilt(tmp_path: Path) -> None:
+    """Site 13 dies before sending its masked profile (after sharing its keys): the survivors'
+    shares of its mask key cancel its pairwise masks, and the profile is the three survivors' sum."""
+    res, _, _, _ = _run(tmp_path, honest=3, lost={13: (R.MSG_PROFILE, R.MASK)}, extra={"num-server-rounds": 0})
+    assert res.selected is not None and res.profile is not None
+    assert 13 not in res.releases or not [r for r in res.releases[13] if r["phase"] == "profile"]
+    assert any("profile: 3 of 4 nodes answered" in d for d in res.degradations), res.degradations

@@ -5,7 +5,7 @@ Learning"), on the full graph of the round's sites, with its consistency check; 
 its own Shamir threshold from the number of sites it counts on (``shares.threshold``). Five
 requests of the server, each answered by one method of ``Participant``:
 
-1. ``advertise``: two fresh X25519 public keys, the site's threshold, the noise it needs in the
+1. ``advertise``: two fresh X25519 public keys, the noise it needs in the
    sum and the sites it counts on (every site's share follows from all adverts: ``noise_share``), signed by
    its identity key (its SuperNode key in a deployment, else a key made for the round);
 2. ``share``: given every advert, checked (signatures; in a deployment, only keys the operator
@@ -74,13 +74,12 @@ class Terms:
 
 @dataclass(frozen=True)
 class Advert:
-    """A site's announcement: its two round keys, its threshold, the Skellam mu its release needs
-    in the sum and its ``honest`` (the sites it counts on), and who it is."""
+    """A site's announcement: its two round keys, the Skellam mu its release needs in the sum and
+    its ``honest`` (the sites it counts on, whence its threshold: ``threshold_of``), and who it is."""
 
     site: int
     seal_public: bytes
     mask_public: bytes
-    threshold: int
     needed: float  # the Skellam mu this site's release needs in the sum (public: its request and ledger's)
     honest: int  # its min-honest-nodes
     identity: str  # its identity key, an OpenSSH public-key line
@@ -88,7 +87,7 @@ class Advert:
 
     def signed_part(self, context: bytes) -> bytes:
         """What the identity key signs: the round and every other field."""
-        return b"advert|" + _fields(context, self.site, self.seal_public, self.mask_public, self.threshold,
+        return b"advert|" + _fields(context, self.site, self.seal_public, self.mask_public,
                                     repr(float(self.needed)).encode(), self.honest, self.identity.encode())
 
 
@@ -127,13 +126,12 @@ class Participant:
 
     # ---------------------------------------------------------- 1. advertise
     def advertise(self, sites: int) -> Advert:
-        """This site's advert for a round the server says has ``sites`` sites (its threshold is
-        fixed from that number; ``share`` refuses another)."""
+        """This site's advert for a round the server asks of ``sites`` sites (its threshold follows
+        from the number that advertise, at ``share``)."""
         self._next(1)
         if sites < 1:
             raise SecAggRefused(MALFORMED, f"a round of {sites} sites")
-        self.threshold = shamir.threshold(sites, min(self.honest, sites))
-        advert = Advert(self.site, self.seal_keys.public, self.mask_keys.public, self.threshold, self.needed,
+        advert = Advert(self.site, self.seal_keys.public, self.mask_keys.public, self.needed,
                         self.honest, masks.public_key_text(self.identity.public_key()))
         return _signed(advert, self.identity, self.terms.context)
 
@@ -148,17 +146,16 @@ class Participant:
             raise SecAggRefused(MALFORMED, "no ring size")
         by_site = {a.site: a for a in adverts}
         own = by_site.get(self.site)
-        expected = shamir.threshold(len(adverts), min(self.honest, len(adverts)))
         if len(by_site) != len(adverts) or own is None or own.mask_public != self.mask_keys.public \
-                or self.threshold != expected:
-            raise SecAggRefused(MALFORMED, "the adverts repeat a site, leave this one out, change its keys or its "
-                                "number of sites")
+                or own.needed != self.needed or own.honest != self.honest:
+            raise SecAggRefused(MALFORMED, "the adverts repeat a site, leave this one out or change its advert")
         for a in adverts:
             if not masks.verify(masks.load_public_key(a.identity), a.signature, a.signed_part(self.terms.context)):
                 raise SecAggRefused(FORGED, f"site {a.site}'s advert")
-            if not 1 <= a.threshold <= len(adverts) or not 0 <= a.needed < math.inf or a.honest < 1:
-                raise SecAggRefused(MALFORMED, f"site {a.site}'s threshold, noise or trust")
+            if not 0 <= a.needed < math.inf or a.honest < 1:
+                raise SecAggRefused(MALFORMED, f"site {a.site}'s noise or trust")
         self.adverts = by_site
+        self.threshold = threshold_of(by_site, self.site)
         self.noise = noise_share(by_site, self.site)
         if len(self.counted(by_site)) < min(self.honest, len(adverts)) or self.honest > len(adverts):
             raise SecAggRefused(UNTRUSTED, f"{len(self.counted(by_site))} counted of {len(adverts)} adverts")
@@ -316,6 +313,12 @@ class Participant:
 
 
 # ----------------------------------------------------------------- shared by both sides
+def threshold_of(adverts: Mapping[int, Advert], site: int) -> int:
+    """The shares ``site``'s secrets need in a round of ``adverts`` (``shares.threshold`` of the
+    sites that advertised and its trust): every site and the server compute it alike."""
+    return shamir.threshold(len(adverts), min(adverts[site].honest, len(adverts)))
+
+
 def noise_share(adverts: Mapping[int, Advert], site: int) -> float:
     """The Skellam mu ``site`` adds in a round of ``adverts``: the most any site needs in the sum,
     over the sites it counts on (its ``honest``). Sites of one trust then put at least every
@@ -326,14 +329,14 @@ def noise_share(adverts: Mapping[int, Advert], site: int) -> float:
 
 def advert_to_dict(a: Advert) -> dict[str, Any]:
     """An advert as JSON-ready values (bytes as base64)."""
-    return {"site": a.site, "seal": b64(a.seal_public), "mask": b64(a.mask_public), "threshold": a.threshold,
+    return {"site": a.site, "seal": b64(a.seal_public), "mask": b64(a.mask_public),
             "needed": a.needed, "honest": a.honest, "identity": a.identity, "signature": b64(a.signature)}
 
 
 def advert_from_dict(d: Mapping[str, Any]) -> Advert:
     """The advert of ``advert_to_dict``'s values; ``SecAggRefused(MALFORMED)`` for anything else."""
     try:
-        return Advert(int(d["site"]), unb64(d["seal"]), unb64(d["mask"]), int(d["threshold"]), float(d["needed"]),
+        return Advert(int(d["site"]), unb64(d["seal"]), unb64(d["mask"]), float(d["needed"]),
                       int(d["honest"]), str(d["identity"]), unb64(d["signature"]))
     except (KeyError, TypeError, ValueError) as err:
         raise SecAggRefused(MALFORMED, f"an advert: {type(err).__name__}") from None
@@ -409,13 +412,13 @@ def unmask(terms: Terms, adverts: Mapping[int, Advert], commitments: Mapping[int
             raise ValueError(f"site {s}'s masked vector has shape {vec.shape}")
         total = ring.add(total, vec, bits)
     for s in survivors:  # their self masks
-        seed = _rebuild([r.seeds[s] for r in revealed.values() if s in r.seeds], adverts[s].threshold)
+        seed = _rebuild([r.seeds[s] for r in revealed.values() if s in r.seeds], threshold_of(adverts, s))
         if commitment(seed) != commitments[s]:
             raise ValueError(f"site {s}'s seed does not match its commitment")
         total = ring.subtract(total, masks.expand(seed, terms.length, bits), bits)
     for d in dropped:  # the masks the survivors share with a site that dropped after sharing
         key = masks.KeyPair.from_private_bytes(
-            _rebuild([r.keys[d] for r in revealed.values() if d in r.keys], adverts[d].threshold))
+            _rebuild([r.keys[d] for r in revealed.values() if d in r.keys], threshold_of(adverts, d)))
         if key.public != adverts[d].mask_public:
             raise ValueError(f"site {d}'s mask key does not match its advert")
         for s in survivors:
@@ -432,7 +435,7 @@ def _rebuild(parts: list[bytes], needed: int) -> bytes:
 
 
 def _signed(advert: Advert, key: ec.EllipticCurvePrivateKey, context: bytes) -> Advert:
-    return Advert(advert.site, advert.seal_public, advert.mask_public, advert.threshold, advert.needed,
+    return Advert(advert.site, advert.seal_public, advert.mask_public, advert.needed,
                   advert.honest, advert.identity, masks.sign(key, advert.signed_part(context)))
 
 

@@ -116,6 +116,8 @@ def plan_run(flwr_args: list[str], cwd: Path) -> Plan:
     out.lines += _server_lines(cfg, parts, speed)
     out.lines.append(f"accounting: the simulated nodes price their releases by {cfg.accounting!r} (sigma above "
                      "under both rules; a deployed node follows its own node-config accounting)")
+    if cfg.min_honest_nodes > 1:
+        out.lines.append(shared_noise_line(cfg.min_honest_nodes, nodes))
     if cfg.writes_text:
         out.lines.append(writers_line(cfg, [t for t, _ in parts]))
     return out
@@ -171,9 +173,23 @@ def deployment_lines(cfg: RunConfig, answered: dict[int, str], result: FedSynRes
                                                         result.budgets.get(nid))]
     lines += [f"node {f['node_id']} cannot take part: {f['reason']}" for f in result.failures
               if f["phase"] == "tiers" and f["node_id"] not in answered]
+    trust = {nid: result.trust.get(nid, 1) for nid in answered}
+    if any(t > 1 for t in trust.values()):
+        lines.append(shared_noise_line(min(t for t in trust.values() if t > 1), len(answered),
+                                       sorted(n for n, t in trust.items() if t > 1)))
     if cfg.writes_text:
         lines.append(writers_line(cfg, tiers))
     return lines
+
+
+def shared_noise_line(honest: int, sites: int, which: list[int] | None = None) -> str:
+    """The plan's line for a run whose sites share the noise (issue 73): the sums are masked, and
+    each site adds 1/sqrt(t) of the noise above (as Skellam noise, its ledger's exact PLD)."""
+    who = f"nodes {', '.join(str(n) for n in which)} count" if which else "every site counts"
+    return (f"shared noise: {who} on {honest} of the {sites} sites (min-honest-nodes): the profile, count votes "
+            f"and marginals are masked sums, each site adding about 1/sqrt({honest}) of the noise above as "
+            "Skellam noise, and a site refuses to unmask a round with fewer of the sites it counts "
+            "(docs/privacy.md#shared-noise)")
 
 
 def writers_line(cfg: RunConfig, tiers: list[str]) -> str:

@@ -258,7 +258,9 @@ def test_plan_prints_each_phases_cost_and_one_line_per_problem(tmp_path, capsys)
     assert "train: epsilon 3, delta 1e-05, DP-SGD noise multiplier" in out and "q = 0.032" in out
     assert "vote: epsilon 3 in 1 round(s)" in out and "profile: epsilon 1" in out and "nothing was spent" in out
     assert "writers: each code's pool 50% by the pretrained model, 50% by the finetuned one" in out
-    assert "1 voter(s)" in out
+    assert "1 voter(s)" in out and "shared noise" not in out  # t = 1: the plan of today's run
+    assert main(["plan", str(APP), "--run-config", "min-honest-nodes=2"]) == 0
+    assert "shared noise: every site counts on 2 of the 2 sites" in capsys.readouterr().out
     # the default contrastive votes, K = 4: sensitivity sqrt(8)
     import re
 

@@ -763,6 +763,8 @@ def test_deployment_a_disallowed_model_and_nan_weights_are_refused_through_flowe
         assert "non-finite values" in dep.log("strong"), diag  # the detail stays on the node
 
 
+@pytest.mark.session(covered_by="tests/test_secagg_run.py (deployment-style sites with SuperNode keys and peer "
+                              "lists through the real strategy) and tests/test_secagg_curious.py (the steps by hand)")
 def test_deployment_at_t_equals_k_masks_every_sum_the_server_takes(tmp_path):
     """Issue 73 on real processes: a SuperLink and three SuperNodes whose operators each list the
     other two's SuperNode public keys (``deploy/generate_node_keys.sh``) and count on all three

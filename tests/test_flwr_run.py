@@ -187,6 +187,9 @@ def test_flwr_run_of_the_table_preset_writes_a_typed_table_of_the_schema(tmp_pat
     assert all(n["epsilon_spent"] <= n["epsilon_budget"] + 1e-6 for n in report["nodes"])
 
 
+@pytest.mark.session(covered_by="tests/test_secagg_run.py::test_a_run_at_t_equals_k_masks_every_release_the_"
+                              "server_sums (the same masked rounds through the real strategy and ClientApp; the tiny "
+                              "flwr run still runs, and the table by marginals at t = K below)")
 @pytest.mark.flwr
 def test_flwr_run_at_t_equals_k_masks_every_sum_the_server_takes(tmp_path):
     """Issue 73 through ``flwr run``: three simulated sites that each count on all three

@@ -330,6 +330,20 @@ def test_a_step_asked_twice_is_refused() -> None:
     assert err.value.reason == REPLAYED
 
 
+def test_a_round_of_more_sites_than_a_site_will_work_for_is_refused() -> None:
+    from common.secagg.protocol import MALFORMED, MAX_SITES
+
+    p = _round(1)[0]
+    with pytest.raises(SecAggRefused) as err:
+        p.advertise(MAX_SITES + 1)
+    assert err.value.reason == MALFORMED
+    q = _round(1)[0]
+    own = q.advertise(1)
+    with pytest.raises(SecAggRefused) as err:  # the server names few sites, then sends more adverts
+        q.share([own] * (MAX_SITES + 1))
+    assert err.value.reason == MALFORMED
+
+
 def test_keys_are_fresh_every_round() -> None:
     a, b = _round(1)[0], _round(1)[0]
     assert a.advertise(1).mask_public != b.advertise(1).mask_public

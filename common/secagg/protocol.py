@@ -49,6 +49,10 @@ class SecAggRefused(ValueError):
         self.reason, self.detail = reason, detail
 
 
+# the most sites a round may have: a site's work (agreements, shares, one mask per peer) grows with them,
+# so the server may not name an arbitrary number (fedsyn's scale runs have 100)
+MAX_SITES = 1000
+
 # the fixed texts a site refuses with (no number, id or key in them)
 MALFORMED = "secure aggregation: a malformed request"
 UNTRUSTED = "secure aggregation: fewer trusted sites than this site requires"
@@ -129,8 +133,8 @@ class Participant:
         """This site's advert for a round the server asks of ``sites`` sites (its threshold follows
         from the number that advertise, at ``share``)."""
         self._next(1)
-        if sites < 1:
-            raise SecAggRefused(MALFORMED, f"a round of {sites} sites")
+        if not 1 <= sites <= MAX_SITES:
+            raise SecAggRefused(MALFORMED, f"a round of {sites} sites (1 to {MAX_SITES})")
         advert = Advert(self.site, self.seal_keys.public, self.mask_keys.public, self.needed,
                         self.honest, masks.public_key_text(self.identity.public_key()))
         return _signed(advert, self.identity, self.terms.context)
@@ -144,6 +148,8 @@ class Participant:
             self.terms = Terms(self.terms.context, self.terms.length, int(bits))
         if not self.terms.bits:
             raise SecAggRefused(MALFORMED, "no ring size")
+        if len(adverts) > MAX_SITES:
+            raise SecAggRefused(MALFORMED, f"{len(adverts)} adverts, above {MAX_SITES}")
         by_site = {a.site: a for a in adverts}
         own = by_site.get(self.site)
         if len(by_site) != len(adverts) or own is None or own.mask_public != self.mask_keys.public \

@@ -95,7 +95,7 @@ def serve(msg: Message, node: Node, req: Request, histogram: str, compute: Calla
             honest = node.policy.min_honest_nodes
             site = Participant(int(msg.metadata.dst_node_id), Terms(context, length), honest, needed, identity, peers)
             # the context too: the server derives the masks of a site that drops from it
-            out: dict[str, Any] = {"advert": advert_to_dict(site.advertise(sites)), "context": _b64(context)}
+            out: dict[str, Any] = {"advert": advert_to_dict(site.advertise(sites)), "context": b64(context)}
         else:
             site = _load(path, identity, peers)
             if site.terms.context != context:
@@ -103,14 +103,14 @@ def serve(msg: Message, node: Node, req: Request, histogram: str, compute: Calla
             if step == R.SHARE:
                 sealed, commitment = site.share([advert_from_dict(d) for d in _list(payload, "adverts")],
                                                 _int(payload, "bits"))
-                out = {"sealed": {str(k): _b64(v) for k, v in sealed.items()}, "commitment": _b64(commitment)}
+                out = {"sealed": {str(k): b64(v) for k, v in sealed.items()}, "commitment": b64(commitment)}
             elif step == R.MASK:
                 bundles = {int(k): _unb64(v) for k, v in _dict(payload, "bundles").items()}
                 mechanism = SkellamShare(histogram, compute, sensitivity, count, site, bundles, prepare)
                 masked, statement = release(node, req, mechanism)
-                out = {"masked": _b64(np.asarray(masked, dtype="<u8").tobytes())}
+                out = {"masked": b64(np.asarray(masked, dtype="<u8").tobytes())}
             elif step == R.CONFIRM:
-                out = {"signature": _b64(site.confirm([int(s) for s in _list(payload, "survivors")]))}
+                out = {"signature": b64(site.confirm([int(s) for s in _list(payload, "survivors")]))}
             else:
                 signatures = {int(k): _unb64(v) for k, v in _dict(payload, "signatures").items()}
                 out = revealed_to_dict(site.reveal(signatures))
@@ -259,21 +259,18 @@ def _int(payload: dict[str, Any], key: str) -> int:
 
 
 def _list(payload: dict[str, Any], key: str) -> list[Any]:
-    value = payload.get(key)
-    if not isinstance(value, list):
-        raise SecAggRefused(MALFORMED, f"{key} is not a list")
-    return value
+    return _typed(payload, key, list)
 
 
 def _dict(payload: dict[str, Any], key: str) -> dict[str, Any]:
+    return _typed(payload, key, dict)
+
+
+def _typed(payload: dict[str, Any], key: str, kind: type) -> Any:
     value = payload.get(key)
-    if not isinstance(value, dict):
-        raise SecAggRefused(MALFORMED, f"{key} is not an object")
+    if not isinstance(value, kind):
+        raise SecAggRefused(MALFORMED, f"{key} is not a {kind.__name__}")
     return value
-
-
-def _b64(raw: bytes) -> str:
-    return b64(raw)
 
 
 def _unb64(text: Any) -> bytes:

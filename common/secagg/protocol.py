@@ -124,6 +124,7 @@ class Participant:
         self.step = 0
         self.adverts: dict[int, Advert] = {}
         self.threshold = 0
+        self._seed = b""  # the self-mask seed, drawn at ``share``
         self.held: dict[int, tuple[bytes, bytes]] = {}  # peer -> (its seed share, its key share) held here
         self.shared: list[int] = []  # U2: the sites whose bundles reached this site
         self.survivors: tuple[int, ...] = ()
@@ -268,7 +269,7 @@ class Participant:
                 "bits": self.terms.bits, "honest": self.honest, "noise": self.noise, "needed": self.needed,
                 "identity": identity, "seal": b64(self.seal_keys.private_bytes()),
                 "mask": b64(self.mask_keys.private_bytes()), "step": self.step, "threshold": self.threshold,
-                "seed": b64(getattr(self, "_seed", b"")),
+                "seed": b64(self._seed),
                 "adverts": [advert_to_dict(a) for a in self.adverts.values()],
                 "held": {str(k): [b64(a), b64(b)] for k, (a, b) in self.held.items()},
                 "shared": list(self.shared), "survivors": list(self.survivors)}

@@ -38,6 +38,7 @@ from common.calibration import (
     skellam_charge,
 )
 from common.dp import DPSGD, dpsgd_epsilon, dpsgd_noise_multiplier
+from common.skellam import Rounded, Shift
 
 
 class Accounting(ABC):
@@ -82,12 +83,13 @@ class Accounting(ABC):
         """What a Gaussian release of ``sigma`` costs after ``base``; None: its request's epsilon."""
 
     @abstractmethod
-    def skellam_mu(self, earlier: Base, epsilon: float, count: int, delta: float, policy_delta: float) -> float:
-        """The Skellam mu one release of ``epsilon`` on ``count`` moved coordinates needs in the sum
-        (issue 73), after the node's ``earlier`` releases; ``delta``: the release's own (basic)."""
+    def skellam_mu(self, earlier: Base, epsilon: float, shift: Shift, delta: float, policy_delta: float) -> float:
+        """The Skellam mu one release of ``epsilon`` and ``shift`` (``common.skellam``: moved
+        coordinates, or a rounded vector) needs in the sum (issue 73), after the node's ``earlier``
+        releases; ``delta``: the release's own (basic)."""
 
     @abstractmethod
-    def skellam_charge(self, base: Base, mu: float, count: int, policy_delta: float) -> float | None:
+    def skellam_charge(self, base: Base, mu: float, shift: Shift, policy_delta: float) -> float | None:
         """What a Skellam release of ``mu`` costs after ``base``; None: its request's epsilon."""
 
     @abstractmethod
@@ -133,13 +135,13 @@ class Basic(Accounting):
                         asked: float) -> float | None:
         return None
 
-    def skellam_mu(self, earlier: Base, epsilon: float, count: int, delta: float,  # noqa: D102 - documented on Accounting
+    def skellam_mu(self, earlier: Base, epsilon: float, shift: Shift, delta: float,  # noqa: D102 - documented on Accounting
                    policy_delta: float) -> float:
         from common.skellam import solve_mu
 
-        return solve_mu(epsilon, count, delta)
+        return solve_mu(epsilon, shift, shift.delta if isinstance(shift, Rounded) else delta)
 
-    def skellam_charge(self, base: Base, mu: float, count: int,  # noqa: D102 - documented on Accounting
+    def skellam_charge(self, base: Base, mu: float, shift: Shift,  # noqa: D102 - documented on Accounting
                        policy_delta: float) -> float | None:
         return None
 
@@ -181,13 +183,13 @@ class Pld(Accounting):
                         asked: float) -> float | None:
         return math.inf if sigma == 0 else pld_charge(base, sigma, sensitivity, policy_delta, asked)
 
-    def skellam_mu(self, earlier: Base, epsilon: float, count: int, delta: float,  # noqa: D102 - documented on Accounting
+    def skellam_mu(self, earlier: Base, epsilon: float, shift: Shift, delta: float,  # noqa: D102 - documented on Accounting
                    policy_delta: float) -> float:
-        return pld_skellam_mu(earlier, epsilon, count, policy_delta)
+        return pld_skellam_mu(earlier, epsilon, shift, policy_delta)
 
-    def skellam_charge(self, base: Base, mu: float, count: int,  # noqa: D102 - documented on Accounting
+    def skellam_charge(self, base: Base, mu: float, shift: Shift,  # noqa: D102 - documented on Accounting
                        policy_delta: float) -> float | None:
-        return math.inf if mu == 0 else skellam_charge(base, mu, count, policy_delta)
+        return math.inf if mu == 0 else skellam_charge(base, mu, shift, policy_delta)
 
     def dpsgd_noise(self, base: Base, phase: Planned, delta: float) -> float:  # noqa: D102 - documented on Accounting
         return pld_noise(base, phase, delta) or rdp_noise(phase.share, delta, phase.sample_rate, phase.steps)

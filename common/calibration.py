@@ -48,11 +48,13 @@ from common.dp import (
     DPSGD,
     GAUSSIAN,
     SKELLAM,
+    SKELLAM_ROUNDED,
     analytic_gaussian_sigma,
     dpsgd_event,
     dpsgd_noise_multiplier,
     pld_accountant,
 )
+from common.skellam import Rounded, Shift, rdp_epsilon
 
 # The search stops when the noise is known to this relative width; it keeps the side whose
 # composition is within the target, so a node never spends more than its share.
@@ -106,7 +108,10 @@ class Planned:
 # R x tau steps, delta): the whole phase, as its first round reserved it, whatever number of
 # rounds ran; a release whose terms are unknown as ("opaque", epsilon, delta), its statement.
 # A Skellam release under secure aggregation (issue 73) as ("skellam", mu, coordinates, delta): the
-# noise the sum carries under the site's trust, on a count histogram of that many moved coordinates.
+# noise the sum carries under the site's trust, on a count histogram of that many moved coordinates;
+# on a real-valued vector scaled and rounded, as ("skellam-rounded", mu, norm, delta): these compose
+# with one another by their Renyi DP, converted at their summed delta, and with the rest by basic
+# composition, that delta taken from the policy's like an opaque release's (``_parts``).
 # The deltas of the first three kinds are what the requests asked (informational: the PLD is read
 # at the policy's delta); an opaque release's delta is spent. A DP-SGD state stored before issue 60
 # holds Gaussian and DP-SGD terms only, which still read.
@@ -128,15 +133,21 @@ class _Parts:
 
 def _parts(base: Base) -> _Parts:
     mu2, dpsgd, eps, delta, sk = 0.0, [], 0.0, 0.0, []
+    rounded, rounded_delta = [], 0.0
     for b in base:
         if b[0] == DPSGD:
             dpsgd.append((float(b[1]), float(b[2]), int(b[3])))
         elif b[0] == SKELLAM:
             sk.append((float(b[1]), int(b[2])))
+        elif b[0] == SKELLAM_ROUNDED:
+            rounded.append((float(b[1]), float(b[2])))
+            rounded_delta += float(b[3])
         elif b[0] == OPAQUE:
             eps, delta = eps + float(b[1]), delta + float(b[2])
         else:
             mu2 += (float(b[1]) / float(b[0])) ** 2
+    if rounded:  # one (epsilon, delta) for all of them: their Renyi DP composes before it is converted
+        eps, delta = eps + rdp_epsilon(sorted(rounded), rounded_delta), delta + rounded_delta
     return _Parts(mu2, tuple(dpsgd), eps, delta, tuple(sorted(sk)))
 
 
@@ -322,7 +333,10 @@ def release_base(entries: Sequence[dict[str, Any]]) -> Base:
         epsilon = float(e["epsilon"])
         public = e.get("public", {})
         if e.get("mechanism") == SKELLAM and math.isfinite(epsilon) and float(public.get("mu", 0.0) or 0.0) > 0:
-            base.append((SKELLAM, float(public["mu"]), int(public["coordinates"]), float(e["delta"])))
+            if "norm" in public:  # a real-valued vector, scaled and rounded
+                base.append((SKELLAM_ROUNDED, float(public["mu"]), float(public["norm"]), float(public["rdp_delta"])))
+            else:
+                base.append((SKELLAM, float(public["mu"]), int(public["coordinates"]), float(e["delta"])))
             continue
         sigma = float(public.get("sigma", e.get("sigma", 0.0)) or 0.0)
         if not math.isfinite(epsilon):
@@ -388,17 +402,21 @@ def pld_charge(base: Base, sigma: float, sensitivity: float, delta: float, asked
     return max(0.0, base_epsilon(after, delta) - base_epsilon(base, delta))
 
 
-def skellam_terms(mu: float, count: int, delta: float) -> tuple[Any, ...]:
-    """A Skellam release's ``Base`` term: Skellam(``mu``) in the sum, ``count`` moved coordinates."""
-    return (SKELLAM, float(mu), int(count), float(delta))
+def skellam_terms(mu: float, shift: Shift, delta: float) -> tuple[Any, ...]:
+    """A Skellam release's ``Base`` term: Skellam(``mu``) in the sum, on a count histogram of
+    ``shift`` moved coordinates (``delta``: what the request asked) or a ``Rounded`` vector (its own
+    delta)."""
+    if isinstance(shift, Rounded):
+        return (SKELLAM_ROUNDED, float(mu), float(shift.norm), float(shift.delta))
+    return (SKELLAM, float(mu), int(shift), float(delta))
 
 
 @functools.lru_cache(maxsize=256)
-def pld_skellam_mu(base: Base, share: float, count: int, delta: float) -> float:
+def pld_skellam_mu(base: Base, share: float, shift: Shift, delta: float) -> float:
     """The least mu (within ``common.skellam.MU_TOLERANCE``, on the side that fits) of one Skellam
-    release on ``count`` coordinates such that ``base`` and it compose at ``delta`` (the policy's)
-    within ``base_epsilon(base, delta) + share``; inf when no noise fits (``base`` alone leaves
-    nothing of ``delta``), 0 for an infinite share (no DP). A base unbounded on its own is left out."""
+    release of ``shift`` such that ``base`` and it compose at ``delta`` (the policy's) within
+    ``base_epsilon(base, delta) + share``; inf when no noise fits (``base`` alone leaves nothing of
+    ``delta``), 0 for an infinite share (no DP). A base unbounded on its own is left out."""
     from common.skellam import MU_TOLERANCE, solve_mu
 
     if math.isinf(share):
@@ -406,16 +424,19 @@ def pld_skellam_mu(base: Base, share: float, count: int, delta: float) -> float:
     spent = base_epsilon(base, delta)
     if not math.isfinite(spent):
         base, spent = (), 0.0
-    if not base:
-        return solve_mu(share, count, delta)
+    alone_at = shift.delta if isinstance(shift, Rounded) else delta
+    if not base and not isinstance(shift, Rounded):
+        return solve_mu(share, shift, delta)
+    if not alone_at > 0:
+        return math.inf
 
     def fits(mu: float) -> bool:
-        return base_epsilon(base + (skellam_terms(mu, count, 0.0),), delta) <= spent + share
+        return base_epsilon(base + (skellam_terms(mu, shift, 0.0),), delta) <= spent + share
 
-    hi = max(solve_mu(share, count, delta), 1e-3)  # what fits alone: composed, more or less may fit
+    hi = max(solve_mu(share, shift, alone_at), 1e-3)  # what fits alone: composed, more or less may fit
     while not fits(hi):
         hi *= 2
-        if hi > 1e12:
+        if hi > 1e15:
             return math.inf
     lo = hi / 2
     while fits(lo):
@@ -428,10 +449,10 @@ def pld_skellam_mu(base: Base, share: float, count: int, delta: float) -> float:
     return hi
 
 
-def skellam_charge(base: Base, mu: float, count: int, delta: float) -> float:
-    """What a Skellam release of ``mu`` on ``count`` coordinates costs after ``base``: the growth
-    of the composition at ``delta`` (the policy's; never below 0), as ``pld_charge`` for a Gaussian."""
-    return max(0.0, base_epsilon(base + (skellam_terms(mu, count, 0.0),), delta) - base_epsilon(base, delta))
+def skellam_charge(base: Base, mu: float, shift: Shift, delta: float) -> float:
+    """What a Skellam release of ``mu`` and ``shift`` costs after ``base``: the growth of the
+    composition at ``delta`` (the policy's; never below 0), as ``pld_charge`` for a Gaussian."""
+    return max(0.0, base_epsilon(base + (skellam_terms(mu, shift, 0.0),), delta) - base_epsilon(base, delta))
 
 
 def rounds_of(share: float) -> int:

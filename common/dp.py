@@ -28,6 +28,7 @@ MARGINALS = "marginals"
 PHASES = (TRAIN, PROFILE, VOTE, MARGINALS)
 GAUSSIAN, DPSGD = "gaussian", "dp-sgd"
 SKELLAM = "skellam"  # integer noise, each site its share, under secure aggregation (common.skellam)
+SKELLAM_ROUNDED = "skellam-rounded"  # the same on a real-valued vector scaled and rounded: a ledger term kind
 
 
 # RDP orders for DP-SGD's accountant: Opacus' defaults (1.1-63) reach from both ends. At a small

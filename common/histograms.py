@@ -14,7 +14,7 @@ from __future__ import annotations
 import inspect
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -42,6 +42,11 @@ class Histogram(ABC):
     # whether its values are counts in which one record moves each of sensitivity^2 coordinates by at
     # most 1: then a site may add Skellam noise to it and mask it (issue 73, ``common.skellam``)
     counts: bool = False
+    # whether its values are real, the sum of each record's vector of L2 norm at most its
+    # sensitivity: its ``score`` then takes a keyword ``rounding`` and, given one, hands it each
+    # block of the rows' vectors and sums the integers it returns (a masked round, issue 73:
+    # ``common.skellam.round_rows``)
+    scaled: bool = False
 
     @abstractmethod
     def sensitivity(self, params: Mapping[str, Any]) -> float:
@@ -111,15 +116,17 @@ class Similarity(Histogram):
     """POPri's scores: each record's clipped (norm <= 1) cosine similarities, summed; sensitivity 1."""
 
     name, formula = "similarity", "1"
+    scaled = True
 
     def sensitivity(self, params: Mapping[str, Any]) -> float:
         """1: a record's vector is clipped to norm 1."""
         return 1.0
 
     def score(self, rows: np.ndarray, codes: list[str], candidates: np.ndarray, candidate_codes: list[str],
-              params: Mapping[str, Any], *, bound: int | None) -> np.ndarray:
-        """``voting.similarity_scores``."""
-        return voting.similarity_scores(rows, codes, candidates, candidate_codes, bound=bound)
+              params: Mapping[str, Any], *, bound: int | None,
+              rounding: Callable[[np.ndarray], np.ndarray] | None = None) -> np.ndarray:
+        """``voting.similarity_scores`` (each record's vector through ``rounding`` if given)."""
+        return voting.similarity_scores(rows, codes, candidates, candidate_codes, bound=bound, rounding=rounding)
 
 
 # name -> the registered histogram; each shipped bound is tested in tests/test_privacy.py
@@ -146,6 +153,9 @@ def register(histogram: Histogram, replace: bool = False) -> Histogram:
         raise TypeError(f"histogram {kind}.score takes no keyword parameter 'bound'; declare it "
                         "(score(self, rows, codes, candidates, candidate_codes, params, *, bound)): the node "
                         "hands it the bound's rows and every row must be scored")
+    if histogram.scaled and "rounding" not in inspect.signature(histogram.score).parameters:
+        raise TypeError(f"histogram {kind} is scaled but its score takes no keyword parameter 'rounding'; declare "
+                        "it and hand it each block of the records' vectors (a masked round rounds them)")
     for attr in ("name", "formula"):
         value = getattr(histogram, attr, None)
         if not isinstance(value, str) or not value.strip():
@@ -174,9 +184,29 @@ def histogram(name: str) -> Histogram:
 
 def maskable(name: str) -> bool:
     """Whether a vote round of the registered histogram ``name`` may be masked (its values are
-    counts: ``Histogram.counts``); False for an unknown name."""
+    counts, ``Histogram.counts``, or may be scaled and rounded, ``Histogram.scaled``); False for an
+    unknown name."""
     histogram = HISTOGRAMS.get(name)
-    return bool(histogram is not None and histogram.counts)
+    return bool(histogram is not None and (histogram.counts or histogram.scaled))
+
+
+def rounded(name: str) -> bool:
+    """Whether a masked round of the registered histogram ``name`` scales and rounds real values
+    (``Histogram.scaled``, not counts): the server divides its sum by ``common.skellam.SCALE``."""
+    histogram = HISTOGRAMS.get(name)
+    return bool(histogram is not None and histogram.scaled and not histogram.counts)
+
+
+def masked_units(name: str, params: Mapping[str, Any], length: int) -> tuple[float, int]:
+    """(what a masked round's sum of ``name`` is divided by, the most one record adds to any of its
+    ``length`` values): (1, 1) for counts; (``common.skellam.SCALE``, the rounded norm) for a scaled
+    histogram, whose records' vectors are scaled and rounded (``common.skellam.round_rows``)."""
+    if not rounded(name):
+        return 1.0, 1
+    from common import skellam
+
+    norm = skellam.rounded_norm(skellam.SCALE * sensitivity(name, params), length)
+    return float(skellam.SCALE), int(math.ceil(norm))
 
 
 def sensitivity(name: str, params: Mapping[str, Any]) -> float:

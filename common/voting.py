@@ -11,7 +11,7 @@ records spread over the codes. Without a bound (a simulated node) the rows are t
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -157,7 +157,8 @@ def contrastive_votes(local_emb: np.ndarray, local_codes: list[str], syn_emb: np
 
 
 def similarity_scores(local_emb: np.ndarray, local_codes: list[str], syn_emb: np.ndarray, syn_codes: list[str],
-                      bound: int | None = None) -> np.ndarray:
+                      bound: int | None = None,
+                      rounding: Callable[[np.ndarray], np.ndarray] | None = None) -> np.ndarray:
     """Un-noised POPri scores over the synthetic texts (POPri's SIMILARITY, per record).
 
     Input as for ``knn_votes``. Each local record's vector holds its cosine similarity to
@@ -165,15 +166,31 @@ def similarity_scores(local_emb: np.ndarray, local_codes: list[str], syn_emb: np
     are the sum of these vectors. Adding or removing one record therefore changes the
     scores by at most 1 in L2. (POPri clips each *client's* mean vector: its privacy unit is
     the client; ours is a record, and a mean would divide by the private record count.)
-    Filler rows are scored and weighted 0.
+    Filler rows are scored and weighted 0. ``rounding`` (a masked round, issue 73): each block of
+    the rows' vectors is handed to it (``common.skellam.round_rows``: scaled, rounded at random)
+    and the integers it returns are summed instead (int64).
     """
+    if rounding is not None:
+        total = np.zeros(len(syn_codes), dtype=np.int64)
+        if len(syn_codes):
+            for vectors in _clipped_similarities(local_emb, local_codes, syn_emb, syn_codes, bound):
+                total += np.asarray(rounding(vectors), dtype=np.int64).sum(axis=0)  # integers: any order, one sum
+        return total
     scores = np.zeros(len(syn_codes), dtype=np.float64)
     if len(syn_codes):
-        for sims, own, counts in _scored(local_emb, local_codes, syn_emb, syn_codes, bound):
-            mine = np.where(own, sims, 0.0)
-            norms = np.linalg.norm(mine, axis=1, keepdims=True)
+        for vectors in _clipped_similarities(local_emb, local_codes, syn_emb, syn_codes, bound):
             # row by row, in row order: a filler row adds 0.0, which changes no sum. Not ``.sum(axis=0)``:
             # numpy 2.4 reduces axis 0 pairwise, so the filler rows would regroup the records' sums
-            for row in np.where(counts[:, None], mine / np.maximum(1.0, norms), 0.0):
+            for row in vectors:
                 scores += row
     return scores
+
+
+def _clipped_similarities(local_emb: np.ndarray, local_codes: list[str], syn_emb: np.ndarray, syn_codes: list[str],
+                          bound: int | None) -> Iterator[np.ndarray]:
+    """Each block's per-row vectors of ``similarity_scores``: a record's own-code similarities
+    clipped to norm 1, a filler row's zeros."""
+    for sims, own, counts in _scored(local_emb, local_codes, syn_emb, syn_codes, bound):
+        mine = np.where(own, sims, 0.0)
+        norms = np.linalg.norm(mine, axis=1, keepdims=True)
+        yield np.where(counts[:, None], mine / np.maximum(1.0, norms), 0.0)

@@ -27,19 +27,20 @@ Compute = Callable[[], np.ndarray]
 
 def vote_histogram(name: str, records: TextData, texts: list[str], codes: list[str], params: Mapping[str, Any],
                    cfg: RunConfig, bound: int | None = None,
-                   embedded: Compute | None = None) -> tuple[Compute, float]:
+                   embedded: Compute | None = None) -> tuple[Callable[..., np.ndarray], float]:
     """(compute, L2 sensitivity) of the registered histogram ``name`` (``common.histograms``) on the
     node's ``records`` over the candidates ``texts`` and their ``codes``, under the request's
     ``params``. The sensitivity is read now (bad params raise ``ConfigError`` before anything is
     reserved); ``compute`` embeds and scores only when called, after the ledger's reservation.
     ``bound``: the node's public size bound, the rows every histogram is handed (issue 45);
-    ``embedded``: the node's records already embedded as those rows (issue 61)."""
+    ``embedded``: the node's records already embedded as those rows (issue 61). ``compute`` takes
+    a keyword ``rounding`` for a scaled histogram's masked round (``common.histograms``: scaled)."""
     histogram = HISTOGRAMS.get(name)
     if histogram is None:
         raise ConfigError(f"histogram {name!r} is unknown on this node; known: {sorted(HISTOGRAMS)}")
     sensitivity = float(histogram.sensitivity(params))
 
-    def compute() -> np.ndarray:
+    def compute(rounding: Callable[[np.ndarray], np.ndarray] | None = None) -> np.ndarray:
         # Records and candidates are compared within a window around what the generator learned
         # and writes (``RunConfig.vote_window``: a candidate can only imitate a record's opening),
         # which also halves the vote's time at BBC's 256-token articles. The rows are padded here,
@@ -49,8 +50,9 @@ def vote_histogram(name: str, records: TextData, texts: list[str], codes: list[s
         local = embedded() if embedded is not None else local_embeddings(records, cfg.embedder, window, bound,
                                                                          cfg.precision)
         candidates = candidate_embeddings(texts, cfg.embedder, window, cfg.precision)
+        extra = {} if rounding is None else {"rounding": rounding}
         return histogram.score(finite_rows(padded(local, bound)), records.codes, finite_rows(candidates), codes,
-                               params, bound=bound)
+                               params, bound=bound, **extra)
 
     return compute, sensitivity
 
@@ -118,7 +120,7 @@ def marginals_histogram(records: TextData, cliques: list[tuple[str, ...]], schem
 
     sizes = column_sizes(schema, bins)
 
-    def compute() -> np.ndarray:
+    def compute(rounding: Callable[[np.ndarray], np.ndarray] | None = None) -> np.ndarray:
         codes, counted = slot_codes(records, schema, control_columns, bins, bound)
         return counted_marginals(codes, counted, cliques, sizes)
 

@@ -35,10 +35,10 @@ import numpy as np
 from flwr.app import ConfigRecord, Message, RecordDict
 
 from common import records as R, skellam
-from common.calibration import release_base
+from common.calibration import basic_delta, release_base
 from common.config import ConfigError
 from common.dp import SKELLAM
-from common.histograms import maskable
+from common.histograms import maskable, rounded
 from common.io import atomic_write_text
 from common.logs import get_logger
 from common.secagg import masks
@@ -69,7 +69,7 @@ COUNTS = ("code-counts", "marginals")
 STALE_SECONDS = 86_400.0  # a round's state not finished within a day is removed (its keys with it)
 
 
-def serve(msg: Message, node: Node, req: Request, histogram: str, compute: Callable[[], np.ndarray],
+def serve(msg: Message, node: Node, req: Request, histogram: str, compute: Callable[..., np.ndarray],
           sensitivity: float, length: int, prepare: Callable[[], object] | None = None) -> RecordDict:
     """One step of a masked round of ``histogram`` (``compute``: its un-noised values, of L2
     ``sensitivity`` and ``length`` values); returns the step's reply."""
@@ -79,7 +79,7 @@ def serve(msg: Message, node: Node, req: Request, histogram: str, compute: Calla
                           "a session of 32 hex digits")
     if histogram not in COUNTS and not maskable(histogram):
         raise ConfigError(f"histogram {histogram!r} is not a count histogram: it cannot be masked")
-    count = skellam.coordinates(sensitivity)
+    shift = release_shift(node, req, histogram, sensitivity, length)
     payload = _payload(msg)
     path = round_path(node.policy, req, session)
     context = round_context(msg, req, session)
@@ -91,7 +91,7 @@ def serve(msg: Message, node: Node, req: Request, histogram: str, compute: Calla
                 raise SecAggRefused(REPLAYED, "this round was advertised before")
             _prune(path.parent)
             sites = _int(payload, "sites")
-            needed = noise_needed(node, req, count)
+            needed = noise_needed(node, req, shift)
             honest = node.policy.min_honest_nodes
             site = Participant(int(msg.metadata.dst_node_id), Terms(context, length), honest, needed, identity, peers)
             # the context too: the server derives the masks of a site that drops from it
@@ -106,7 +106,7 @@ def serve(msg: Message, node: Node, req: Request, histogram: str, compute: Calla
                 out = {"sealed": {str(k): b64(v) for k, v in sealed.items()}, "commitment": b64(commitment)}
             elif step == R.MASK:
                 bundles = {int(k): _unb64(v) for k, v in _dict(payload, "bundles").items()}
-                mechanism = SkellamShare(histogram, compute, sensitivity, count, site, bundles, prepare)
+                mechanism = SkellamShare(histogram, compute, sensitivity, shift, site, bundles, prepare)
                 masked, statement = release(node, req, mechanism)
                 out = {"masked": b64(np.asarray(masked, dtype="<u8").tobytes())}
             elif step == R.CONFIRM:
@@ -127,14 +127,27 @@ def serve(msg: Message, node: Node, req: Request, histogram: str, compute: Calla
     return reply
 
 
-def noise_needed(node: Node, req: Request, count: int) -> float:
-    """The Skellam mu the round's *sum* needs for this release, from public inputs only (the
-    request, the policy, the ledger's earlier releases); ``BudgetExceeded`` before anything is
-    reserved when no finite noise spends the share."""
+def release_shift(node: Node, req: Request, histogram: str, sensitivity: float, length: int) -> skellam.Shift:
+    """What one record moves in this masked release, from public inputs only: a count histogram's
+    coordinates (``common.skellam.coordinates``), or for a scaled one (``common.histograms.rounded``)
+    its rounded vectors' L2 bound with the part of the node's delta its Renyi bound is converted at
+    (the policy's delta times the release's part of the node's epsilon, or what the request asked
+    if less: ``basic_delta``, so the parts of a spent budget fit the policy's delta)."""
+    if not rounded(histogram):
+        return skellam.coordinates(sensitivity)
+    request = under_policy(req, node.policy.epsilon, node.policy.delta)
+    part = basic_delta(request.delta, request.epsilon, node.policy.epsilon, request.policy_delta)
+    return skellam.Rounded(skellam.rounded_norm(skellam.SCALE * float(sensitivity), length), part)
+
+
+def noise_needed(node: Node, req: Request, shift: skellam.Shift) -> float:
+    """The Skellam mu the round's *sum* needs for this release of ``shift``, from public inputs
+    only (the request, the policy, the ledger's earlier releases); ``BudgetExceeded`` before
+    anything is reserved when no finite noise spends the share."""
     request = under_policy(req, node.policy.epsilon, node.policy.delta)
     before = node.ledger.entries_before(request.run_id, request.phase, request.round) \
         if request.rule.composes_ledger else []
-    mu = request.rule.skellam_mu(release_base(before), request.epsilon, count, request.delta, request.policy_delta)
+    mu = request.rule.skellam_mu(release_base(before), request.epsilon, shift, request.delta, request.policy_delta)
     if math.isinf(mu):
         raise BudgetExceeded(refusals.BUDGET, f"{req.phase}: no finite Skellam noise spends epsilon = "
                                               f"{request.epsilon:.4g} on this node's ledger")
@@ -142,15 +155,16 @@ def noise_needed(node: Node, req: Request, count: int) -> float:
 
 
 class SkellamShare(Mechanism):
-    """This site's release in a masked round: the count histogram plus Skellam(mu / t), masked.
+    """This site's release in a masked round: the count histogram (or the real-valued one, each
+    record's vector scaled and rounded: ``common.skellam.round_rows``) plus Skellam(mu / t), masked.
     The ledger counts Skellam(mu) in the sum (the site's trust); ``epsilon_alone`` in the
     statement is what the share alone gives."""
 
     name = SKELLAM
 
-    def __init__(self, histogram: str, compute: Callable[[], np.ndarray], sensitivity: float, count: int,
+    def __init__(self, histogram: str, compute: Callable[..., np.ndarray], sensitivity: float, shift: skellam.Shift,
                  site: Participant, bundles: dict[int, bytes], prepare: Callable[[], object] | None = None) -> None:
-        self.histogram, self.compute, self.sensitivity, self.count = histogram, compute, float(sensitivity), count
+        self.histogram, self.compute, self.sensitivity, self.shift = histogram, compute, float(sensitivity), shift
         self.site, self.bundles, self.prepare = site, bundles, prepare
 
     def check(self, request: Request) -> None:  # noqa: D102 - documented on Mechanism
@@ -164,19 +178,29 @@ class SkellamShare(Mechanism):
         return {"epsilon": float(request.epsilon), "delta": float(request.delta), "honest": self.site.honest}
 
     def charge(self, request: Request, before: list[dict[str, Any]]) -> float | None:  # noqa: D102 - documented on Mechanism
-        return request.rule.skellam_charge(release_base(before), self.site.needed, self.count, request.policy_delta)
+        return request.rule.skellam_charge(release_base(before), self.site.needed, self.shift, request.policy_delta)
 
     def public(self, request: Request) -> dict[str, Any]:  # noqa: D102 - documented on Mechanism
         at = request.policy_delta if request.rule.composes_ledger else request.delta
         share = self.site.noise
-        return {"histogram": self.histogram, "sensitivity": self.sensitivity, "coordinates": self.count,
+        shift = self.shift
+        moved = ({"scale": skellam.SCALE, "norm": shift.norm, "rdp_delta": shift.delta}
+                 if isinstance(shift, skellam.Rounded) else {"coordinates": shift})
+        if isinstance(shift, skellam.Rounded):  # its Renyi bound is read at its own part of the delta
+            at = shift.delta
+        return {"histogram": self.histogram, "sensitivity": self.sensitivity, **moved,
                 "mu": self.site.needed, "mu_share": share, "honest": self.site.honest,
-                "epsilon_alone": skellam.epsilon(share, self.count, at) if share > 0 else math.inf,
+                "epsilon_alone": skellam.epsilon(share, shift, at) if share > 0 else math.inf,
                 "secure_aggregation": True, **request.rule.terms(request.policy_delta)}
 
     def release(self, request: Request) -> Output:  # noqa: D102 - documented on Mechanism
-        values = np.rint(np.asarray(self.compute(), dtype=np.float64)).astype(np.int64)  # counts: exact
-        noisy = values + skellam.sample(self.site.noise, len(values), np.random.default_rng())
+        rng, shift = np.random.default_rng(), self.shift
+        if isinstance(shift, skellam.Rounded):  # real values: each record's vector scaled, rounded, within the norm
+            values = np.asarray(self.compute(rounding=lambda rows: skellam.round_rows(
+                rows, self.sensitivity, shift.norm, rng)), dtype=np.int64)
+        else:
+            values = np.rint(np.asarray(self.compute(), dtype=np.float64)).astype(np.int64)  # counts: exact
+        noisy = values + skellam.sample(self.site.noise, len(values), rng)
         try:
             masked = self.site.mask(self.bundles, noisy)
         except SecAggRefused as err:  # the bundles' fault, not the records': still a failure after the reservation

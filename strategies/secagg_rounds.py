@@ -75,9 +75,11 @@ class SecureSum:
         self.courier, self.bounds = courier, bounds
 
     def run(self, grid: Grid, node_ids: list[int], message_type: str, phase: str, content: RecordDict,
-            length: int) -> MaskedSum | None:
+            length: int, units: tuple[float, int] = (1.0, 1)) -> MaskedSum | None:
         """The sum of the vectors of ``length`` that ``node_ids`` release for ``content`` (the
-        phase's request), masked; None when the round could not be unmasked."""
+        phase's request), masked; None when the round could not be unmasked. ``units``: (what the
+        sum is divided by, the most one record adds to a value), ``common.histograms.masked_units``:
+        a scaled histogram's integers are its real values times the scale."""
         conf: dict[str, Any] = dict(content.config_records.get(R.CONFIG, {}))
         rnd, share = int(conf.get("server-round", 0)), float(conf.get("epsilon-share", 1.0))
         session = secrets.token_hex(16)
@@ -109,8 +111,13 @@ class SecureSum:
         adverts, context = self._adverts(ask(sorted(node_ids), R.ADVERTISE, {"sites": len(node_ids)}), phase)
         if not adverts:
             return None
-        bits = ring.bits_for(len(adverts), max((self.bounds.get(n, 0) or UNSTATED_BOUND) for n in adverts),
-                             max(noise_share(adverts, n) for n in adverts))
+        scale, unit = units
+        try:
+            bits = ring.bits_for(len(adverts), unit * max((self.bounds.get(n, 0) or UNSTATED_BOUND) for n in adverts),
+                                 max(noise_share(adverts, n) for n in adverts))
+        except ValueError as err:  # the sites' bounds and noise do not fit the ring: nothing is asked of them
+            self.courier.degrade(f"{phase} round {rnd}: {err}; the round is not masked and nothing of it is used")
+            return None
         shared = ask(sorted(adverts), R.SHARE, {"adverts": [advert_to_dict(a) for a in adverts.values()], "bits": bits})
         sealed, commitments = {}, {}
         for n, reply in shared.items():
@@ -160,8 +167,8 @@ class SecureSum:
             return None
         stddev = math.sqrt(sum(2 * noise_share(adverts, n) for n in survivors))
         log.info("%s round %d: the masked sum of %d sites unmasked (noise stddev %.3g)", phase, rnd, len(survivors),
-                 stddev)
-        return MaskedSum(total.astype(np.float64), stddev, tuple(survivors))
+                 stddev / scale)
+        return MaskedSum(total.astype(np.float64) / scale, stddev / scale, tuple(survivors))
 
     def _adverts(self, replies: dict[int, Any], phase: str) -> tuple[dict[int, Advert], bytes]:
         """The well-formed adverts, and the round's context they agree on (the most common one:

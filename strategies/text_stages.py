@@ -25,7 +25,7 @@ from flwr.serverapp.strategy import Strategy
 
 from common import records as R
 from common.dp import PROFILE, TRAIN, VOTE
-from common.histograms import maskable
+from common.histograms import maskable, masked_units
 from common.logs import get_logger
 from common.phases import phases as registered_phases
 from strategies.allocation import aggregate_profiles, allocate
@@ -288,7 +288,8 @@ class TextStages:
         masked = None
         if voters and secure(res.trust, voters) and maskable(histogram):  # the server sees the sum alone
             masked = SecureSum(self.session.courier, res.bounds).run(grid, voters, R.MSG_VOTE, VOTE, content,
-                                                                      len(texts))
+                                                                      len(texts), masked_units(histogram, params,
+                                                                                               len(texts)))
             res.node_votes = {}
             answered: dict[int, Any] = dict.fromkeys(masked.survivors if masked else ())
         else:

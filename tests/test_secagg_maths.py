@@ -404,3 +404,86 @@ def test_coordinates_of_count_histograms() -> None:
     assert [skellam.coordinates(s) for s in (1.0, math.sqrt(5), math.sqrt(10))] == [1, 5, 10]
     with pytest.raises(ValueError, match="not a count histogram"):
         skellam.coordinates(1.5)
+
+
+# ----------------------------------------------------------------- real values, scaled and rounded
+@pytest.mark.parametrize("mu", [2.0, 10.0, 50.0])
+def test_the_renyi_bound_holds_for_every_integer_shift(mu: float) -> None:
+    """Theorem 3.5's bound against the Renyi divergence computed from the pmfs, both directions,
+    for shifts of 1 to 3 (a rounded vector moves a value by more than 1)."""
+    from scipy.special import logsumexp
+    from scipy.stats import skellam as sk
+
+    x = np.arange(-600, 601)
+    tightest = 0.0
+    for shift in (1, 2, 3):
+        lp, lq = sk.logpmf(x, mu, mu), sk.logpmf(x - shift, mu, mu)
+        keep = (lp > -600) & (lq > -600)
+        bound = skellam.rdp(mu, shift)
+        for i, a in enumerate(skellam.ORDERS[:8]):
+            forward = logsumexp(a * lq[keep] + (1 - a) * lp[keep]) / (a - 1)
+            backward = logsumexp(a * lp[keep] + (1 - a) * lq[keep]) / (a - 1)
+            assert max(forward, backward) <= bound[i] * (1 + 1e-9)
+            tightest = max(tightest, max(forward, backward) / bound[i])
+    assert tightest > 0.5  # and not vacuous
+
+
+def test_every_rounded_row_fits_its_norm_whatever_the_rows() -> None:
+    """The sensitivity the release states, checked with the noise off: each record's rounded vector
+    (clipped, scaled, rounded) is within the stated norm, for rows the server could provoke (norms
+    far above 1, non-finite values, halves that round up together), the fallback included."""
+    rng = np.random.default_rng(0)
+    d = 400
+    norm = skellam.rounded_norm(skellam.SCALE, d)
+    rows = np.vstack([rng.normal(size=(50, d)) * 1e6, np.full((5, d), 0.5 / skellam.SCALE + 1e-12),
+                      np.full((5, d), 1 / math.sqrt(d)), np.zeros((5, d))])
+    rows[0, 3], rows[1, :] = np.nan, np.inf
+    out = skellam.round_rows(rows, 1.0, norm, rng)
+    assert out.dtype == np.int64
+    assert np.all(np.einsum("ij,ij->i", out, out) <= math.floor(norm ** 2))
+    assert not out[-5:].any()  # filler rows stay zero
+    # a norm that leaves rounding no room (the scaled norm itself): a rounding longer than it (about half
+    # of them here) falls back to rounding towards zero, and every row is still within it
+    halves = np.full((200, d), 1 / math.sqrt(d))  # norm 1: 204.8 once scaled, rounds to 204 or 205
+    tight = skellam.round_rows(halves, 1.0, float(skellam.SCALE), rng)
+    assert np.all(np.einsum("ij,ij->i", tight, tight) <= skellam.SCALE ** 2)
+    fell_back = np.all(tight == 204, axis=1)
+    assert 20 < fell_back.sum() < 180
+
+
+def test_rounding_is_unbiased_and_rarely_falls_back() -> None:
+    rng = np.random.default_rng(1)
+    d = 2400
+    rows = rng.normal(size=(200, d))
+    rows /= np.linalg.norm(rows, axis=1, keepdims=True)
+    norm = skellam.rounded_norm(skellam.SCALE, d)
+    assert norm < skellam.SCALE * 1.001  # 2,400 candidates lengthen a vector by 0.07 %
+    out = skellam.round_rows(rows, 1.0, norm, rng)
+    exact = rows * skellam.SCALE
+    assert not np.any((out != np.floor(exact)) & (out != np.ceil(exact)))  # never the fallback here
+    summed = out.sum(axis=0) / skellam.SCALE
+    assert np.abs(summed - rows.sum(axis=0)).max() < 0.02  # within rounding's few ulps of the scale
+
+
+def test_the_rounded_release_costs_what_its_renyi_bound_says() -> None:
+    from common.calibration import base_epsilon, pld_skellam_mu, skellam_charge, skellam_terms
+    from common.dp import analytic_gaussian_sigma
+
+    norm = skellam.rounded_norm(skellam.SCALE, 100)
+    shift = skellam.Rounded(norm, 1e-6)
+    mu = skellam.solve_mu(1.0, shift, 1e-6)
+    assert skellam.epsilon(mu, shift, 1e-6) <= 1.0 < skellam.epsilon(mu * 0.99, shift, 1e-6)
+    # about a Gaussian's noise of the same variance at the same sensitivity: the RDP conversion costs ~10 %
+    ratio = math.sqrt(2 * mu) / analytic_gaussian_sigma(1.0, 1e-6, norm)
+    assert 1.0 < ratio < 1.15
+    # two rounded releases compose by their Renyi DP, at their summed delta
+    two = (skellam_terms(mu, shift, 0.0),) * 2
+    assert base_epsilon(two, 1e-5) == pytest.approx(skellam.rdp_epsilon([(mu, norm)] * 2, 2e-6) + 0.0)
+    assert base_epsilon(two, 1e-5) < 2.0  # better than adding them
+    # on a ledger with a Gaussian before it: the solved mu spends the share, the charge is its growth
+    base = ((3.0, 1.0, 1e-6),)
+    solved = pld_skellam_mu(base, 0.5, shift, 1e-5)
+    growth = skellam_charge(base, solved, shift, 1e-5)
+    assert growth <= 0.5 and growth == pytest.approx(0.5, rel=2e-3)
+    # a ledger that sets aside all of the policy's delta for it has no bound left
+    assert pld_skellam_mu(base, 0.5, skellam.Rounded(norm, 1e-5), 1e-5) == math.inf

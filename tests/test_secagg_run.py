@@ -42,12 +42,14 @@ def _keys(folder: Path, n: int) -> list[tuple[Path, str]]:
 
 
 def _run(tmp_path: Path, honest: int = 4, strangers: int = 0, epsilon: float = 8.0, extra: dict | None = None,
-         run_id: int = 21, states: Path | None = None, lost: dict[int, tuple[str, str]] | None = None):
+         run_id: int = 21, states: Path | None = None, lost: dict[int, tuple[str, str]] | None = None,
+         keep: dict | None = None):
     """The real strategy over a fake Grid with four real ClientApp sites under secure aggregation;
     each lists its three peers' keys, or (``strangers`` > 0) one peer's and that many keys of sites
     that are not in the run. ``states``: where the sites' state folders are (default ``tmp_path``):
     the same sites, with the same views of their records, in another run (``run_id``). ``lost``:
-    site -> (message type, step) from which on it never answers again (killed)."""
+    site -> (message type, step) from which on it never answers again (killed). ``keep``: gets the
+    strategy (its session's vote totals)."""
     from fedsyn_server.privacy_report import privacy_report
     from fedsyn_server.server_app import build_strategy
 
@@ -77,6 +79,8 @@ def _run(tmp_path: Path, honest: int = 4, strangers: int = 0, epsilon: float = 8
     strategy.session.stable_seconds = 0.0
     grid = FakeGrid(nodes)
     res = strategy.start(grid, model.initial_arrays())
+    if keep is not None:
+        keep["strategy"] = strategy
     return res, privacy_report(cfg, res), grid, tmp_path
 
 
@@ -139,6 +143,55 @@ def test_the_masked_sum_is_the_sum_of_the_sites_counts_with_the_noise_off(tmp_pa
     assert not masked.failures and not plain.failures
     assert not _steps(grid, R.MSG_PROFILE)[0]  # the plain run is not masked
     assert np.array_equal(np.asarray(masked.profile), np.asarray(plain.profile)) and np.sum(plain.profile) > 0
+
+
+POPRI = {"refinement": "popri", "refinement-rounds": 2, "popri-samples-per-prompt": 3, "popri-rejected-rank": 2}
+
+
+def test_popris_similarity_scores_are_masked_scaled_and_rounded(tmp_path: Path) -> None:
+    """POPri at t = K: its real-valued similarity scores go through secure aggregation, as in the
+    paper (each record's vector scaled and rounded, Skellam noise, the sum divided by the scale);
+    each site's statement gives the rounded norm and the part of its delta the Renyi bound is read
+    at, and its ledger stays within its budget."""
+    from common import skellam
+
+    res, report, grid, _ = _run(tmp_path, extra=POPRI)
+    assert not res.failures, res.failures
+    assert set(_steps(grid, R.MSG_VOTE)) == set(R.SECAGG_STEPS)
+    assert [r["histogram"] for r in res.vote_rounds] == ["similarity"] * 2 and all(r["masked"] for r in res.vote_rounds)
+    rounds: dict[int, list[dict]] = {}
+    for nid in res.releases:
+        votes = [r for r in res.releases[nid] if r["phase"] == "vote"]
+        assert len(votes) == 2 and all(r["mechanism"] == "skellam" for r in votes)
+        for r in votes:
+            rounds.setdefault(r["round"], []).append(r)
+            assert r["scale"] == skellam.SCALE and skellam.SCALE < r["norm"] < skellam.SCALE * 1.01
+            assert 0 < r["rdp_delta"] <= r["delta"] and "coordinates" not in r
+            shift = skellam.Rounded(r["norm"], r["rdp_delta"])
+            assert r["epsilon_alone"] == pytest.approx(skellam.epsilon(r["mu_share"], shift, r["rdp_delta"]))
+    for same in rounds.values():  # the strong sites spend less on votes: their need sets every share
+        assert all(r["mu_share"] == pytest.approx(max(x["mu"] for x in same) / 4) for r in same)
+    for entry in report["nodes"]:
+        assert entry["epsilon_spent"] <= 8.0 + 1e-6
+
+
+def test_masked_similarity_scores_are_the_plain_ones_with_the_noise_off(tmp_path: Path) -> None:
+    """epsilon = inf: the masked and rounded scores are the plain sum of the records' clipped
+    similarities, to rounding's 1 / SCALE a record."""
+    from common import skellam
+
+    extra = {"num-server-rounds": 0, "seed": 5, **POPRI, "refinement-rounds": 1}
+    kept_plain: dict = {}
+    kept_masked: dict = {}
+    plain, _, _, _ = _run(tmp_path / "plain", honest=1, epsilon=float("inf"), extra=extra, run_id=41,
+                          states=tmp_path, keep=kept_plain)
+    masked, _, _, _ = _run(tmp_path / "masked", epsilon=float("inf"), extra=extra, run_id=42, states=tmp_path,
+                           keep=kept_masked)
+    assert not plain.failures and not masked.failures and masked.vote_rounds[0].get("masked")
+    a = np.asarray(kept_plain["strategy"].session.progress.vote_totals[0])
+    b = np.asarray(kept_masked["strategy"].session.progress.vote_totals[0])
+    assert a.shape == b.shape and np.abs(a).max() > 1.0
+    assert np.abs(a - b).max() <= 24 / skellam.SCALE  # two voters of 12 records each, each at most one unit off
 
 
 def test_a_site_that_trusts_more_sites_than_it_lists_is_refused_at_start(tmp_path: Path) -> None:

@@ -4,7 +4,11 @@ sites that share it under secure aggregation (t = K), per release kind, by the n
 For K sites at a per-release epsilon, each count histogram of sensitivity sqrt(c): at t = 1 each
 site adds a Gaussian of sigma (analytic, Balle & Wang) and the sum carries sqrt(K) sigma; at t = K
 each adds Skellam(mu / K) with mu solved by ``common.skellam`` (exact PLD) and the sum carries
-Skellam(mu), standard deviation sqrt(2 mu). Prints a table and writes ``benchmarks/shared_noise.json``.
+Skellam(mu), standard deviation sqrt(2 mu). POPri's similarity scores (sensitivity 1, real values) are
+scaled by ``skellam.SCALE`` and rounded within ``skellam.rounded_norm`` of 2,400 values, their mu solved by
+the Renyi bound at the same delta (a node reads it at its release's part of its delta: a little more
+noise), the sum's standard deviation sqrt(2 mu) / SCALE. Prints a table and writes
+``benchmarks/shared_noise.json``.
 Also times one masked round's cryptography for K sites (keys, shares, masks, unmasking; no model).
 
     python -m benchmarks.shared_noise [--sites 4 16 100] [--epsilons 1 8]
@@ -24,21 +28,24 @@ from common import skellam
 from common.dp import analytic_gaussian_sigma
 from common.secagg.protocol import Participant, Terms, route, unmask
 
-KINDS = {"profile (c = 1)": 1, "kNN vote, K = 4 (c = 4)": 4, "contrastive vote, K = 4 (c = 8)": 8}
+KINDS: dict[str, int | None] = {"profile (c = 1)": 1, "kNN vote, K = 4 (c = 4)": 4,
+                                "contrastive vote, K = 4 (c = 8)": 8, "similarity, 2,400 values (rounded)": None}
 
 
 def noise_table(sites: list[int], epsilons: list[float], delta: float = 1e-5) -> list[dict]:
     """One row per (release kind, epsilon, K): the sum's noise standard deviation at t = 1 and t = K."""
     rows = []
     for kind, c in KINDS.items():
+        shift: skellam.Shift = c if c is not None else skellam.Rounded(skellam.rounded_norm(skellam.SCALE, 2400), delta)
+        scale = 1.0 if c is not None else float(skellam.SCALE)
         for eps in epsilons:
-            sigma = analytic_gaussian_sigma(eps, delta, math.sqrt(c))
-            mu = skellam.solve_mu(eps, c, delta)
+            sigma = analytic_gaussian_sigma(eps, delta, math.sqrt(c) if c is not None else 1.0)
+            mu = skellam.solve_mu(eps, shift, delta)
             for k in sites:
-                alone = skellam.epsilon(mu / k, c, delta)
+                alone = skellam.epsilon(mu / k, shift, delta)
+                t_k = math.sqrt(2 * mu) / scale
                 rows.append({"release": kind, "epsilon": eps, "sites": k, "sum_stddev_t1": math.sqrt(k) * sigma,
-                             "sum_stddev_tK": math.sqrt(2 * mu), "ratio": math.sqrt(k) * sigma / math.sqrt(2 * mu),
-                             "epsilon_alone_tK": alone})
+                             "sum_stddev_tK": t_k, "ratio": math.sqrt(k) * sigma / t_k, "epsilon_alone_tK": alone})
     return rows
 
 

@@ -5,7 +5,11 @@ masked round (``common.secagg.protocol``); every step is authorised against the 
 request (``release.authorise``). Only the ``mask`` step releases: it goes through the one release
 path (``release.release``: reserve, compute, noise, confirm), its mechanism ``SkellamShare`` adds
 this site's share of the noise as Skellam noise and masks the noisy vector, so what leaves is
-uniform mod 2^b on its own. The site's noise is fixed at ``advertise`` from public inputs only:
+uniform mod 2^b on its own. A count histogram's values are integers already; a scaled one's
+(``common.histograms``: the similarity scores) are each record's vector scaled and rounded within a
+public norm (``common.skellam.round_rows``), accounted by the Skellam Renyi bound at the release's
+part of the node's delta (``release_shift``). The site's noise is fixed at ``advertise`` from public
+inputs only:
 
 - mu, what the *sum* needs for the release's (epsilon, delta) on the node's ledger (its rule's
   ``skellam_mu``: composed with every earlier release under pld), stated in its advert;
@@ -63,8 +67,8 @@ from fedsyn_client.replies import request_digest
 
 log = get_logger(__name__)
 
-# besides the vote histograms that declare themselves counts (common.histograms.maskable): the profile's
-# and the marginals', one record moving each of sensitivity^2 coordinates by at most 1 (common.skellam)
+# besides the vote histograms that declare themselves counts or scaled (common.histograms.maskable): the
+# profile's and the marginals', one record moving each of sensitivity^2 coordinates by at most 1 (common.skellam)
 COUNTS = ("code-counts", "marginals")
 STALE_SECONDS = 86_400.0  # a round's state not finished within a day is removed (its keys with it)
 

@@ -184,10 +184,11 @@ def deployment_lines(cfg: RunConfig, answered: dict[int, str], result: FedSynRes
 
 def shared_noise_line(honest: int, sites: int, which: list[int] | None = None) -> str:
     """The plan's line for a run whose sites share the noise (issue 73): the sums are masked, and
-    each site adds 1/sqrt(t) of the noise above (as Skellam noise, its ledger's exact PLD)."""
+    each site adds 1/sqrt(t) of the noise above (as Skellam noise: a count's exact PLD, a rounded
+    score's Renyi bound)."""
     who = f"nodes {', '.join(str(n) for n in which)} count" if which else "every site counts"
-    return (f"shared noise: {who} on {honest} of the {sites} sites (min-honest-nodes): the profile, count votes "
-            f"and marginals are masked sums, each site adding about 1/sqrt({honest}) of the noise above as "
+    return (f"shared noise: {who} on {honest} of the {sites} sites (min-honest-nodes): the profile, votes "
+            f"(similarity scores scaled and rounded) and marginals are masked sums, each site adding about 1/sqrt({honest}) of the noise above as "
             "Skellam noise, and a site refuses to unmask a round with fewer of the sites it counts "
             "(docs/privacy.md#shared-noise)")
 

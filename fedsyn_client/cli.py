@@ -341,6 +341,15 @@ def _trust(public: dict) -> str:
     return f"  (masked, min-honest-nodes {public.get('honest')}; alone epsilon {float(public['epsilon_alone']):.4g})"
 
 
+def _composed(summary: dict) -> str:
+    """The spent line's composition: at the policy's delta, what admission holds to the budget
+    (issue 75); a ledger that never stored its policy, at the releases' summed delta."""
+    policy = summary.get("policy") or {}
+    if "epsilon_composed" in summary and policy.get("delta"):
+        return f"{summary['epsilon_composed']:.4g} (PLD at the policy's delta = {float(policy['delta']):.3g})"
+    return f"{summary['epsilon_pld']:.4g} (PLD at the summed delta = {summary['delta_spent']:.3g})"
+
+
 def format_ledger(summary: dict) -> str:
     """A node's ledger summary as a readable table."""
     from common.html_page import when as _when
@@ -348,8 +357,7 @@ def format_ledger(summary: dict) -> str:
     lines = [
         f"ledger           {summary['ledger']}",
         f"budget           epsilon = {float(summary['budget']):g}",
-        f"spent            epsilon = {summary['epsilon_spent']:.4g} (basic composition), "
-        f"{summary['epsilon_pld']:.4g} (PLD at delta = {summary['delta_spent']:.3g})",
+        f"spent            epsilon = {summary['epsilon_spent']:.4g} (basic composition), " + _composed(summary),
         f"remaining        epsilon = {float(summary['epsilon_remaining']):.4g}"
         + (f" ({summary['epsilon_held']:.4g} held for runs under way: {', '.join(summary['holds'])})"
            if summary.get("holds") else ""),

@@ -92,6 +92,24 @@ def test_a_weak_nodes_vote_rounds_spend_its_budget_by_pld_and_a_round_more_is_re
     assert refused.error.code == ERR_BUDGET and len(_entries(state)) == 4
 
 
+def test_fedsyn_ledger_prints_the_composition_at_the_policys_delta(data, tmp_path, capsys):
+    """Issue 75: the operator's table gives what admission holds to the budget, the composition at
+    the policy's delta, not at the releases' summed delta (which grows with every release)."""
+    from common.calibration import ledger_epsilon
+    from fedsyn_server.cli import main
+
+    state = tmp_path / "state"
+    node = _node(data, state, _rc(data, **{"num-votes": 1}), run_id=1, accounting="pld")
+    assert not _profile(node).has_error()
+    for rnd in (1, 2):
+        assert not _vote(node, rnd, 1 / 2).has_error()
+    composed = ledger_epsilon(_entries(state), DELTA)
+    assert main(["ledger", str(state)]) == 0
+    spent = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("spent"))
+    assert f"{composed:.4g} (PLD at the policy's delta = {DELTA:.3g})" in spent, spent
+    assert composed <= BUDGET + 1e-6
+
+
 def test_a_strong_nodes_dpsgd_noise_is_solved_with_its_profile_by_pld(data, tmp_path):
     """The noise multiplier (private: it depends on q) is solved on the node so that its profile
     and all of phase 1's steps compose by PLD to the budget; the charge stays epsilon_train."""

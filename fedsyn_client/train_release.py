@@ -211,9 +211,13 @@ class DpSgdRound(Mechanism):
             records_bound=self.bound,  # dp_train refuses a view above it (a fault, never a wider q)
         )
         result = dp_train(model, tokenizer, records.texts, records.codes, settings, delta, history)
-        # The local loss is an un-noised statistic of the records: it stays in this log.
-        log.info("round %d: %d DP-SGD steps, local loss %.4f, phase-1 epsilon so far %.4g of %.4g",
-                 request.round, result.steps, result.mean_loss, result.epsilon, request.phase_budget)
+        # The local loss is an un-noised statistic of the records: it stays in this log. The epsilon is
+        # the ledger's (issue 75): under pld the phase's growth of the node's composition at the policy's
+        # delta; Opacus' own RDP figure (at the same delta, the phase alone) is a looser bound beside it
+        spent = after if cfg.private else math.inf
+        log.info("round %d: %d DP-SGD steps, local loss %.4f, phase-1 epsilon so far %.4g of %.4g at delta %.3g "
+                 "(the ledger's; Opacus' RDP bound says %.4g)", request.round, result.steps, result.mean_loss, spent,
+                 request.phase_budget, delta, result.epsilon)
         private = {"noise_multiplier": nm, "sample_rate": q, "steps": result.steps,
                    "epsilon_accountant": result.epsilon if cfg.private else math.inf,
                    **({"epsilon_pld": after} if pld and cfg.private else {})}

@@ -110,9 +110,14 @@ def test_fedsyn_ledger_prints_the_composition_at_the_policys_delta(data, tmp_pat
     assert composed <= BUDGET + 1e-6
 
 
-def test_a_strong_nodes_dpsgd_noise_is_solved_with_its_profile_by_pld(data, tmp_path):
+def test_a_strong_nodes_dpsgd_noise_is_solved_with_its_profile_by_pld(data, tmp_path, caplog):
     """The noise multiplier (private: it depends on q) is solved on the node so that its profile
-    and all of phase 1's steps compose by PLD to the budget; the charge stays epsilon_train."""
+    and all of phase 1's steps compose by PLD to the budget; the charge stays epsilon_train. The
+    training log says the ledger's epsilon, within the phase's budget (issue 75: it said Opacus' RDP
+    figure, 5.218 of 3 in the default run)."""
+    import logging
+    import re
+
     from fedsyn_server.synthesis import ServerModel
 
     state, rc = tmp_path / "state", _rc(data, voters="weak")  # the strong node trains with all but its profile
@@ -121,9 +126,17 @@ def test_a_strong_nodes_dpsgd_noise_is_solved_with_its_profile_by_pld(data, tmp_
     set_task_identity()
     content = RecordDict({R.CONFIG: ConfigRecord({"codes": VOCAB, "delta": DELTA, "server-round": 1}),
                           R.ARRAYS: ServerModel(RunConfig.from_flower(rc)).initial_arrays()})
-    reply = node(Message(content=content, message_type=R.MSG_TRAIN, dst_node_id=5))
+    with caplog.at_level(logging.INFO):
+        reply = node(Message(content=content, message_type=R.MSG_TRAIN, dst_node_id=5))
     assert not reply.has_error(), reply.error
     profile, train = _entries(state)
+    said = [re.search(r"phase-1 epsilon so far ([0-9.e+-]+) of ([0-9.e+-]+) at delta ([0-9.e+-]+)", r.getMessage())
+            for r in caplog.records]
+    said = [m for m in said if m]
+    assert len(said) == 1, [r.getMessage() for r in caplog.records]
+    logged, of, at = (float(x) for x in said[0].groups())
+    assert logged == pytest.approx(train["private"]["epsilon_pld"], rel=1e-3) and logged <= of + 1e-3
+    assert of == pytest.approx(BUDGET - EPS_PROFILE) and at == pytest.approx(DELTA)
     assert train["epsilon"] == pytest.approx(BUDGET - EPS_PROFILE) and "noise_multiplier" not in train["public"]
     nm, q, steps = (train["private"][k] for k in ("noise_multiplier", "sample_rate", "steps"))
     assert nm < dpsgd_noise_multiplier(BUDGET - EPS_PROFILE, DELTA, q, steps)  # Opacus' RDP, the basic rule

@@ -290,10 +290,7 @@ class GaussianHistogram(Mechanism):
             # no finite noise meets the share on this ledger (a share below the accountant's resolution,
             # or nothing left of the policy's delta): refused before the reservation, as a budget is;
             # reserved, it would fail on an infinite sigma. The ledger and request decide it, no record.
-            raise BudgetExceeded(refusals.BUDGET, (
-                f"{request.phase}: refused, no finite noise spends epsilon = {request.epsilon:.4g} on this node's "
-                f"ledger under {request.accounting} at delta = {request.policy_delta:g} (the share is below the "
-                "accountant's resolution, or nothing is left of the delta)"))
+            raise no_finite_noise(request, request.epsilon)
 
     @property
     def sigma(self) -> float | None:
@@ -322,6 +319,15 @@ class GaussianHistogram(Mechanism):
     def release(self, request: Request) -> Output:  # noqa: D102 - documented on Mechanism
         sigma = self.public(request)["sigma"]
         return Output(gaussian_release(self.compute(), sigma, np.random.default_rng()))
+
+
+def no_finite_noise(request: Request, share: float) -> BudgetExceeded:
+    """The refusal, before any reservation, of a release whose ``share`` no finite noise spends on
+    this node's ledger (the ledger and the request decide it, never a record)."""
+    return BudgetExceeded(refusals.BUDGET, (
+        f"{request.phase}: refused, no finite noise spends epsilon = {share:.4g} on this node's "
+        f"ledger under {request.accounting} at delta = {request.policy_delta:g} (the share is below the "
+        "accountant's resolution, or nothing is left of the delta)"))
 
 
 def release(node: Node, request: Request, mechanism: Mechanism) -> tuple[Any, ConfigRecord]:

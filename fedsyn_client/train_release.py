@@ -48,7 +48,7 @@ from common.devices import hidden_gpu_warning, model_device
 from common.dp import DPSGD, TRAIN, poisson_sample_rate
 from common.logs import get_logger
 from fedsyn_client.refusals import BadWeights
-from fedsyn_client.release import Mechanism, Output, Request
+from fedsyn_client.release import Mechanism, Output, Request, no_finite_noise
 
 if TYPE_CHECKING:
     import torch
@@ -106,6 +106,13 @@ class DpSgdRound(Mechanism):
         self.base = (tuple(tuple(b) for b in stored) if stored is not None
                      else release_base([e for e in before if not (e["run_id"] == request.run_id
                                                                   and e["phase"] == request.phase)]))
+        public_q = self.bound or self.state.get("sample_rate") or self.state.get("history")
+        if request.rule.composes_ledger and self.cfg.private and public_q:
+            # where q needs no record (a deployed node's bound, a later round's stored q), a phase no
+            # finite noise spends is refused here, before the reservation, as a Gaussian release is
+            _, nm, _ = self._fixed_terms(request, self.bound or 0)
+            if math.isinf(nm):
+                raise no_finite_noise(request, request.phase_budget)
 
     def terms(self, request: Request, reserved: bool) -> dict[str, Any]:
         """Under pld, the phase's noise multiplier and q, which the ledger composes it by: before

@@ -146,6 +146,25 @@ def test_a_strong_nodes_dpsgd_noise_is_solved_with_its_profile_by_pld(data, tmp_
     assert 0.97 * BUDGET <= composed <= BUDGET + 1e-3
 
 
+def test_a_dpsgd_phase_no_finite_noise_spends_is_refused_before_its_reservation(data, tmp_path, monkeypatch):
+    """Issue 75: as a Gaussian release is, a DP-SGD phase whose share no finite noise spends on the
+    node's ledger (the rule's solve says inf) is refused as a budget before anything is reserved;
+    it was reserved, charged, and failed on an infinite noise multiplier."""
+    from common.accounting import Pld
+    from fedsyn_server.synthesis import ServerModel
+
+    state, rc = tmp_path / "state", _rc(data, voters="weak")
+    node = _node(data, state, rc, run_id=1, tier="strong", accounting="pld")
+    assert not _profile(node).has_error()
+    monkeypatch.setattr(Pld, "dpsgd_noise", lambda self, base, phase, delta: math.inf)
+    set_task_identity()
+    content = RecordDict({R.CONFIG: ConfigRecord({"codes": VOCAB, "delta": DELTA, "server-round": 1}),
+                          R.ARRAYS: ServerModel(RunConfig.from_flower(rc)).initial_arrays()})
+    reply = node(Message(content=content, message_type=R.MSG_TRAIN, dst_node_id=5))
+    assert reply.has_error() and reply.error.code == ERR_BUDGET, reply.error
+    assert [e["phase"] for e in _entries(state)] == ["profile"]  # nothing of phase 1 reserved or charged
+
+
 def test_pld_is_the_default_basic_can_be_pinned_and_a_misspelt_rule_stops_the_node(data, tmp_path):
     base = {"tier": "weak", "data-path": data, "max-records": 100, "epsilon": BUDGET}
     assert load_policy(base).accounting == "pld" and RunConfig().accounting == "pld"

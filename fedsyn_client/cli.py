@@ -40,6 +40,9 @@ def add_ledger(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the whole ledger summary as JSON")
     p.add_argument("--set-budget", type=float, default=None, metavar="EPSILON",
                    help="change the node's total epsilon (needs --reason); then set the same node-config epsilon")
+    p.add_argument("--delta", type=float, default=None,
+                   help="with --set-budget: the node's new delta (its releases are composed at it); then set the "
+                        "same node-config delta")
     p.add_argument("--reset", action="store_true",
                    help="archive the ledger and start an empty one (e.g. new data); needs --reason")
     p.add_argument("--budget", type=float, default=None, metavar="EPSILON",
@@ -293,6 +296,9 @@ def _run_ledger(args: argparse.Namespace) -> int:
     try:
         if args.reset and args.set_budget is not None:
             raise ValueError("--reset takes the new ledger's budget as --budget EPSILON, not --set-budget")
+        if args.delta is not None and args.set_budget is None:
+            raise ValueError("--delta changes with the budget: fedsyn ledger STATE_DIR --set-budget EPSILON "
+                             "--delta DELTA --reason '...'")
         for flag, value in (("--set-budget", args.set_budget), ("--budget", args.budget)):
             if value is not None and not (value > 0 and math.isfinite(value)) and not args.unlimited:
                 raise ValueError(f"{flag} {value:g}: a budget is a finite epsilon > 0; an unlimited budget (no "
@@ -303,9 +309,10 @@ def _run_ledger(args: argparse.Namespace) -> int:
                                     "; there was no ledger to archive"))
             return 0
         if args.set_budget is not None:
-            old = set_budget(args.state_dir, args.set_budget, args.reason, args.ledger_id)
+            old = set_budget(args.state_dir, args.set_budget, args.reason, args.ledger_id, args.delta)
             print(f"budget changed: epsilon {old:g} -> {args.set_budget:g}; "
-                  f"set node-config epsilon={args.set_budget:g}")
+                  f"set node-config epsilon={args.set_budget:g}"
+                  + (f" delta={args.delta:g}" if args.delta is not None else ""))
             return 0
         path = ledger_path(args.state_dir, args.ledger_id)
         if not path.exists():
@@ -368,8 +375,9 @@ def format_ledger(summary: dict) -> str:
                      "masked release by this node's own noise share alone (the spent figures count the sum's "
                      "noise, under min-honest-nodes)")
     for change in summary["budget_changes"]:
-        lines.append(f"budget change    {float(change['from']):g} -> {float(change['to']):g} at {_when(change['time'])}"
-                     + (f": {change['reason']}" if change.get("reason") else ""))
+        moved = f", delta {change.get('delta_from')} -> {change['delta_to']:g}" if "delta_to" in change else ""
+        lines.append(f"budget change    {float(change['from']):g} -> {float(change['to']):g}{moved} at "
+                     f"{_when(change['time'])}" + (f": {change['reason']}" if change.get("reason") else ""))
     for reset in summary["resets"]:
         spent = reset["previous_epsilon_spent"]
         lines.append(f"reset            {_when(reset['time'])}: {reset['reason']} (previously spent "

@@ -116,12 +116,14 @@ class PrivacyLedger:
     # ----------------------------------------------------------------- opening
     @classmethod
     def open(cls, state_dir: str | Path, budget: float, ledger_id: str = "",
-             data_fingerprint: str = "") -> PrivacyLedger:
-        """Open the node's ledger with its total ``budget`` (the node policy's), or create it.
+             data_fingerprint: str = "", delta: float | None = None) -> PrivacyLedger:
+        """Open the node's ledger with its total ``budget`` and ``delta`` (the node policy's), or
+        create it.
 
-        Raises ``LedgerError`` when the stored budget differs (a budget changes only by
-        ``set_budget``), when the file is damaged, or when it is missing from a state dir
-        that released before (``traces``). ``data_fingerprint`` is informational only: a
+        Raises ``LedgerError`` when the stored budget differs, or the delta its releases were
+        composed at (a budget's epsilon and delta change only by ``set_budget``: a larger delta
+        would lower every epsilon spent), when the file is damaged, or when it is missing from a
+        state dir that released before (``traces``). ``data_fingerprint`` is informational only: a
         change of data is logged in the ledger, it never opens a new one.
         """
         ledger = cls(ledger_path(state_dir, ledger_id))
@@ -138,6 +140,12 @@ class PrivacyLedger:
                 raise LedgerError(
                     f"node-config epsilon = {budget:g} but the ledger {ledger.path} has budget {data['budget']:g}; a "
                     f"budget changes only on purpose: fedsyn ledger {state_dir} --set-budget {budget:g} --reason '...'")
+            pinned = (data.get("policy") or {}).get("delta")
+            if delta is not None and pinned is not None and float(pinned) != float(delta):
+                raise LedgerError(
+                    f"node-config delta = {delta:g} but the ledger {ledger.path} composes its releases at delta = "
+                    f"{float(pinned):g}; a budget's delta changes only on purpose: fedsyn ledger {state_dir} "
+                    f"--set-budget {float(data['budget']):g} --delta {delta:g} --reason '...'")
             data["budget"] = budget
             if data_fingerprint and (not data["data"] or data["data"][-1]["fingerprint"] != data_fingerprint):
                 data["data"].append({"fingerprint": data_fingerprint, "since": time.time()})
@@ -450,9 +458,11 @@ def reset_ledger(state_dir: str | Path, reason: str, ledger_id: str = "", budget
     return kept
 
 
-def set_budget(state_dir: str | Path, budget: float, reason: str, ledger_id: str = "") -> float:
-    """The operator's act of changing a node's total epsilon, recorded with ``reason``; returns
-    the old budget. The node config's ``epsilon`` must then say the same, or the node refuses."""
+def set_budget(state_dir: str | Path, budget: float, reason: str, ledger_id: str = "",
+               delta: float | None = None) -> float:
+    """The operator's act of changing a node's total epsilon (and, given ``delta``, the delta its
+    releases are composed at), recorded with ``reason``; returns the old budget. The node config's
+    ``epsilon`` and ``delta`` must then say the same, or the node refuses."""
     if not reason.strip():
         raise ValueError("a budget change needs a reason (--reason), kept in the ledger")
     if not budget > 0:
@@ -460,10 +470,17 @@ def set_budget(state_dir: str | Path, budget: float, reason: str, ledger_id: str
     ledger = PrivacyLedger(ledger_path(state_dir, ledger_id))
     if not ledger.path.exists():
         raise FileNotFoundError(f"no ledger at {ledger.path} (is {state_dir} the node's state-dir?)")
+    if delta is not None and not 0 < delta < 1:
+        raise ValueError(f"--delta {delta:g}: a delta is in (0, 1)")
     with ledger._locked() as data:
         old = float(data["budget"])
-        data["budget_changes"].append({"from": old, "to": float(budget), "time": time.time(),
-                                       "reason": reason.strip(), "user": os.environ.get("USER", "")})
+        pinned = (data.get("policy") or {}).get("delta")
+        change = {"from": old, "to": float(budget), "time": time.time(), "reason": reason.strip(),
+                  "user": os.environ.get("USER", "")}
+        if delta is not None:
+            change.update(delta_from=pinned, delta_to=float(delta))
+            data["policy"] = {**(data.get("policy") or {}), "delta": float(delta)}
+        data["budget_changes"].append(change)
         data["budget"] = float(budget)
     return old
 

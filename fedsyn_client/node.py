@@ -386,7 +386,7 @@ def _open(policy: NodePolicy, sim_cfg: RunConfig | None) -> Node:
     elif policy.delta >= 1.0 / len(data):  # the node's own log only: the count never leaves
         log.warning("delta = %g >= 1/%d records on this node: the guarantee is weak; set a smaller node-config delta",
                     policy.delta, len(data))
-    ledger = PrivacyLedger.open(state_dir, policy.epsilon, policy.ledger_id, fingerprint)
+    ledger = PrivacyLedger.open(state_dir, policy.epsilon, policy.ledger_id, fingerprint, delta=policy.delta)
     log.info("node ready: tier=%s records=%d budget=%s ledger=%s", policy.tier, len(data), policy.epsilon, ledger.path)
     replies = ReplyStore(ledger.path.with_name(f"{ledger.path.stem}-replies"), policy.keep_replies_days)
     return Node(policy, data, ledger, replies, snapshot)

@@ -188,7 +188,8 @@ def shared_noise_line(honest: int, sites: int, which: list[int] | None = None) -
     score's Renyi bound)."""
     who = f"nodes {', '.join(str(n) for n in which)} count" if which else "every site counts"
     return (f"shared noise: {who} on {honest} of the {sites} sites (min-honest-nodes): the profile, votes "
-            f"(similarity scores scaled and rounded) and marginals are masked sums, each site adding about 1/sqrt({honest}) of the noise above as "
+            "(similarity scores scaled and rounded) and marginals are masked sums, each site adding about "
+            f"1/sqrt({honest}) of the noise above as "
             "Skellam noise, and a site refuses to unmask a round with fewer of the sites it counts "
             "(docs/privacy.md#shared-noise)")
 

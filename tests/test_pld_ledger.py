@@ -165,6 +165,29 @@ def test_a_dpsgd_phase_no_finite_noise_spends_is_refused_before_its_reservation(
     assert [e["phase"] for e in _entries(state)] == ["profile"]  # nothing of phase 1 reserved or charged
 
 
+def test_a_changed_node_config_delta_needs_the_operators_set_budget(data, tmp_path, capsys):
+    """Issue 75: delta is pinned in the ledger as epsilon is. A larger node-config delta would lower
+    every epsilon the ledger has spent (they are composed at it), so the node does not serve under it
+    until the operator changes the budget on purpose; the change is kept and shown."""
+    from fedsyn_server.cli import main
+
+    state = tmp_path / "state"
+    assert not _profile(_node(data, state, _rc(data), run_id=1, accounting="pld")).has_error()
+    wider = _node(data, state, _rc(data), run_id=2, accounting="pld", delta=1e-4)
+    reply = _profile(wider)
+    assert reply.has_error() and len(_entries(state)) == 1  # not served, nothing spent
+    assert main(["ledger", str(state), "--delta", "1e-4", "--reason", "r"]) == 2  # only with --set-budget
+    assert main(["ledger", str(state), "--set-budget", str(2 * BUDGET), "--delta", "1e-4",
+                 "--reason", "the board accepted delta 1e-4"]) == 0
+    assert "delta=0.0001" in capsys.readouterr().out
+    again = _node(data, state, _rc(data), run_id=2, accounting="pld", delta=1e-4, epsilon=2 * BUDGET)
+    assert not _profile(again).has_error()
+    assert main(["ledger", str(state)]) == 0
+    shown = capsys.readouterr().out
+    assert f"budget change    {BUDGET:g} -> {2 * BUDGET:g}, delta 1e-05 -> 0.0001" in shown, shown
+    assert "(PLD at the policy's delta = 0.0001)" in shown
+
+
 def test_pld_is_the_default_basic_can_be_pinned_and_a_misspelt_rule_stops_the_node(data, tmp_path):
     base = {"tier": "weak", "data-path": data, "max-records": 100, "epsilon": BUDGET}
     assert load_policy(base).accounting == "pld" and RunConfig().accounting == "pld"

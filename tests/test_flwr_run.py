@@ -215,6 +215,9 @@ def test_flwr_run_at_t_equals_k_masks_every_sum_the_server_takes(tmp_path):
 
 
 @pytest.mark.flwr
+@pytest.mark.session(covered_by="tests/test_table_marginals.py::test_a_marginals_run_at_t_equals_k_measures_every_"
+                                "round_as_one_masked_sum (the same run in-process) and "
+                                "test_flwr_run_of_the_table_preset_writes_a_typed_table_of_the_schema (through flwr)")
 def test_flwr_run_of_a_table_by_marginals_at_t_equals_k(tmp_path):
     """Issue 73: ``presets/table-marginals.toml`` with every site counting on all of them: each
     marginals round is one masked sum, and the typed table is written."""

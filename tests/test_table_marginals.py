@@ -268,3 +268,32 @@ def test_node_check_says_which_columns_a_marginals_run_may_count(tmp_path):
     line = check_node({**config, "table-schema": json.dumps(unranged), "measurable-columns": "",
                        "state-dir": str(tmp_path / "other")})
     assert "count diagnosis, mean radius, mean texture" in line and "mean radius declare no min and max" in line
+
+
+def test_a_marginals_run_at_t_equals_k_measures_every_round_as_one_masked_sum(tmp_path):
+    """Issue 73 in-process: two simulated sites that each count on both (run config
+    ``min-honest-nodes = 2``): each marginals round is the five steps of a masked round, no site's own
+    vector reaches the server, every site's ledger books Skellam releases within its budget, and the
+    typed table is written."""
+    from fedsyn_client.client_app import app as client_app
+    from fedsyn_server import server_app
+    from tests.fakes import FakeGrid, client_node, set_task_identity
+
+    rc = marginals_config(**{"out-dir": str(tmp_path / "out"), "run-name": "r", "marginal-rounds": 2,
+                             "test-fraction": 0.0, "min-honest-nodes": 2})
+    nodes = {100 + p: client_node(client_app, 100 + p, {"partition-id": p, "num-partitions": 2,
+                                                         "state-dir": str(tmp_path / "state" / f"node{p}")},
+                                  rc, run_id=4) for p in range(2)}
+    grid = FakeGrid(nodes)
+    set_task_identity()
+    server_app._main(grid, Context(run_id=4, node_id=0, node_config={}, state=RecordDict(), run_config=rc))
+    steps = [str(m.content.config_records[R.CONFIG].get(R.SECAGG_STEP, "")) for m in grid.sent
+             if m.metadata.message_type == R.MSG_MARGINALS]
+    assert steps.count(R.SECAGG_STEPS[0]) == 2 * 2 and set(steps) == set(R.SECAGG_STEPS)  # two rounds, two sites
+    assert not any(R.MARGINALS in r.content.array_records or R.MARGINALS in r.content.metric_records
+                   for r in grid.replies)  # only masked vectors left the sites
+    assert (tmp_path / "out" / "r" / "synthetic.parquet").exists()
+    report = json.loads((tmp_path / "out" / "r" / "privacy_report.json").read_text())
+    for node in report["nodes"]:
+        assert [r["mechanism"] for r in node["releases"] if r["phase"] == MARGINALS] == ["skellam"] * 2
+        assert node["epsilon_spent"] <= node["epsilon_budget"] + 1e-6

@@ -230,6 +230,7 @@ def check_node(node_config: dict[str, Any]) -> str:
                              f"view and snapshot there; create it for the user they run as (install -d -o USER -m 700 "
                              f"{state}; deploy/start_node.sh --run-as does it for a new folder) or fix its owner")
     node = _open(policy, None)
+    spent = _composed_within_budget(policy, node.ledger)
     kept = len(node.data)
     bound = (f"max-records={policy.max_records}: every release does the work of {policy.max_records} records; the "
              f"file holds {len(data)}, of which each release uses the same {kept} (one of each odd slot of "
@@ -237,8 +238,30 @@ def check_node(node_config: dict[str, Any]) -> str:
              f"{100 * view_retention(len(data), policy.max_records):.0f}%"
              + ("; raise max-records to keep more, at more work per release" if kept < 0.9 * len(data) else "") + ")")
     return (f"node ready: tier={policy.tier} records={kept} budget epsilon={policy.epsilon:g} "
-            f"ledger={node.ledger.path} (spent {node.ledger.spent():.4g}); {bound}{_measurable(policy)}"
+            f"ledger={node.ledger.path} (spent {spent}); {bound}{_measurable(policy)}"
             f"; {_matrices(node)}")
+
+
+def _composed_within_budget(policy: NodePolicy, ledger: PrivacyLedger) -> str:
+    """What the ready line says the node has spent: its rule's figure (under pld the ledger composed at
+    the policy's delta, what admission holds to the budget). Raises ``NodeSetupError`` explaining a
+    ledger that composes above the budget (releases made under another rule or delta): the node would
+    refuse every request as over budget without saying why to the server's side (issue 75)."""
+    from common.accounting import rule
+
+    basic = ledger.spent()
+    if not rule(policy.accounting).composes_ledger:
+        return f"{basic:.4g}"
+    composed = ledger.composed(policy.delta)
+    if composed > policy.epsilon * (1 + 1e-9) + 1e-9:
+        state = ledger.path.parent
+        raise NodeSetupError(
+            f"the ledger {ledger.path} composes to epsilon = {composed:.4g} at the policy's delta = {policy.delta:g} "
+            f"({policy.accounting}), above its budget {policy.epsilon:g} (its releases were made under another rule "
+            f"or delta; their stated epsilons add up to {basic:.4g}): every request would be refused as over budget. "
+            f"Raise the budget on purpose (fedsyn ledger {state} --set-budget EPS --reason '...'), or start over "
+            f"(fedsyn ledger {state} --reset --reason '...' --budget {policy.epsilon:g})")
+    return f"{composed:.4g} at the policy's delta by {policy.accounting}; {basic:.4g} by the stated epsilons"
 
 
 def _matrices(node: Node) -> str:

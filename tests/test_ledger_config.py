@@ -323,3 +323,23 @@ def test_a_run_without_dp_keeps_its_binding_through_the_ledger_file(tmp_path):
     with pytest.raises(BudgetExceeded, match="epsilon differ"):
         ledger.reserve(Release(phase="train", mechanism="dpsgd", epsilon=math.inf, delta=1e-5, run_id="r", round=3),
                        math.inf, binding={**binding, "epsilon": 6.0})
+
+
+def test_node_check_explains_a_ledger_that_composes_above_its_budget(tmp_path):
+    """Issue 75: a ledger whose releases compose above the budget at the policy's delta (made under
+    another rule or delta: here one stated at epsilon 1 whose sigma gives far more) refused every
+    request without node-check's reader learning why; node-check now names it and the two fixes."""
+    from fedsyn_client.node import check_node
+    from fedsyn_client.refusals import NodeSetupError
+    from tests.test_sovereign import _csv
+
+    state = tmp_path / "state"
+    _release(PrivacyLedger.open(state, budget=3.0), _rel(1.0, sigma=0.3, sensitivity=1.0))
+    config = {"tier": "weak", "data-path": _csv(tmp_path / "d.csv"), "epsilon": 3.0, "state-dir": str(state),
+              "max-records": 25}
+    with pytest.raises(NodeSetupError, match=r"composes to epsilon = [0-9.]+ at the policy's delta = 1e-05 .*above "
+                                             r"its budget 3 .*--set-budget .*--reset"):
+        check_node(config)
+    fine = tmp_path / "fine"
+    _release(PrivacyLedger.open(fine, budget=3.0), _rel(1.0, sigma=6.0, sensitivity=1.0))
+    assert "at the policy's delta by pld; 1 by the stated epsilons" in check_node({**config, "state-dir": str(fine)})

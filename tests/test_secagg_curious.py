@@ -30,7 +30,8 @@ IDS = (11, 12, 13)
 class Server:
     """Drives one masked profile round over three real sites, one step at a time."""
 
-    def __init__(self, tmp_path: Path, honest: int = 3, extra: str = "") -> None:
+    def __init__(self, tmp_path: Path, honest: int = 3, extra: str = "", epsilon: float = 8.0,
+                 states: Path | None = None, run_id: int = 41) -> None:
         tmp_path.mkdir(parents=True, exist_ok=True)
         data = write_topic_csv(tmp_path / "data.csv", TOPICS, per_topic=10)
         if extra:  # one more record at the top of the file: the neighbouring dataset
@@ -38,17 +39,17 @@ class Server:
             head, *rows = path.read_text().splitlines(keepends=True)
             path.write_text(head + extra + "".join(rows))
         keys = _keys(tmp_path / "keys", 3)
-        rc = RunConfig(model="tiny-gpt2", dataset=data, test_fraction=0.0, epsilon=8.0, num_server_rounds=0,
+        rc = RunConfig(model="tiny-gpt2", dataset=data, test_fraction=0.0, epsilon=epsilon, num_server_rounds=0,
                        voters="weak").to_flower()
-        self.states = {nid: tmp_path / f"state{nid}" for nid in IDS}
+        self.states = {nid: (states or tmp_path) / f"state{nid}" for nid in IDS}
         self.nodes = {}
         for i, nid in enumerate(IDS):
             peers = tmp_path / f"peers{nid}.txt"
             peers.write_text("\n".join(pub for j, (_, pub) in enumerate(keys) if j != i) + "\n")
             self.nodes[nid] = client_node(app, nid, {
                 "tier": "weak", "data-path": data, "max-records": 50, "state-dir": str(self.states[nid]),
-                "epsilon": 8.0, "min-honest-nodes": honest, "identity-key": str(keys[i][0]),
-                "peer-keys": str(peers), "control-codes": ",".join(VOCAB)}, rc, run_id=41)
+                "epsilon": epsilon, "min-honest-nodes": honest, "identity-key": str(keys[i][0]),
+                "peer-keys": str(peers), "control-codes": ",".join(VOCAB)}, rc, run_id=run_id)
         set_task_identity()
         self.session = secrets.token_hex(16)
 
@@ -203,3 +204,29 @@ def test_neighbouring_sites_answer_every_step_alike(tmp_path: Path) -> None:
                  for r in replies.values()]
         shapes.append((sorted(adverts[11]), statements, sizes))
     assert shapes[0] == shapes[1]
+
+
+def test_with_the_noise_off_the_unmasked_sum_moves_by_the_stated_sensitivity(tmp_path: Path) -> None:
+    """The neighbouring-datasets check on the unmasked sum (issue 73), noise off (epsilon = inf): the
+    three sites' data differ in one record between the two rounds (the same file, a record added at
+    its top; the same state folders, so the same secret views), so each site's counts move by at most
+    one, the stated sensitivity, and the sum by at most three on that record's code, nothing else."""
+    from common.secagg.protocol import Terms, revealed_from_dict, unmask
+
+    totals = []
+    for run, (name, extra) in enumerate((("d", ""), ("d1", "a record of its own,x\n"))):
+        server = Server(tmp_path / name, extra=extra, epsilon=float("inf"), states=tmp_path, run_id=51 + run)
+        first = {n: server.payload(server.ask(n, R.ADVERTISE, {"sites": 3})) for n in IDS}
+        adverts = {n: r["advert"] for n, r in first.items()}
+        inbox, commitments = server.share(adverts)
+        masked = server.mask(inbox)
+        signatures = {n: server.payload(server.ask(n, R.CONFIRM, {"survivors": list(IDS)}))["signature"]
+                      for n in IDS}
+        revealed = {n: revealed_from_dict(server.payload(server.ask(n, R.REVEAL, {"signatures": signatures})))
+                    for n in IDS}
+        terms = Terms(unb64(first[11]["context"]), len(VOCAB), 40)
+        totals.append(unmask(terms, {n: advert_from_dict(a) for n, a in adverts.items()}, commitments, masked,
+                             revealed))
+    moved = totals[1] - totals[0]
+    assert moved[1] == 0 and 0 <= moved[0] <= 3  # topic=x only, each of the three sites by at most 1
+    assert totals[0].sum() > 0

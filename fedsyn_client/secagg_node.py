@@ -82,7 +82,8 @@ def serve(msg: Message, node: Node, req: Request, histogram: str, compute: Calla
         raise ConfigError(f"a secure-aggregation step {step!r} of session {session!r}: one of {R.SECAGG_STEPS}, "
                           "a session of 32 hex digits")
     if histogram not in COUNTS and not maskable(histogram):
-        raise ConfigError(f"histogram {histogram!r} is not a count histogram: it cannot be masked")
+        raise ConfigError(f"histogram {histogram!r} is neither counts nor scaled (common.histograms): "
+                          "it cannot be masked")
     shift = release_shift(node, req, histogram, sensitivity, length)
     payload = _payload(msg)
     path = round_path(node.policy, req, session)

@@ -205,8 +205,7 @@ def masked_units(name: str, params: Mapping[str, Any], length: int) -> tuple[flo
         return 1.0, 1
     from common import skellam
 
-    norm = skellam.rounded_norm(skellam.SCALE * sensitivity(name, params), length)
-    return float(skellam.SCALE), int(math.ceil(norm))
+    return float(skellam.SCALE), int(math.ceil(skellam.record_norm(sensitivity(name, params), length)))
 
 
 def sensitivity(name: str, params: Mapping[str, Any]) -> float:

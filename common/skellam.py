@@ -185,6 +185,13 @@ def rounded_norm(norm: float, length: int, failure: float = ROUNDING_FAILURE) ->
     return math.sqrt(min(expected, (norm + math.sqrt(length)) ** 2))
 
 
+def record_norm(sensitivity: float, length: int) -> float:
+    """The public L2 bound of one record's scaled and rounded vector of ``length`` values and L2
+    ``sensitivity``: ``rounded_norm`` of ``SCALE`` x sensitivity. The node rounds within it and the
+    server sizes its ring by it, so both read it here."""
+    return rounded_norm(SCALE * float(sensitivity), length)
+
+
 def round_rows(rows: np.ndarray, sensitivity: float, norm: float, rng: np.random.Generator,
                scale: float = SCALE) -> np.ndarray:
     """``rows`` (records x values, each clipped here to L2 ``sensitivity``) times ``scale``, each

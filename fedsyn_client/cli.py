@@ -351,9 +351,9 @@ def _trust(public: dict) -> str:
 def _composed(summary: dict) -> str:
     """The spent line's composition: at the policy's delta, what admission holds to the budget
     (issue 75); a ledger that never stored its policy, at the releases' summed delta."""
-    policy = summary.get("policy") or {}
-    if "epsilon_composed" in summary and policy.get("delta"):
-        return f"{summary['epsilon_composed']:.4g} (PLD at the policy's delta = {float(policy['delta']):.3g})"
+    if "epsilon_composed" in summary:  # stated where the ledger holds its policy's delta
+        return (f"{summary['epsilon_composed']:.4g} (PLD at the policy's delta = "
+                f"{float(summary['policy']['delta']):.3g})")
     return f"{summary['epsilon_pld']:.4g} (PLD at the summed delta = {summary['delta_spent']:.3g})"
 
 

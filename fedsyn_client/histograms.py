@@ -120,7 +120,7 @@ def marginals_histogram(records: TextData, cliques: list[tuple[str, ...]], schem
 
     sizes = column_sizes(schema, bins)
 
-    def compute(rounding: Callable[[np.ndarray], np.ndarray] | None = None) -> np.ndarray:
+    def compute() -> np.ndarray:
         codes, counted = slot_codes(records, schema, control_columns, bins, bound)
         return counted_marginals(codes, counted, cliques, sizes)
 

@@ -142,7 +142,7 @@ def release_shift(node: Node, req: Request, histogram: str, sensitivity: float, 
         return skellam.coordinates(sensitivity)
     request = under_policy(req, node.policy.epsilon, node.policy.delta)
     part = basic_delta(request.delta, request.epsilon, node.policy.epsilon, request.policy_delta)
-    return skellam.Rounded(skellam.rounded_norm(skellam.SCALE * float(sensitivity), length), part)
+    return skellam.Rounded(skellam.record_norm(sensitivity, length), part)
 
 
 def noise_needed(node: Node, req: Request, shift: skellam.Shift) -> float:
@@ -189,10 +189,9 @@ class SkellamShare(Mechanism):
         at = request.policy_delta if request.rule.composes_ledger else request.delta
         share = self.site.noise
         shift = self.shift
-        moved = ({"scale": skellam.SCALE, "norm": shift.norm, "rdp_delta": shift.delta}
-                 if isinstance(shift, skellam.Rounded) else {"coordinates": shift})
+        moved: dict[str, Any] = {"coordinates": shift}
         if isinstance(shift, skellam.Rounded):  # its Renyi bound is read at its own part of the delta
-            at = shift.delta
+            moved, at = {"scale": skellam.SCALE, "norm": shift.norm, "rdp_delta": shift.delta}, shift.delta
         return {"histogram": self.histogram, "sensitivity": self.sensitivity, **moved,
                 "mu": self.site.needed, "mu_share": share, "honest": self.site.honest,
                 "epsilon_alone": skellam.epsilon(share, shift, at) if share > 0 else math.inf,

@@ -209,8 +209,8 @@ def test_neighbouring_sites_answer_every_step_alike(tmp_path: Path) -> None:
 def test_with_the_noise_off_the_unmasked_sum_moves_by_the_stated_sensitivity(tmp_path: Path) -> None:
     """The neighbouring-datasets check on the unmasked sum (issue 73), noise off (epsilon = inf): the
     three sites' data differ in one record between the two rounds (the same file, a record added at
-    its top; the same state folders, so the same secret views), so each site's counts move by at most
-    one, the stated sensitivity, and the sum by at most three on that record's code, nothing else."""
+    its top; the same state folders, so the same secret views), so each site's view gains or loses one
+    record and its counts move by one, the stated sensitivity, and the sum by at most three."""
     from common.secagg.protocol import Terms, revealed_from_dict, unmask
 
     totals = []
@@ -228,5 +228,7 @@ def test_with_the_noise_off_the_unmasked_sum_moves_by_the_stated_sensitivity(tmp
         totals.append(unmask(terms, {n: advert_from_dict(a) for n, a in adverts.items()}, commitments, masked,
                              revealed))
     moved = totals[1] - totals[0]
-    assert moved[1] == 0 and 0 <= moved[0] <= 3  # topic=x only, each of the three sites by at most 1
+    # each site's view gains the record or loses the one that shared its slot (fedsyn_client.view.bounded):
+    # one count by one per site, the stated sensitivity 1, so the sum by at most 3 in all
+    assert np.abs(moved).sum() <= 3 and np.abs(moved).max() <= 3
     assert totals[0].sum() > 0

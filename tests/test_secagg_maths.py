@@ -104,12 +104,12 @@ def test_any_threshold_of_shares_gives_the_secret_back() -> None:
     assert shares.combine(shares.split(secret, 1, 4)[2:]) == secret
 
 
-@pytest.mark.parametrize("sites,honest,expected", [(5, 1, 3), (5, 2, 4), (5, 5, 3), (4, 4, 3), (10, 3, 8)])
+@pytest.mark.parametrize("sites,honest,expected", [(5, 1, 3), (5, 2, 5), (5, 3, 4), (5, 5, 3), (4, 4, 3), (10, 3, 9)])
 def test_threshold_exceeds_the_colluders_and_half(sites: int, honest: int, expected: int) -> None:
     needed = shares.threshold(sites, honest)
     assert needed == expected
-    if honest > 1:
-        assert needed > sites - honest and 2 * needed > sites
+    if honest > 1:  # above the colluders, half, and (sites + colluders) / 2: two lists cannot both reach it
+        assert needed > sites - honest and 2 * needed > sites and 2 * needed > 2 * sites - honest
 
 
 def test_a_sealed_share_opens_for_its_pair_only() -> None:
@@ -265,6 +265,52 @@ def test_two_lists_of_survivors_cannot_both_be_signed_by_a_threshold() -> None:
     for p in second:
         with pytest.raises(SecAggRefused):
             p.reveal(sig_full)
+
+
+def _signed(sites: list[Participant], survivors: list[int]) -> dict[int, bytes]:
+    """The signatures over ``survivors`` of the sites that sign them (a site may refuse)."""
+    out = {}
+    for p in sites:
+        try:
+            out[p.site] = p.confirm(survivors)
+        except SecAggRefused:
+            continue
+    return out
+
+
+@pytest.mark.parametrize("n,t", [(4, 2), (5, 3), (6, 3), (7, 4), (6, 6)])
+def test_colluders_that_sign_two_lists_never_unmask_one_site(n: int, t: int) -> None:
+    """The server and the n - t sites it controls (as many as a site at min-honest-nodes t allows)
+    show honest site X and some honest sites a list of survivors with X, the other honest sites one
+    without X; the colluders sign both lists and give up every share they hold. Whatever the split,
+    the server must not rebuild both X's seed (from the first list's reveals) and its mask key (from
+    the second's): with both, X's masked vector opens alone, carrying only its own 1/t share of the
+    noise. The threshold must exceed (n + colluders) / 2, not only half and the colluders."""
+    from common.secagg.protocol import survivors_message
+
+    for split in range(t):  # honest sites besides X shown the list with X
+        sites = _round(n, honest=t)
+        adverts, inbox, commits = _share(sites)
+        masked = {p.site: p.mask(inbox[p.site], np.zeros(TERMS.length, dtype=np.int64)) for p in sites}
+        honest, colluders = sites[:t], sites[t:]
+        x, with_x, without_x = honest[0], honest[1:1 + split], honest[1 + split:]
+        full, less = sorted(masked), sorted(s for s in masked if s != x.site)
+        sig_full, sig_less = _signed([x, *with_x], full), _signed(without_x, less)
+        for c in colluders:  # they sign both lists: the server holds their keys
+            sig_full[c.site] = masks.sign(c.identity, survivors_message(TERMS.context, full))
+            sig_less[c.site] = masks.sign(c.identity, survivors_message(TERMS.context, less))
+        seed_parts = [c.held[x.site][0] for c in colluders]
+        key_parts = [c.held[x.site][1] for c in colluders]
+        for group, signatures in (([x, *with_x], sig_full), (without_x, sig_less)):
+            for p in group:
+                try:
+                    revealed = p.reveal(signatures)
+                except SecAggRefused:
+                    continue
+                seed_parts += [revealed.seeds[x.site]] if x.site in revealed.seeds else []
+                key_parts += [revealed.keys[x.site]] if x.site in revealed.keys else []
+        needed = shares.threshold(n, t)
+        assert len(seed_parts) < needed or len(key_parts) < needed, (split, len(seed_parts), len(key_parts), needed)
 
 
 def test_a_forged_or_swapped_advert_is_refused() -> None:

@@ -23,14 +23,20 @@ PLAIN, SHAMIR = b"\x01", b"\x00"  # a share's first byte: the secret itself (thr
 
 def threshold(sites: int, honest: int) -> int:
     """The shares a site's secret needs, for a site that counts on ``honest`` of the ``sites``
-    (itself included) following the protocol: more than the ``sites - honest`` that may collude
-    with the server, and more than half, so that two different sets of survivors a lying server
-    shows cannot both gather that many signatures (the consistency check)."""
+    (itself included) following the protocol. Up to c = ``sites - honest`` sites may collude with
+    the server and sign every list of survivors it shows; each honest site signs and reveals under
+    one. To open this site's vector alone the server needs its seed from the sites shown a list
+    with it and its key from those shown one without: c plus each group of honest sites. So the
+    threshold exceeds (sites + c) / 2: the two groups cannot both reach it (this is Bonawitz et
+    al.'s consistency-check bound, t > 2n/3 for a third corrupt, at our c). It then exceeds c, so
+    the colluders alone rebuild nothing, and half, so the honest sites cannot be split either.
+    At honest = sites (the default t = K) it is half plus one, as before; below, it asks more
+    sites to stay to the end (at 5 sites and t = 3, 4 of them)."""
     if not 1 <= honest <= sites:
         raise ValueError(f"honest = {honest} of {sites} sites; must be in [1, {sites}]")
     if honest == 1:  # a site that trusts nobody adds the whole noise: its vector may be unmasked alone
         return sites // 2 + 1
-    return max(sites - honest, sites // 2) + 1
+    return (2 * sites - honest) // 2 + 1
 
 
 def split(secret: bytes, needed: int, sites: int) -> list[bytes]:

@@ -136,8 +136,14 @@ def add_audit(subparsers: argparse._SubParsersAction) -> None:
                    help=f"per release: a correct one fails with probability at most 1 - this (default "
                         f"{DEFAULT_CONFIDENCE}; with --canaries 0.95)")
     p.add_argument("--release", action="append", default=None, metavar="NAME",
-                   help="audit this release only: profile, vote:HISTOGRAM (e.g. vote:knn-vote) or marginals "
+                   help="audit this release only: profile, vote:HISTOGRAM (e.g. vote:knn-vote) or marginals, or "
+                        "at min-honest-nodes > 1 a masked round's: profile/share, vote:knn-vote/sum, ... "
                         "(repeat for several; default every one the node serves)")
+    p.add_argument("--sum", action="store_true",
+                   help="at min-honest-nodes = t > 1: audit too the sum of a masked round of t sites simulated "
+                        "from this node (each its own state and keys), against the release's epsilon under its "
+                        "trust; without it, each masked release's share is audited against peers that collude "
+                        "with the server (its epsilon alone)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.set_defaults(handler=_run_audit)
 
@@ -169,7 +175,7 @@ def _run_audit(args: argparse.Namespace) -> int:
     try:
         audit = run_audit(node_config, overrides, args.max_records, args.draws,
                           args.confidence or DEFAULT_CONFIDENCE, args.release,
-                          progress=sys.stderr.isatty())
+                          progress=sys.stderr.isatty(), sums=args.sum)
     except (NodeSetupError, AuditError) as err:
         print(f"fedsyn audit: {err}", file=sys.stderr)
         return 1

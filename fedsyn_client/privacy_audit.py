@@ -49,12 +49,20 @@ from typing import Any
 import numpy as np
 
 from common import records as R
-from common.auditing import ShapeCheck, epsilon_lower_bound, gaussian_epsilon, projection, shape_check, sigma_upper
+from common.auditing import (
+    ShapeCheck,
+    epsilon_lower_bound,
+    gaussian_epsilon,
+    projection,
+    shape_check,
+    sigma_upper,
+    skellam_claim_epsilon,
+)
 from common.config import RunConfig
 from common.dp import GAUSSIAN, MARGINALS, PROFILE, VOTE
 from common.histograms import HISTOGRAMS
 from common.logs import get_logger
-from common.phases import phases
+from common.phases import phase as phase_named, phases
 
 log = get_logger(__name__)
 
@@ -211,13 +219,14 @@ def neighbours(source: RowFile, folder: Path, bound: int, schema: Any = None,
 # ---------------------------------------------------------------------------------- the requests
 @dataclass(frozen=True)
 class Kind:
-    """One release the audit runs: its phase, label (a vote's histogram), request config and
-    candidates (a vote's)."""
+    """One release the audit runs: its phase, label (a vote's histogram), request config,
+    candidates (a vote's) and, at min-honest-nodes > 1, what of a masked round it audits."""
 
     phase: str
     label: str
     conf: dict[str, Any]
     candidates: tuple[tuple[str, str], ...] | None = None
+    masked: str = ""  # a masked round's: "share" (the colluding peers' view) or "sum" (t sites); "" plain
 
 
 def release_kinds(cfg: RunConfig, tier: str, codes: list[str], texts: list[tuple[str, str]],
@@ -266,6 +275,7 @@ class AuditNode:
         self.node_config = {**node_config, "max-records": int(bound), "audit-dir": str(scratch / "outgoing")}
         self.run_config = cfg.to_flower()
         self.scratch, self.secret, self.sent = scratch, secret, 0
+        self.base = scratch  # the file a masked round's simulated peers hold (``run_audit`` sets it)
         # run keys no earlier audit in a reused scratch folder used: a repeated key and request would get
         # the stored reply (no fresh noise) and a ledger of the same name would price the draw after others
         self.token = secrets.token_hex(4)
@@ -285,35 +295,50 @@ class AuditNode:
 
     def release(self, kind: Kind, data: Path, noise: bool = True) -> tuple[np.ndarray, dict[str, Any]]:
         """(the released vector, its statement) of ``kind`` on ``data``; with ``noise`` False, at epsilon
-        inf in the node and the run (sigma 0: the statistic itself). Raises ``AuditError``."""
+        inf in the node and the run (sigma 0: the statistic itself). A masked kind's is the unmasked
+        sum of its round (``fedsyn_client.masked_audit``). Raises ``AuditError``."""
+        if kind.masked:
+            from fedsyn_client.masked_audit import masked_release
+
+            return masked_release(self, kind, data, noise)
+        self.sent += 1
+        reply = self.ask(kind, data, noise, f"audit-{self.token}-{self.sent}")
+        statement = dict(reply.content.config_records[R.RELEASE])
+        return R.read_vector(reply.content, phase_named(kind.phase).reply), statement
+
+    def ask(self, kind: Kind, data: Path, noise: bool, key: str, *, node_id: int = NODE_ID,
+            state: Path | None = None, config: dict[str, Any] | None = None,
+            records: dict[str, Any] | None = None, node: dict[str, Any] | None = None) -> Any:
+        """One Flower message of ``kind``'s request to the real ClientApp as node ``node_id`` on
+        ``data`` (its state folder ``state``, default the file's), its run key ``key``, ``config``
+        added to the request, ``records`` (name -> ConfigRecord) to the message and ``node`` to the
+        node config; the reply. Raises ``AuditError`` when the node answers an error."""
         from flwr.app import ConfigRecord, Context, Message, RecordDict
         from flwr.supercore.task_identity import TaskIdentity
 
-        from common.phases import phase as phase_named
         from fedsyn_client.client_app import app
 
-        self.sent += 1
-        key = f"audit-{self.token}-{self.sent}"
-        node_config = {**self.node_config, "data-path": str(data), "state-dir": str(self._state(data)),
-                       "ledger-id": key}
+        node_config = {**self.node_config, "data-path": str(data), "state-dir": str(state or self._state(data)),
+                       "ledger-id": f"{key}-{node_id}", **(node or {})}
         run_config = dict(self.run_config)
         if not noise:
             node_config["epsilon"] = run_config["epsilon"] = math.inf
-        content = RecordDict({R.CONFIG: ConfigRecord({**kind.conf, "resume-key": key})})
+        content = RecordDict({R.CONFIG: ConfigRecord({**kind.conf, "resume-key": key, **(config or {})})})
         if kind.candidates is not None:
             content[R.CANDIDATES] = ConfigRecord({"texts": [t for t, _ in kind.candidates],
                                                   "codes": [c for _, c in kind.candidates]})
+        for name, record in (records or {}).items():
+            content[name] = record
         # Flower builds a message only inside a running app's task; the audit is the server here
         TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
-        phase = phase_named(kind.phase)
-        msg = Message(content=content, message_type=phase.message, dst_node_id=self.NODE_ID)
-        context = Context(run_id=1, node_id=self.NODE_ID, node_config=node_config, state=RecordDict(),
+        msg = Message(content=content, message_type=phase_named(kind.phase).message, dst_node_id=node_id)
+        context = Context(run_id=1, node_id=node_id, node_config=node_config, state=RecordDict(),
                           run_config=run_config)
         reply = app(msg, context)
         if reply.has_error():
             raise AuditError(f"{kind.label} on {data.name}: the node answered {reply.error.reason!r} "
                              "(its log says why)")
-        return R.read_vector(reply.content, phase.reply), dict(reply.content.config_records[R.RELEASE])
+        return reply
 
 
 # ----------------------------------------------------------------------------------- one release
@@ -329,7 +354,7 @@ class KindAudit:
     worst: str  # the pair that moved the release most
     stated_sigma: float
     sigma_upper: float
-    lower_gaussian: float  # under the Gaussian claim (distance and sigma's upper bound)
+    lower_gaussian: float  # under the release's claim (Gaussian; Skellam for a masked count) and sigma's bound
     lower_threshold: float  # the threshold test, assuming nothing
     shape: ShapeCheck | None
     confidence: float
@@ -382,6 +407,10 @@ def audit_kind(node: AuditNode, kind: Kind, pairs: Sequence[Pair], max_draws: in
     stated_sigma = float(statement["sigma"])
     # the delta the release is (epsilon, delta)-DP at: under pld the policy's, at which it is composed
     delta = float(statement.get("composed_delta", statement["delta"]))
+    # a masked count release states Skellam(mu) noise on integers: judged under that claim (a lattice's
+    # noise loses less than the Gaussian of its variance) and its heavier tails widen sigma's bound
+    mu = statement.get("skellam_mu")
+    kurtosis = 1.0 / (2.0 * float(mu)) if mu else 0.0
     # the error rate 1 - confidence is split (union bound) between the two bounds, a quarter each, and the
     # three shape tests, a sixth each: a correct release fails the audit with probability <= 1 - confidence
     alpha = 1.0 - confidence
@@ -393,17 +422,18 @@ def audit_kind(node: AuditNode, kind: Kind, pairs: Sequence[Pair], max_draws: in
         upper, lower_g, lower_t = 0.0, math.inf, math.inf
     else:
         res_d, res_dp = out_d - f_d, out_dp - f_dp
-        upper = sigma_upper(np.concatenate([res_d.ravel(), res_dp.ravel()]), half)
-        lower_g = gaussian_epsilon(upper, distance, delta)
+        upper = sigma_upper(np.concatenate([res_d.ravel(), res_dp.ravel()]), half, kurtosis)
+        claim = skellam_claim_epsilon(upper, f_d - f_dp, delta) if mu is not None else None
+        lower_g = gaussian_epsilon(upper, distance, delta) if claim is None else claim
         lower_t = epsilon_lower_bound(projection(out_d, f_d, f_dp), projection(out_dp, f_d, f_dp), delta,
                                       half).epsilon_lower
-    if distance > stated_sens * (1 + 1e-4) + 1e-6:
+    if distance > stated_sens * (1 + 1e-4) + 1e-6 + float(statement.get("tolerance", 0.0)):
         problems.append(f"its sensitivity is at least {distance:.4g}, above the stated {stated_sens:.4g} "
                         f"({worst.name})")
     if max(lower_g, lower_t) > stated_eps:
         problems.append(f"it loses epsilon >= {max(lower_g, lower_t):.3g} at delta {delta:.2g}, above the stated "
                         f"{stated_eps:.3g} ({worst.name})")
-    shape = shape_check(res_d, res_dp) if math.isfinite(distance) else None
+    shape = shape_check(res_d, res_dp, float(mu) if mu is not None else None) if math.isfinite(distance) else None
     if shape is not None:
         problems += shape.failures(alpha / 6)
     return KindAudit(kind.label, stated_eps, delta, stated_sens, distance, worst.name, stated_sigma, upper,
@@ -446,14 +476,18 @@ def audit_run_config(policy: Any, overrides: dict[str, Any] | None = None) -> Ru
 def run_audit(node_config: dict[str, Any], overrides: dict[str, Any] | None = None, bound: int | None = None,
               max_draws: int = DEFAULT_DRAWS, confidence: float = DEFAULT_CONFIDENCE,
               only: Sequence[str] | None = None, scratch: Path | None = None,
-              progress: bool = True) -> Audit:
+              progress: bool = True, sums: bool = False) -> Audit:
     """Audit every Gaussian release the node of ``node_config`` serves in the run of ``overrides``
     (``audit_run_config``). ``bound``: the audit's max-records (default the smaller of the node's and
     ``DEFAULT_BOUND``); ``only``: the releases to audit, by label ("profile", "vote:knn-vote",
-    "marginals"; default all); ``scratch``: where to write (default a temporary folder, removed after).
+    "marginals", a masked round's "profile/share"; default all); ``scratch``: where to write (default a
+    temporary folder, removed after). A node at min-honest-nodes > 1 has its masked rounds audited
+    too (``fedsyn_client.masked_audit``): its share against colluding peers and, with ``sums``, the
+    sum of a simulated round of t sites.
     Raises ``NodeSetupError`` for an unusable node config, ``AuditError`` when a release cannot run."""
     from tqdm.auto import tqdm
 
+    from fedsyn_client.masked_audit import masked_kinds
     from fedsyn_client.node import deployed_records
     from fedsyn_client.refusals import NodeSetupError
     from fedsyn_client.view import SEED_FILE
@@ -476,6 +510,7 @@ def run_audit(node_config: dict[str, Any], overrides: dict[str, Any] | None = No
     texts = [(t[i], c) for i in range(MAX_CANDIDATES) for c, t in sorted(by_code.items()) if i < len(t)]
     delta = min(cfg.resolve_delta(len(records)), policy.delta)
     kinds = release_kinds(cfg, policy.tier, codes, texts, delta)
+    kinds += masked_kinds(kinds, policy.min_honest_nodes, sums)
     if only:
         unknown = sorted(set(only) - {k.label for k in kinds})
         if unknown:
@@ -490,6 +525,7 @@ def run_audit(node_config: dict[str, Any], overrides: dict[str, Any] | None = No
         pairs = neighbours(read_rows(policy.data_path, bound + bound // 3 + 1), folder / "data", bound, schema,
                            schema.text_column or "" if schema is not None else policy.text_column)
         node = AuditNode(node_config, cfg, folder, bound, secret if secret.exists() else None)
+        node.base = pairs[0].d
         results = []
         files = len({p.d for p in pairs} | {p.d_prime for p in pairs})
         for kind in kinds:

@@ -250,10 +250,11 @@ def _gate(folder: Path, approved: bytes) -> Path:
 
 @contextmanager
 def _deploy(tmp_path: Path, tiers: dict[str, str], policies: dict[str, str] | None = None,
-            superlink: list[str] | None = None):
+            superlink: list[str] | None = None, write_data=_write_csv):
     """A SuperLink and one SuperNode per ``tiers`` entry (name -> tier), each with its own CSV
     and state-dir; yields the running ``Deployment`` and stops every process it started by PID.
-    ``superlink``: the command that starts the SuperLink (default: Flower's ``flower-superlink``)."""
+    ``superlink``: the command that starts the SuperLink (default: Flower's ``flower-superlink``);
+    ``write_data(path, offset, n=40)``: writes a node's (or, n=30, the public) CSV, returns its texts."""
     # A uniquely named root: every process we start names it on its command line.
     root = Path(tempfile.mkdtemp(prefix="fedsyn-deploy-", dir=tmp_path))
     nodes = {}
@@ -261,13 +262,13 @@ def _deploy(tmp_path: Path, tiers: dict[str, str], policies: dict[str, str] | No
     approved = _approved_fab()
     for offset, (name, tier) in zip(range(100, 1000, 100), tiers.items()):
         data = root / f"{name}.csv"
-        node_texts += _write_csv(data, offset)
+        node_texts += write_data(data, offset)
         nodes[name] = {"data": data, "state": root / f"state-{name}", "tier": tier,
                        "policy": (policies or {}).get(name, ""),  # more node-config keys of the institution
                        "gate": _gate(root / f"gate-{name}", approved)}
     public = root / "public.csv"  # the server's public dataset: vocabulary + held-out loss
     dep = _operator(root, nodes)
-    dep.public_texts, dep.node_texts = _write_csv(public, 900, n=30), node_texts
+    dep.public_texts, dep.node_texts = write_data(public, 900, n=30), node_texts
     t0 = time.time()
     try:
         _start_superlink(dep, superlink)
@@ -802,3 +803,59 @@ def test_deployment_at_t_equals_k_masks_every_sum_the_server_takes(tmp_path):
                                capture_output=True, text=True, check=False)
         assert shown.returncode == 0, shown.stderr
         assert "if the rest collude" in shown.stdout and "masked, min-honest-nodes 3" in shown.stdout, shown.stdout
+
+
+def _table_rows(path: Path, offset: int, n: int = 40) -> list[str]:
+    """``n`` Breast Cancer rows (from row ``offset`` of the public table), the preset's columns."""
+    from common.tables import load_table
+
+    columns = [c["name"] for c in json.loads(TABLE_PRESET["table-schema"])["columns"]]
+    load_table("breast-cancer")[columns].iloc[offset % 500:offset % 500 + n].to_csv(path, index=False)
+    return []
+
+
+TABLE_PRESET = tomllib.loads((APP_DIR / "presets" / "table-breast-cancer.toml").read_text())
+
+
+@pytest.mark.session(covered_by="tests/test_table_marginals.py (a marginals run at t = K through the real strategy "
+                              "and ClientApps in-process)")
+def test_a_deployed_table_run_at_t_equals_k_measures_masked_marginals(tmp_path):
+    """Issue 73 on real processes, for a table: a SuperLink and three SuperNodes holding Breast
+    Cancer rows (their operators' table-schema, keys and peer lists) that count on all three. A
+    marginals run of two rounds ends with the typed table; every marginals release in each ledger is
+    a Skellam share under that trust, and no round's keys stay on a node."""
+    keys = tmp_path / "keys"
+    names = ("strong", "weak", "weak2")
+    for name in names:
+        subprocess.run([str(DEPLOY / "generate_node_keys.sh"), str(keys), name], check=True, capture_output=True)
+    schema = tmp_path / "schema.json"
+    schema.write_text(TABLE_PRESET["table-schema"])
+    policies = {}
+    for name in names:
+        peers = keys / f"{name}-peers.txt"
+        peers.write_text("".join((keys / f"{other}.pub").read_text() for other in names if other != name))
+        policies[name] = (f'min-honest-nodes=3 peer-keys="{peers}" identity-key="{keys / name}" '
+                          f'table-schema="{schema}" control-columns="diagnosis"')
+    with _deploy(tmp_path, {"strong": "strong", "weak": "weak", "weak2": "weak"}, policies=policies,
+                 write_data=_table_rows) as dep:
+        out = dep.root / "out"
+        # the schema on one line (a key=value override holds no line break)
+        run_config = {"table-schema": json.dumps(json.loads(TABLE_PRESET["table-schema"])),
+                      "control-columns": "diagnosis"}
+        run_config.update({"dataset": str(dep.root / "public.csv"), "table-method": "marginals", "epsilon": EPSILON,
+                           "marginal-rounds": 2, "num-synthetic": 60, "sampling-rate": 0.5, "test-fraction": 0.0,
+                           "min-nodes": 3, "out-dir": str(out), "run-name": "masked-table"})
+        t0 = time.time()
+        code, output, status = dep.run(run_config, timeout=3 * RUN_TIMEOUT)
+        print(f"masked table run: {time.time() - t0:.1f}s, status {status.get('status')}")
+        diag = output[-4000:] + "\n" + dep.diagnostics()
+        assert code == 0 and status.get("status") == "finished:completed", f"{status}\n{diag}"
+        assert (out / "masked-table" / "synthetic.parquet").exists(), diag
+        for node in dep.nodes.values():
+            ledger = _ledger(node["state"])
+            measured = [r for r in ledger["releases"] if r["phase"] == "marginals"]
+            assert len(measured) == 2 and all(r["mechanism"] == "skellam" for r in measured), ledger
+            assert all(r["public"]["honest"] == 3 and r["public"]["epsilon_alone"] > float(r["epsilon"])
+                       for r in measured)
+            assert _spent(ledger) <= EPSILON + 1e-6
+            assert not list(Path(node["state"]).glob("secagg/*.json")), "a round's keys stayed on the node"

@@ -28,7 +28,7 @@ import json
 import math
 import secrets
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -50,11 +50,45 @@ from common.secagg.protocol import (
     unmask,
 )
 
-if TYPE_CHECKING:
-    from fedsyn_client.privacy_audit import AuditNode, Kind
-
 SHARE, SUM = "share", "sum"
 ROUNDING_SDS = 4.0  # the noise-off distance a scaled release may exceed its norm by: 4 sd of the roundings
+
+
+class MaskedRoundFailed(RuntimeError):
+    """A masked round the audit plays could not finish (the audit reports it as the release's failure)."""
+
+
+class Kind(Protocol):
+    """What this module reads of ``privacy_audit.Kind`` (a release the audit runs, frozen)."""
+
+    @property
+    def phase(self) -> str: ...  # noqa: D102 - the fields of privacy_audit.Kind
+    @property
+    def label(self) -> str: ...  # noqa: D102
+    @property
+    def conf(self) -> dict[str, Any]: ...  # noqa: D102
+    @property
+    def candidates(self) -> tuple[tuple[str, str], ...] | None: ...  # noqa: D102
+    @property
+    def masked(self) -> str: ...  # noqa: D102
+
+
+class AuditNode(Protocol):
+    """What this module needs of ``privacy_audit.AuditNode``: the node's real ClientApp, asked."""
+
+    node_config: dict[str, Any]
+    scratch: Path
+    token: str
+    sent: int
+    base: Path
+
+    def state_for(self, data: Path) -> Path:
+        """The state folder of the node on ``data``."""
+
+    def ask(self, kind: Any, data: Path, noise: bool, key: str, *, node_id: int = 1, state: Path | None = None,
+            config: dict[str, Any] | None = None, records: dict[str, Any] | None = None,
+            node: dict[str, Any] | None = None) -> Any:
+        """One request to the ClientApp as ``node_id``; its reply."""
 
 
 def histogram_of(kind: Kind) -> str:
@@ -62,7 +96,7 @@ def histogram_of(kind: Kind) -> str:
     return {PROFILE: "code-counts", MARGINALS: "marginals"}.get(kind.phase) or str(kind.conf["histogram"])
 
 
-def masked_kinds(kinds: list[Kind], honest: int, sums: bool) -> list[Kind]:
+def masked_kinds(kinds: list[Any], honest: int, sums: bool) -> list[Any]:
     """For a node at ``min-honest-nodes`` = ``honest``: the masked rounds the audit runs, each kind
     that may be masked as a ``share`` and (``sums``) a ``sum``, labelled ``KIND/share``, ``KIND/sum``."""
     from dataclasses import replace
@@ -151,13 +185,11 @@ def masked_release(node: AuditNode, kind: Kind, data: Path, noise: bool = True) 
     """One masked round of ``kind`` with the audited site on ``data``, played and unmasked by the
     audit: (the unmasked sum, divided by the scale; the statement ``audit_kind`` judges it by: the
     share's or the sum's epsilon, its delta, sensitivity, noise sd and Skellam mu)."""
-    from fedsyn_client.privacy_audit import AuditError
-
     honest = int(node.node_config.get("min-honest-nodes", 1))
     keys = site_keys(node.scratch / "keys", honest)
     node.sent += 1
     key, session = f"audit-{node.token}-{node.sent}", secrets.token_hex(16)
-    audited = _Real(node, kind, data, noise, key, session, 1, node._state(data), keys)
+    audited = _Real(node, kind, data, noise, key, session, 1, node.state_for(data), keys)
     real: list[_Real] = [audited]
     if kind.masked == SUM:  # the others: this node's copies, each its own view and state, on one fixed file
         real += [_Real(node, kind, node.base, noise, key, session, n, node.scratch / "peers" / f"site{n}", keys)
@@ -191,8 +223,8 @@ def masked_release(node: AuditNode, kind: Kind, data: Path, noise: bool = True) 
                     for n, s in sorted(sites.items())}
         total = unmask(Terms(context, len(masked[1]), bits), adverts, commitments, masked, revealed)
     except (KeyError, TypeError, ValueError) as err:  # a refusal of the node's is its reply's error (AuditError)
-        raise AuditError(f"{kind.label} on {data.name}: the masked round failed ({type(err).__name__}: {err})") \
-            from None
+        raise MaskedRoundFailed(f"{kind.label} on {data.name}: the masked round failed "
+                                f"({type(err).__name__}: {err})") from None
     return total.astype(np.float64) / scale, _judged(kind, audited.statement, adverts, [s.site for s in real],
                                                      int(node.node_config["max-records"]), len(total))
 

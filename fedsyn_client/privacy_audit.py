@@ -280,7 +280,8 @@ class AuditNode:
         # the stored reply (no fresh noise) and a ledger of the same name would price the draw after others
         self.token = secrets.token_hex(4)
 
-    def _state(self, data: Path) -> Path:
+    def state_for(self, data: Path) -> Path:
+        """The state folder of the node on ``data`` (one per file, each with the node's secret)."""
         from fedsyn_client.view import SEED_FILE, view_seed
 
         if self.secret is None:  # a node with no view yet: one new secret for every file, as one node holds
@@ -298,9 +299,12 @@ class AuditNode:
         inf in the node and the run (sigma 0: the statistic itself). A masked kind's is the unmasked
         sum of its round (``fedsyn_client.masked_audit``). Raises ``AuditError``."""
         if kind.masked:
-            from fedsyn_client.masked_audit import masked_release
+            from fedsyn_client.masked_audit import MaskedRoundFailed, masked_release
 
-            return masked_release(self, kind, data, noise)
+            try:
+                return masked_release(self, kind, data, noise)
+            except MaskedRoundFailed as err:
+                raise AuditError(str(err)) from None
         self.sent += 1
         reply = self.ask(kind, data, noise, f"audit-{self.token}-{self.sent}")
         statement = dict(reply.content.config_records[R.RELEASE])
@@ -318,7 +322,7 @@ class AuditNode:
 
         from fedsyn_client.client_app import app
 
-        node_config = {**self.node_config, "data-path": str(data), "state-dir": str(state or self._state(data)),
+        node_config = {**self.node_config, "data-path": str(data), "state-dir": str(state or self.state_for(data)),
                        "ledger-id": f"{key}-{node_id}", **(node or {})}
         run_config = dict(self.run_config)
         if not noise:

@@ -764,6 +764,54 @@ def test_deployment_a_disallowed_model_and_nan_weights_are_refused_through_flowe
         assert "non-finite values" in dep.log("strong"), diag  # the detail stays on the node
 
 
+def _trusting(tmp_path: Path, extra: str = "", names: tuple[str, ...] = ("strong", "weak", "weak2")) -> dict[str, str]:
+    """Each institution's node-config keys to count on all of ``names``: its SuperNode key
+    (``deploy/generate_node_keys.sh``), the others' public keys listed, ``min-honest-nodes`` = all;
+    ``extra`` added to each."""
+    keys = tmp_path / "keys"
+    for name in names:
+        subprocess.run([str(DEPLOY / "generate_node_keys.sh"), str(keys), name], check=True, capture_output=True)
+    policies = {}
+    for name in names:
+        peers = keys / f"{name}-peers.txt"
+        peers.write_text("".join((keys / f"{other}.pub").read_text() for other in names if other != name))
+        policies[name] = (f'min-honest-nodes={len(names)} peer-keys="{peers}" identity-key="{keys / name}" '
+                          f"{extra}").strip()
+    return policies
+
+
+def _masked_ledgers(dep: Deployment, phases: tuple[str, ...], honest: int = 3) -> None:
+    """Every release of ``phases`` in each node's ledger a Skellam share under its trust (its
+    guarantee alone beside it), the ledger within budget, and no round's keys left on the node."""
+    for node in dep.nodes.values():
+        ledger = _ledger(node["state"])
+        masked = [r for r in ledger["releases"] if r["phase"] in phases]
+        assert masked and all(r["mechanism"] == "skellam" for r in masked), ledger
+        assert all(r["public"]["honest"] == honest and r["public"]["epsilon_alone"] > float(r["epsilon"])
+                   for r in masked)
+        assert _spent(ledger) <= EPSILON + 1e-6
+        assert not list(Path(node["state"]).glob("secagg/*.json")), "a round's keys stayed on the node"
+
+
+@pytest.mark.session(covered_by="tests/test_secagg_run.py (deployment-style sites with SuperNode keys and peer "
+                              "lists through the real strategy) and tests/test_deployment.py's tiny run at t = K")
+def test_the_default_run_with_real_weights_on_supernodes_at_t_equals_k(tmp_path):
+    """Issue 73: the default run (SmolLM2, MiniLM, the default refinement; no model override) on a
+    SuperLink and three SuperNodes that count on all three: it ends with its synthetic texts, and
+    every profile and vote release is a Skellam share under that trust."""
+    with _deploy(tmp_path, {"strong": "strong", "weak": "weak", "weak2": "weak"}, policies=_trusting(tmp_path)) as dep:
+        out = dep.root / "out"
+        run_config = {"dataset": str(dep.root / "public.csv"), "control-codes": CODES, "min-nodes": 3,
+                      "test-fraction": 0.1, "out-dir": str(out), "run-name": "default-masked"}
+        t0 = time.time()
+        code, output, status = dep.run(run_config, timeout=6 * RUN_TIMEOUT)
+        print(f"default run at t = K on SuperNodes: {time.time() - t0:.1f}s, status {status.get('status')}")
+        diag = output[-4000:] + "\n" + dep.diagnostics()
+        assert code == 0 and status.get("status") == "finished:completed", f"{status}\n{diag}"
+        assert len(read_jsonl(out / "default-masked" / "synthetic.jsonl")) > 0, diag
+        _masked_ledgers(dep, ("profile", "vote"))
+
+
 @pytest.mark.session(covered_by="tests/test_secagg_run.py (deployment-style sites with SuperNode keys and peer "
                               "lists through the real strategy) and tests/test_secagg_curious.py (the steps by hand)")
 def test_deployment_at_t_equals_k_masks_every_sum_the_server_takes(tmp_path):
@@ -772,15 +820,7 @@ def test_deployment_at_t_equals_k_masks_every_sum_the_server_takes(tmp_path):
     (``min-honest-nodes = 3``). A tiny run ends; every profile and vote release in each ledger is a
     Skellam share charged under that trust, with its guarantee alone beside it; `fedsyn ledger`
     prints both; no round's keys stay on a node."""
-    keys = tmp_path / "keys"
-    names = ("strong", "weak", "weak2")
-    for name in names:
-        subprocess.run([str(DEPLOY / "generate_node_keys.sh"), str(keys), name], check=True, capture_output=True)
-    policies = {}
-    for name in names:
-        peers = keys / f"{name}-peers.txt"
-        peers.write_text("".join((keys / f"{other}.pub").read_text() for other in names if other != name))
-        policies[name] = f'min-honest-nodes=3 peer-keys="{peers}" identity-key="{keys / name}"'
+    policies = _trusting(tmp_path)
     with _deploy(tmp_path, {"strong": "strong", "weak": "weak", "weak2": "weak"}, policies=policies) as dep:
         out = dep.root / "out"
         run_config = {**TINY, "dataset": str(dep.root / "public.csv"), "out-dir": str(out), "run-name": "masked"}
@@ -791,14 +831,7 @@ def test_deployment_at_t_equals_k_masks_every_sum_the_server_takes(tmp_path):
         diag = output[-4000:] + "\n" + dep.diagnostics()
         assert code == 0 and status.get("status") == "finished:completed", f"{status}\n{diag}"
         assert read_jsonl(out / "masked" / "synthetic.jsonl"), diag
-        for name, node in dep.nodes.items():
-            ledger = _ledger(node["state"])
-            masked = [r for r in ledger["releases"] if r["phase"] in ("profile", "vote")]
-            assert masked and all(r["mechanism"] == "skellam" for r in masked), ledger
-            assert all(r["public"]["honest"] == 3 and r["public"]["epsilon_alone"] > float(r["epsilon"])
-                       for r in masked)
-            assert _spent(ledger) <= EPSILON + 1e-6
-            assert not list(Path(node["state"]).glob("secagg/*.json")), "a round's keys stayed on the node"
+        _masked_ledgers(dep, ("profile", "vote"))
         shown = subprocess.run([str(BIN / "fedsyn"), "ledger", str(dep.nodes["weak"]["state"])],
                                capture_output=True, text=True, check=False)
         assert shown.returncode == 0, shown.stderr
@@ -824,18 +857,9 @@ def test_a_deployed_table_run_at_t_equals_k_measures_masked_marginals(tmp_path):
     Cancer rows (their operators' table-schema, keys and peer lists) that count on all three. A
     marginals run of two rounds ends with the typed table; every marginals release in each ledger is
     a Skellam share under that trust, and no round's keys stay on a node."""
-    keys = tmp_path / "keys"
-    names = ("strong", "weak", "weak2")
-    for name in names:
-        subprocess.run([str(DEPLOY / "generate_node_keys.sh"), str(keys), name], check=True, capture_output=True)
     schema = tmp_path / "schema.json"
     schema.write_text(TABLE_PRESET["table-schema"])
-    policies = {}
-    for name in names:
-        peers = keys / f"{name}-peers.txt"
-        peers.write_text("".join((keys / f"{other}.pub").read_text() for other in names if other != name))
-        policies[name] = (f'min-honest-nodes=3 peer-keys="{peers}" identity-key="{keys / name}" '
-                          f'table-schema="{schema}" control-columns="diagnosis"')
+    policies = _trusting(tmp_path, f'table-schema="{schema}" control-columns="diagnosis"')
     with _deploy(tmp_path, {"strong": "strong", "weak": "weak", "weak2": "weak"}, policies=policies,
                  write_data=_table_rows) as dep:
         out = dep.root / "out"
@@ -851,11 +875,6 @@ def test_a_deployed_table_run_at_t_equals_k_measures_masked_marginals(tmp_path):
         diag = output[-4000:] + "\n" + dep.diagnostics()
         assert code == 0 and status.get("status") == "finished:completed", f"{status}\n{diag}"
         assert (out / "masked-table" / "synthetic.parquet").exists(), diag
-        for node in dep.nodes.values():
-            ledger = _ledger(node["state"])
-            measured = [r for r in ledger["releases"] if r["phase"] == "marginals"]
-            assert len(measured) == 2 and all(r["mechanism"] == "skellam" for r in measured), ledger
-            assert all(r["public"]["honest"] == 3 and r["public"]["epsilon_alone"] > float(r["epsilon"])
-                       for r in measured)
-            assert _spent(ledger) <= EPSILON + 1e-6
-            assert not list(Path(node["state"]).glob("secagg/*.json")), "a round's keys stayed on the node"
+        _masked_ledgers(dep, ("marginals",))
+        assert all(len([r for r in _ledger(n["state"])["releases"] if r["phase"] == "marginals"]) == 2
+                   for n in dep.nodes.values())  # two rounds

@@ -14,8 +14,10 @@
 #   --auth          SuperNode authentication (needs --tls): a key pair per node
 #                   (generate_node_keys.sh), registered with `flwr supernode register`
 #   --name NAME     the SuperLink connection written to the CLI's config.toml (fedsyn-local)
-#   --max-records N each node's public size bound (node-config max-records; default 10000): every
-#                   release does the work of N records
+#   --max-records N each node's public size bound (node-config max-records; default 1000, a try-out's):
+#                   every release does the work of N records, and node-check embeds N rows once per
+#                   snapshot before the node serves (it prints how long that took; 10x the bound, 10x
+#                   the time: an institution's 10,000 take minutes a node on two cores)
 #   --app DIR       the app every node approves in its FAB gate (default: this checkout)
 #
 # Each SuperNode runs behind its own FAB gate (WORK/nodes/NAME/gate/, a launcher per task process,
@@ -31,7 +33,7 @@ usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' 
 [[ $# -ge 1 && "$1" != "-h" && "$1" != "--help" ]] || { usage; [[ $# -ge 1 ]] && exit 0 || exit 2; }
 
 data_dir=$1; shift
-work=./fedsyn-local; max_records=10000; strong=1; epsilon=8.0; port=""; tls=""; auth=0; name=fedsyn-local
+work=./fedsyn-local; max_records=1000; strong=1; epsilon=8.0; port=""; tls=""; auth=0; name=fedsyn-local
 app=$(cd "$(dirname "$0")/.." && pwd)
 while [[ $# -gt 0 ]]; do
     case $1 in
@@ -158,6 +160,8 @@ for file in "${files[@]}"; do
     # One user runs everything here (a try-out): --same-user says so; an institution uses start_node.sh --run-as.
     PATH="$dir/gate:$PATH" "$bin_dir/fedsyn" node-check --node-config "$node_config" --same-user > "$dir/node-check.log" 2>&1 \
         || fail "SuperNode $node cannot start: its data, node config or FAB gate is unusable" "$dir/node-check.log"
+    built=$(grep -o "embedded the node's records as [0-9]* rows in [0-9.]* s" "$dir/node-check.log" | tail -1 || true)
+    [[ -z "$built" ]] || echo "node-check $node: $built (max-records=$max_records: a bound 10x larger takes about 10x)"
     # the gate's flower-supernode: Flower's own, reading no app bundle that is not approved or over the bounds
     PATH="$dir/gate:$PATH" FLWR_HOME="$dir/flwr-home" nohup "$dir/gate/flower-supernode" "${node_args[@]}" \
         --node-config "$node_config" > "$dir/supernode.log" 2>&1 < /dev/null &

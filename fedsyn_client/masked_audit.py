@@ -62,15 +62,24 @@ class Kind(Protocol):
     """What this module reads of ``privacy_audit.Kind`` (a release the audit runs, frozen)."""
 
     @property
-    def phase(self) -> str: ...  # noqa: D102 - the fields of privacy_audit.Kind
+    def phase(self) -> str:
+        """The release's phase: profile, vote or marginals."""
+
     @property
-    def label(self) -> str: ...  # noqa: D102
+    def label(self) -> str:
+        """How the audit names it (``vote:knn-vote/share``)."""
+
     @property
-    def conf(self) -> dict[str, Any]: ...  # noqa: D102
+    def conf(self) -> dict[str, Any]:
+        """Its request's config."""
+
     @property
-    def candidates(self) -> tuple[tuple[str, str], ...] | None: ...  # noqa: D102
+    def candidates(self) -> tuple[tuple[str, str], ...] | None:
+        """A vote's candidates: (text, code)."""
+
     @property
-    def masked(self) -> str: ...  # noqa: D102
+    def masked(self) -> str:
+        """``share`` or ``sum``."""
 
 
 class AuditNode(Protocol):

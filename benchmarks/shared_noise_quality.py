@@ -7,8 +7,8 @@ What is fixed: the dataset's split and its IID partition into K sites (the run's
 of candidate texts (a real run's ``pool.jsonl``, both writers' texts: generation is not re-run, so
 the only thing that changes between cells is the noise in the server's sums). What runs for real:
 the strategy (``build_strategy``: tier query, profile, the default refinement's vote round,
-A.4's resampling) over K simulated sites, each the real ClientApp on its partition, its own state
-and a fresh state folder and ledger per cell; at t = K every profile and vote round is masked (the server's
+A.4's resampling) over K simulated sites, each the real ClientApp on its partition with a fresh
+state folder (its ledger) per cell; at t = K every profile and vote round is masked (the server's
 ``SecureSum``, the sites' ``secagg_node``), at t = 1 each site adds the whole noise. All sites are
 weak (``strong-fraction = 0``, ``num-server-rounds = 0``): each spends its whole vote share on the
 vote, as a default run's weak sites do; the pool's own code counts replace the allocation (the
@@ -57,8 +57,8 @@ def run_cell(pool: Any, sites: int, epsilon: float, honest: int, key: str, state
     from fedsyn_server.server_app import build_strategy
     from tests.fakes import FakeGrid, client_node, set_task_identity
 
-    # the default split of epsilon (profile 2 of 8) at every epsilon
-    # at epsilon inf the votes carry no noise (the reference); the profile keeps its 2
+    # the default split of epsilon (profile 2 of 8) at every epsilon; at epsilon inf the votes carry no
+    # noise (the reference) and the profile keeps its 2
     rc = {**RunConfig(num_server_rounds=0, strong_fraction=0.0).to_flower(), **(extra or {}),
           "epsilon": epsilon, "epsilon-profile": epsilon / 4 if math.isfinite(epsilon) else 2.0,
           "min-honest-nodes": honest}
@@ -152,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sites", type=int, nargs="+", default=[2, 4, 8, 16])
     ap.add_argument("--epsilons", type=float, nargs="+", default=[1.0, 8.0])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--states", type=Path, default=None, help="the sites' state folders (kept: their matrices)")
+    ap.add_argument("--states", type=Path, default=None,
+                    help="where each cell's sites keep their state folders (default: a temporary folder)")
     ap.add_argument("--run-config", default="{}",
                     help="JSON of run-config keys for every cell (dataset, partitioning, ...)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/shared_noise_quality.json"))

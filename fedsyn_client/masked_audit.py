@@ -34,8 +34,8 @@ import numpy as np
 
 from common import records as R
 from common.dp import MARGINALS, PROFILE
-from common.histograms import maskable, masked_units, rounded
-from common.secagg import ring
+from common.histograms import masked_units
+from common.secagg import masks, ring
 from common.secagg.protocol import (
     Participant,
     Terms,
@@ -102,7 +102,7 @@ class AuditNode(Protocol):
 
 def histogram_of(kind: Kind) -> str:
     """The histogram a kind's masked round releases (what ``secagg_node.serve`` is given)."""
-    return {PROFILE: "code-counts", MARGINALS: "marginals"}.get(kind.phase) or str(kind.conf["histogram"])
+    return {PROFILE: "code-counts", MARGINALS: MARGINALS}.get(kind.phase) or str(kind.conf["histogram"])
 
 
 def masked_kinds(kinds: list[Any], honest: int, sums: bool) -> list[Any]:
@@ -110,11 +110,13 @@ def masked_kinds(kinds: list[Any], honest: int, sums: bool) -> list[Any]:
     that may be masked as a ``share`` and (``sums``) a ``sum``, labelled ``KIND/share``, ``KIND/sum``."""
     from dataclasses import replace
 
+    from fedsyn_client.secagg_node import can_mask
+
     if honest <= 1:
         return []
     out = []
     for k in kinds:
-        if histogram_of(k) in ("code-counts", "marginals") or maskable(histogram_of(k)):
+        if can_mask(histogram_of(k)):
             out += [replace(k, label=f"{k.label}/{m}", masked=m) for m in ((SHARE, SUM) if sums else (SHARE,))]
     return out
 
@@ -130,13 +132,9 @@ def site_keys(folder: Path, n: int) -> list[tuple[Path, str]]:
     for i in range(n):
         path = folder / f"site{i + 1}.pem"
         if not path.exists():
-            key = ec.generate_private_key(ec.SECP384R1())
-            path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                               serialization.NoEncryption()))
-        loaded = serialization.load_pem_private_key(path.read_bytes(), password=None)
-        public = loaded.public_key().public_bytes(serialization.Encoding.OpenSSH,
-                                                  serialization.PublicFormat.OpenSSH).decode()
-        out.append((path, public))
+            path.write_bytes(ec.generate_private_key(ec.SECP384R1()).private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+        out.append((path, masks.public_key_text(masks.load_signing_key(path.read_bytes()).public_key())))
     return out
 
 
@@ -168,11 +166,10 @@ class _Colluder:
     """A peer the server controls: it follows the protocol's form (so the site counts it) but adds
     no noise, masks zeros and reveals every share it holds."""
 
-    def __init__(self, site: int, honest: int, key: Path, context: bytes, length: int) -> None:
-        from common.secagg import masks
-
+    def __init__(self, site: int, honest: int, key: Path, context: bytes) -> None:
         self.site = site
-        self.p = Participant(site, Terms(context, length), honest, 0.0, masks.load_signing_key(key.read_bytes()))
+        # its vector's length is set at the mask step, from the site's vector (the server sees it then)
+        self.p = Participant(site, Terms(context, 0), honest, 0.0, masks.load_signing_key(key.read_bytes()))
 
     def step(self, step: str, payload: dict[str, Any]) -> dict[str, Any]:
         p = self.p
@@ -204,14 +201,14 @@ def masked_release(node: AuditNode, kind: Kind, data: Path, noise: bool = True) 
         real += [_Real(node, kind, node.base, noise, key, session, n, node.scratch / "peers" / f"site{n}", keys)
                  for n in range(2, honest + 1)]
     name = histogram_of(kind)
-    length = len(kind.candidates) if kind.candidates is not None else 0  # a vote's; else read from the masked vector
-    scale, unit = masked_units(name, kind.conf, length) if rounded(name) else (1.0, 1)
+    length = len(kind.candidates) if kind.candidates is not None else 0  # a vote's (only a vote is scaled)
+    scale, unit = masked_units(name, kind.conf, length)
     try:
         replies = {s.site: s.step(R.ADVERTISE, {"sites": honest}) for s in real}
         context = unb64(replies[1]["context"])
         sites: dict[int, Any] = {s.site: s for s in real}
         for n in range(len(real) + 1, honest + 1):
-            sites[n] = _Colluder(n, honest, keys[n - 1][0], context, length)
+            sites[n] = _Colluder(n, honest, keys[n - 1][0], context)
             replies[n] = sites[n].step(R.ADVERTISE, {"sites": honest})
         adverts = {n: advert_from_dict(r["advert"]) for n, r in replies.items()}
         bits = ring.bits_for(honest, unit * int(node.node_config["max-records"]),
@@ -222,7 +219,7 @@ def masked_release(node: AuditNode, kind: Kind, data: Path, noise: bool = True) 
         inbox = route({n: {int(k): unb64(v) for k, v in r["sealed"].items()} for n, r in shared.items()})
         masked: dict[int, np.ndarray] = {}
         for n, s in sorted(sites.items(), key=lambda item: isinstance(item[1], _Colluder)):  # real sites first
-            if isinstance(s, _Colluder) and not s.p.terms.length:  # its length, now known: the site's vector's
+            if isinstance(s, _Colluder):
                 s.p.terms = Terms(context, len(masked[1]), bits)
             reply = s.step(R.MASK, {"bundles": {str(k): b64(v) for k, v in inbox.get(n, {}).items()}})
             masked[n] = np.frombuffer(unb64(reply["masked"]), dtype="<u8").astype(np.uint64)

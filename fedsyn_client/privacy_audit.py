@@ -269,13 +269,14 @@ class AuditNode:
 
     NODE_ID = 1
 
-    def __init__(self, node_config: dict[str, Any], cfg: RunConfig, scratch: Path, bound: int, secret: Path | None):
+    def __init__(self, node_config: dict[str, Any], cfg: RunConfig, scratch: Path, bound: int, secret: Path | None,
+                 base: Path | None = None):
         # the node's outgoing-message log goes to the scratch folder: "" would fall back to FEDSYN_AUDIT_DIR, and
         # the operator's log would record replies that never left the node
         self.node_config = {**node_config, "max-records": int(bound), "audit-dir": str(scratch / "outgoing")}
         self.run_config = cfg.to_flower()
         self.scratch, self.secret, self.sent = scratch, secret, 0
-        self.base = scratch  # the file a masked round's simulated peers hold (``run_audit`` sets it)
+        self.base = base or scratch  # the file a masked round's simulated peers hold (``--sum``)
         # run keys no earlier audit in a reused scratch folder used: a repeated key and request would get
         # the stored reply (no fresh noise) and a ledger of the same name would price the draw after others
         self.token = secrets.token_hex(4)
@@ -528,8 +529,7 @@ def run_audit(node_config: dict[str, Any], overrides: dict[str, Any] | None = No
         schema = cfg.schema()
         pairs = neighbours(read_rows(policy.data_path, bound + bound // 3 + 1), folder / "data", bound, schema,
                            schema.text_column or "" if schema is not None else policy.text_column)
-        node = AuditNode(node_config, cfg, folder, bound, secret if secret.exists() else None)
-        node.base = pairs[0].d
+        node = AuditNode(node_config, cfg, folder, bound, secret if secret.exists() else None, pairs[0].d)
         results = []
         files = len({p.d for p in pairs} | {p.d_prime for p in pairs})
         for kind in kinds:

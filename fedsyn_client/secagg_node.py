@@ -70,6 +70,12 @@ log = get_logger(__name__)
 # besides the vote histograms that declare themselves counts or scaled (common.histograms.maskable): the
 # profile's and the marginals', one record moving each of sensitivity^2 coordinates by at most 1 (common.skellam)
 COUNTS = ("code-counts", "marginals")
+
+
+def can_mask(histogram: str) -> bool:
+    """Whether a release of ``histogram`` may be a masked round: the profile's or the marginals'
+    counts, or a vote histogram that declares itself counts or scaled (``common.histograms.maskable``)."""
+    return histogram in COUNTS or maskable(histogram)
 STALE_SECONDS = 86_400.0  # a round's state not finished within a day is removed (its keys with it)
 
 
@@ -81,7 +87,7 @@ def serve(msg: Message, node: Node, req: Request, histogram: str, compute: Calla
     if step not in R.SECAGG_STEPS or not re.fullmatch(r"[0-9a-f]{32}", session):
         raise ConfigError(f"a secure-aggregation step {step!r} of session {session!r}: one of {R.SECAGG_STEPS}, "
                           "a session of 32 hex digits")
-    if histogram not in COUNTS and not maskable(histogram):
+    if not can_mask(histogram):
         raise ConfigError(f"histogram {histogram!r} is neither counts nor scaled (common.histograms): "
                           "it cannot be masked")
     shift = release_shift(node, req, histogram, sensitivity, length)

@@ -83,13 +83,10 @@ def masked_site(tmp_path_factory):
 
 
 def _audit(site, capsys, *release: str) -> tuple[int, dict[str, list[str]], str]:
-    from fedsyn_server.cli import main
+    """``fedsyn audit --sum`` at max-records 40 and 60 draws: (exit code, its table's rows by release, its text)."""
+    from tests.test_privacy_audit import _audit as audit
 
-    config = " ".join(f'{k}="{v}"' if isinstance(v, str) else f"{k}={v}" for k, v in site.items())
-    code = main(["audit", "--node-config", config, "--max-records", "40", "--draws", "60", "--sum",
-                 *[a for r in release for a in ("--release", r)]])
-    out = capsys.readouterr()
-    text = out.out + out.err
+    code, text = audit(site, capsys, *release, sums=True)
     rows = {line.split()[0]: line.split() for line in text.splitlines()
             if line.startswith(("profile", "vote:")) and line.split()[-1] in ("ok", "FAILS")}  # the table's rows
     return code, rows, text

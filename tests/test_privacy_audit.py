@@ -129,14 +129,14 @@ def site(tmp_path_factory):
             "state-dir": str(folder / "state"), "epsilon": 8.0}
 
 
-def _audit(site, capsys, *release: str, fast: bool = True) -> tuple[int, str]:
+def _audit(site, capsys, *release: str, fast: bool = True, sums: bool = False) -> tuple[int, str]:
     """``fedsyn audit`` on ``site`` (the releases named, or all; ``fast``: at max-records 40 and 60 draws,
-    else at its defaults): (exit code, what it printed)."""
+    else at its defaults; ``sums``: ``--sum``): (exit code, what it printed)."""
     from fedsyn_server.cli import main
 
     config = " ".join(f'{k}="{v}"' if isinstance(v, str) else f"{k}={v}" for k, v in site.items())
     code = main(["audit", "--node-config", config, *(["--max-records", "40", "--draws", "60"] if fast else []),
-                 *[a for r in release for a in ("--release", r)]])
+                 *(["--sum"] if sums else []), *[a for r in release for a in ("--release", r)]])
     out = capsys.readouterr()
     return code, out.out + out.err
 

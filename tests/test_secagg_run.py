@@ -14,8 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec
 
 from common import records as R
 from common.config import RunConfig
@@ -28,17 +26,9 @@ VOCAB = ["topic=x", "topic=y"]
 
 def _keys(folder: Path, n: int) -> list[tuple[Path, str]]:
     """``n`` SuperNode key pairs: (private key file, public OpenSSH line)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    out = []
-    for i in range(n):
-        key = ec.generate_private_key(ec.SECP384R1())
-        path = folder / f"node{i}.key"
-        path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-        public = key.public_key().public_bytes(serialization.Encoding.OpenSSH,
-                                               serialization.PublicFormat.OpenSSH).decode()
-        out.append((path, public))
-    return out
+    from fedsyn_client.masked_audit import site_keys
+
+    return site_keys(folder, n)
 
 
 def _run(tmp_path: Path, honest: int = 4, strangers: int = 0, epsilon: float = 8.0, extra: dict | None = None,

@@ -30,6 +30,8 @@ VOTERS = ("weak", "all")
 ACCOUNTING = ACCOUNTING_RULES  # the live registry: a rule registered later is allowed too
 ON_NODE_SHORTFALL = ("refuse", "continue-without")
 PRECISIONS = ("auto", "fp32")
+POPRI_LOSSES = ("dpo", "ipo")  # strategies.popri.LOSS_TYPES
+POPRI_HISTOGRAMS = ("similarity", "centred-similarity")  # common.histograms
 WRITER_CHOICES = ("better", "mix")  # strategies.writers.better_writer
 # How a table run makes its rows (issue 48): "rows", the language model writes each row as text
 # (issue 25); "marginals", every site releases noisy marginals and the server samples rows from a
@@ -107,8 +109,16 @@ class RunConfig:
     popri_samples_per_prompt: int = 10  # POPri's J
     popri_rejected_rank: int = 5  # POPri's l
     popri_learning_rate: float = 1e-4
+    popri_beta: float = 0.1  # DPO's beta (the paper's tau): how far from the round's reference
+    popri_loss: str = "dpo"  # POPRI_LOSSES: dpo (the paper's) or ipo (its ablation)
+    popri_epochs: int = 2  # DPO epochs over a round's pairs (the paper's 2); 0: no update (the paired control)
+    popri_holdout: float = 0.25  # share of a round's pairs held out to judge its adapter (0: keep every round's)
+    popri_histogram: str = "similarity"  # POPRI_HISTOGRAMS: the paper's scores, or centred (issue 74)
     grpo_group_size: int = 8  # GRPO's G: texts per prompt, normalised against each other
     grpo_learning_rate: float = 1e-4
+    grpo_iterations: int = 2  # optimisation passes per batch of rollouts (> 1: PPO's ratio clip acts); 0: no update
+    grpo_kl: float = 0.01  # the KL penalty's beta, against the weights the refinement starts from
+    grpo_advantage_clip: float = 5.0  # |advantage| at most this (Concordia's)
     voters: str = "all"  # VOTERS; "all" chosen by issue 46's grid (docs/results.md), "weak" is the paper's
     accounting: str = DEFAULT_ACCOUNTING  # simulated nodes' rule (a deployed node's is its node-config accounting)
     # simulated sites' trust (issue 73): each counts on this many sites, itself included, adds 1/sqrt(t) of
@@ -202,8 +212,17 @@ class RunConfig:
             ("popri-rejected-rank", 2 <= self.popri_rejected_rank <= self.popri_samples_per_prompt,
              f"an integer in [2, popri-samples-per-prompt={self.popri_samples_per_prompt}]"),
             ("popri-learning-rate", 0 < self.popri_learning_rate < 1, "a float in (0, 1)"),
+            ("popri-beta", 0 < self.popri_beta <= 100, "a float in (0, 100]"),
+            ("popri-loss", self.popri_loss in POPRI_LOSSES, f"one of {list(POPRI_LOSSES)}"),
+            ("popri-epochs", 0 <= self.popri_epochs <= 100, "an integer in [0, 100] (0: no DPO, the paired control)"),
+            ("popri-holdout", 0 <= self.popri_holdout < 1, "a float in [0, 1) (0: keep every round's adapter)"),
+            ("popri-histogram", self.popri_histogram in POPRI_HISTOGRAMS, f"one of {list(POPRI_HISTOGRAMS)}"),
             ("grpo-group-size", self.grpo_group_size >= 2, "an integer >= 2"),
             ("grpo-learning-rate", 0 < self.grpo_learning_rate < 1, "a float in (0, 1)"),
+            ("grpo-iterations", 0 <= self.grpo_iterations <= 16,
+             "an integer in [0, 16] (0: no update, the paired control)"),
+            ("grpo-kl", 0 <= self.grpo_kl <= 10, "a float in [0, 10] (0: no KL term)"),
+            ("grpo-advantage-clip", self.grpo_advantage_clip > 0, "a float > 0"),
             ("voters", self.voters in VOTERS, f"one of {list(VOTERS)}"),
             ("accounting", self.accounting in ACCOUNTING, f"one of {list(ACCOUNTING)}"),
             ("min-honest-nodes", self.min_honest_nodes >= 1, "an integer >= 1 (1: every site adds the whole noise)"),

@@ -129,6 +129,25 @@ class Similarity(Histogram):
         return voting.similarity_scores(rows, codes, candidates, candidate_codes, bound=bound, rounding=rounding)
 
 
+class CentredSimilarity(Similarity):
+    """Issue 74 (Concordia's): each record's own-code cosine similarities minus their mean over its
+    code's candidates, clipped to L2 norm 1, summed; sensitivity 1. GRPO's reward and POPri's scores
+    where the level of a record's similarities would drown the differences between candidates."""
+
+    name, formula = "centred-similarity", "1"
+
+    def sensitivity(self, params: Mapping[str, Any]) -> float:
+        """1: a record's centred vector is clipped to norm 1."""
+        return 1.0
+
+    def score(self, rows: np.ndarray, codes: list[str], candidates: np.ndarray, candidate_codes: list[str],
+              params: Mapping[str, Any], *, bound: int | None,
+              rounding: Callable[[np.ndarray], np.ndarray] | None = None) -> np.ndarray:
+        """``voting.similarity_scores(..., centred=True)``."""
+        return voting.similarity_scores(rows, codes, candidates, candidate_codes, bound=bound, rounding=rounding,
+                                        centred=True)
+
+
 # name -> the registered histogram; each shipped bound is tested in tests/test_privacy.py
 HISTOGRAMS: dict[str, Histogram] = {}
 
@@ -224,5 +243,5 @@ def formula(name: str) -> str:
     return entry.formula if entry else "stated by the node"
 
 
-for _shipped in (KnnVote(), ContrastiveVote(), NearestNeighbour(), Similarity()):
+for _shipped in (KnnVote(), ContrastiveVote(), NearestNeighbour(), Similarity(), CentredSimilarity()):
     register(_shipped)

@@ -158,7 +158,8 @@ def contrastive_votes(local_emb: np.ndarray, local_codes: list[str], syn_emb: np
 
 def similarity_scores(local_emb: np.ndarray, local_codes: list[str], syn_emb: np.ndarray, syn_codes: list[str],
                       bound: int | None = None,
-                      rounding: Callable[[np.ndarray], np.ndarray] | None = None) -> np.ndarray:
+                      rounding: Callable[[np.ndarray], np.ndarray] | None = None,
+                      centred: bool = False) -> np.ndarray:
     """Un-noised POPri scores over the synthetic texts (POPri's SIMILARITY, per record).
 
     Input as for ``knn_votes``. Each local record's vector holds its cosine similarity to
@@ -169,16 +170,23 @@ def similarity_scores(local_emb: np.ndarray, local_codes: list[str], syn_emb: np
     Filler rows are scored and weighted 0. ``rounding`` (a masked round, issue 73): each block of
     the rows' vectors is handed to it (``common.skellam.round_rows``: scaled, rounded at random)
     and the integers it returns are summed instead (int64).
+
+    ``centred`` (issue 74, Concordia's choice): each record's own-code similarities minus their mean
+    over its code's candidates, then clipped to norm 1 (sensitivity still 1). A record's mean cosine
+    is the same for every candidate of its code, so it ranks nothing; left in, it takes most of the
+    norm the clip allows, and the differences between candidates, which are the signal, shrink by
+    the clip while the noise does not. Centred scores also sum to about 0 per code, so A.4's clamp
+    at 0 keeps the texts the records prefer.
     """
     if rounding is not None:
         total = np.zeros(len(syn_codes), dtype=np.int64)
         if len(syn_codes):
-            for vectors in _clipped_similarities(local_emb, local_codes, syn_emb, syn_codes, bound):
+            for vectors in _clipped_similarities(local_emb, local_codes, syn_emb, syn_codes, bound, centred):
                 total += np.asarray(rounding(vectors), dtype=np.int64).sum(axis=0)  # integers: any order, one sum
         return total
     scores = np.zeros(len(syn_codes), dtype=np.float64)
     if len(syn_codes):
-        for vectors in _clipped_similarities(local_emb, local_codes, syn_emb, syn_codes, bound):
+        for vectors in _clipped_similarities(local_emb, local_codes, syn_emb, syn_codes, bound, centred):
             # row by row, in row order: a filler row adds 0.0, which changes no sum. Not ``.sum(axis=0)``:
             # numpy 2.4 reduces axis 0 pairwise, so the filler rows would regroup the records' sums
             for row in vectors:
@@ -187,10 +195,13 @@ def similarity_scores(local_emb: np.ndarray, local_codes: list[str], syn_emb: np
 
 
 def _clipped_similarities(local_emb: np.ndarray, local_codes: list[str], syn_emb: np.ndarray, syn_codes: list[str],
-                          bound: int | None) -> Iterator[np.ndarray]:
+                          bound: int | None, centred: bool = False) -> Iterator[np.ndarray]:
     """Each block's per-row vectors of ``similarity_scores``: a record's own-code similarities
-    clipped to norm 1, a filler row's zeros."""
+    (``centred``: minus their mean) clipped to norm 1, a filler row's zeros."""
     for sims, own, counts in _scored(local_emb, local_codes, syn_emb, syn_codes, bound):
         mine = np.where(own, sims, 0.0)
+        if centred:  # every row, record or filler, does the same work: the mean of its own-code values
+            mine = np.where(own, mine - mine.sum(axis=1, keepdims=True) / np.maximum(1, own.sum(axis=1, keepdims=True)),
+                            0.0)
         norms = np.linalg.norm(mine, axis=1, keepdims=True)
         yield np.where(counts[:, None], mine / np.maximum(1.0, norms), 0.0)

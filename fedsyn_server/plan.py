@@ -202,11 +202,13 @@ def writers_line(cfg: RunConfig, tiers: list[str]) -> str:
 
     voters = len(tiers) if cfg.voters == "all" else sum(t != STRONG for t in tiers)
     try:
-        asks_votes = build_refinement(cfg.refinement).asks_votes
+        method = build_refinement(cfg.refinement)
+        asks_votes, on_policy = method.asks_votes, method.on_policy
     except ValueError:
-        asks_votes = True
+        asks_votes, on_policy = True, False
     finetuned = cfg.trains and STRONG in tiers
-    share, why = effective_share(cfg.pretrained_share, finetuned=finetuned, votes=asks_votes and voters > 0)
+    share, why = effective_share(cfg.pretrained_share, finetuned=finetuned, votes=asks_votes and voters > 0,
+                                 on_policy=on_policy)
     who = (f"{voters} voter(s) ({cfg.voters})" if voters else
            f"no voter (voters = {cfg.voters!r} and no weak node)" if asks_votes else f"no vote ({cfg.refinement})")
     return f"writers: {why} [{who}]"

@@ -1,32 +1,39 @@
 """``refinement = "grpo"``: the generator learns from the voters' DP scores alone, with GRPO
-(Shao et al. 2024, DeepSeekMath; ``trl``'s ``GRPOTrainer``).
+(Shao et al. 2024, DeepSeekMath; ``trl``'s ``GRPOTrainer``), under Concordia's choices (issue 74).
 
-T rounds (``refinement-rounds``), one ``trl`` training run over them; in each round:
+T rounds (``refinement-rounds``). Rounds 1 to T − 1 are one ``trl`` training run; in each:
 
 1. **Rollouts by the server's generator.** For every code, groups of G texts
    (``grpo-group-size``) are sampled by ``Generator.generate``, handed to trl as its
    ``rollout_func``: trl's loop, our sampler (for a table, the row writer under each column's
    grammar). The number of groups per code follows the profile's allocation of the pool.
 2. **The reward is one DP vote round.** trl's reward function is ``ctx.vote`` on the round's
-   texts with the ``similarity`` histogram (POPri's: each record's cosine similarities to the
-   same-code texts, clipped to L2 norm 1, summed; noised on every node) at
-   ``epsilon_share = 1/T``. Nothing else scores a text: no embedding, no data, on the server.
-   The reward function counts its calls and refuses a (T+1)-th; the nodes' ledgers would too.
-3. **GRPO's update.** Each text's advantage is its reward minus its group's mean, over the
-   group's standard deviation (trl's default ``scale_rewards="group"``); one clipped policy-
-   gradient step per group on the generator's trainable weights (its LoRA adapter), at
-   ``grpo-learning-rate``, no KL term (trl's default ``beta = 0``: the DP-finetuned generator
-   is the starting point, not a reference to pull back to).
+   texts with the ``centred-similarity`` histogram (each record's cosine similarities to the
+   same-code texts minus their mean over them, clipped to L2 norm 1, summed; sensitivity 1,
+   noised on every node) at ``epsilon_share = 1/T``. Nothing else scores a text: no embedding, no
+   data, on the server. The reward function counts its calls and refuses one beyond the plan.
+3. **Rank-normalised advantages.** Within each group the DP scores are replaced by their ranks,
+   standardised (mean 0, sd 1) and clipped at ``grpo-advantage-clip`` (5): the noise in a sum of
+   similarities has heavy outliers to a group's spread, and a rank keeps one noisy text from taking
+   a group's whole step. A text generation dropped (a row that does not parse) ranks last. trl is
+   told not to rescale them (``scale_rewards="none"``): they are the advantages. (Standardised ranks
+   of G texts stay within sqrt(3(G-1)/(G+1)) < sqrt(3), so the clip at 5 is Concordia's guard for
+   other rewards and never acts on ranks.)
+4. **GRPO's update**: ``grpo-iterations`` optimisation passes over each batch of rollouts (above 1
+   PPO's ratio clip acts, ε = 0.2), a KL penalty of ``grpo-kl`` (0.01) against the adapter the
+   refinement starts from (trl keeps a copy, "ref"), on the generator's trainable weights (its LoRA
+   adapter) at ``grpo-learning-rate``.
 
-Then the final set, ``max(1, floor(r*s))`` texts by the profile's allocation, is generated
-with the updated generator, as POPri does, and the run saves it.
+Round T trains nothing: the trained generator writes the final population, the voters score it
+(the T-th share), and the final set is drawn from it by A.4 on those scores, ``floor(r·n_c)``
+texts per code as every method (as POPri; never regenerated blind). So T = 1 is A.4 on one round
+of centred similarity scores.
 
 Choices written down here: a text's tokens are the ones the model chose. In a table run the
 server writes the column names (``fedsyn_server.synthesis``), so their tokens are masked out
 of the loss (trl's ``env_mask``) and only the values' tokens are reinforced; a free text is all
-the model's. Rewards are not clipped: the histogram's noise is part of the reward, and the
-group normalisation divides by the group's spread, noise included. Whether this moves the
-generator at our scale is measured in ``docs/tables.md``.
+the model's. Each round's reward signal against its noise is in the notes (the within-group spread
+of the released scores) and measured against ε = ∞ in ``benchmarks/refinement_learning.py``.
 """
 
 from __future__ import annotations
@@ -40,10 +47,11 @@ import numpy as np
 
 from common.config import RunConfig
 from common.logs import get_logger
-from strategies.refinement import REFINED, Refined, Refinement, RefinementContext, VotePlan, final_size, round_rows
+from strategies.refinement import REFINED, Refined, Refinement, RefinementContext, VotePlan, round_rows
+from strategies.resampling import resample_by_code
 
 log = get_logger("fedsyn")
-HISTOGRAM = "similarity"
+HISTOGRAM = "centred-similarity"
 
 
 def group_counts(allocation: dict[str, int], group: int) -> dict[str, int]:
@@ -74,16 +82,71 @@ def masked_completion(text: str, tokenizer: Any, schema: Any | None) -> tuple[li
     return ids, mask
 
 
+def rank_advantages(scores: np.ndarray, group: int, clip: float, valid: np.ndarray | None = None) -> np.ndarray:
+    """Each text's advantage from the DP scores of its group (consecutive runs of ``group``): its rank
+    in the group (ties: the earlier text lower), standardised to mean 0 and sd 1 and clipped to
+    ``[-clip, clip]``; a text not ``valid`` ranks below every valid one. A trailing partial group is
+    ranked on its own; a group of one gets 0."""
+    s = np.asarray(scores, dtype=np.float64)
+    ok = np.ones(s.size, dtype=bool) if valid is None else np.asarray(valid, dtype=bool)
+    keyed = np.where(ok, s, -np.inf)
+    out = np.zeros(s.size)
+    for start in range(0, s.size, group):
+        part = keyed[start:start + group]
+        if part.size < 2:
+            continue
+        ranks = np.empty(part.size)
+        ranks[np.argsort(part, kind="stable")] = np.arange(part.size)
+        out[start:start + group] = np.clip((ranks - ranks.mean()) / ranks.std(), -clip, clip)
+    return out
+
+
+def within_group_spread(scores: np.ndarray, group: int) -> float:
+    """The mean over groups of the DP scores' standard deviation within a group: the spread GRPO
+    learns from, noise included (beside the noise's sd it is the reward's signal-to-noise)."""
+    s = np.asarray(scores, dtype=np.float64)
+    spreads = [float(s[i:i + group].std()) for i in range(0, s.size, group) if s[i:i + group].size > 1]
+    return float(np.mean(spreads)) if spreads else 0.0
+
+
 class GRPO(Refinement):
-    """T rounds of rollouts -> one DP similarity vote each (the reward) -> GRPO steps; then regenerate."""
+    """T − 1 rounds of rollouts -> one DP centred-similarity vote each -> rank advantages -> GRPO steps;
+    then the trained generator's population, scored once more, and A.4."""
 
     name = "grpo"
+    on_policy = True
 
     def vote_plan(self, cfg: RunConfig) -> VotePlan:
-        """T = ``refinement-rounds`` rounds of similarity scores (the rewards), each at epsilon_vote / T."""
+        """T = ``refinement-rounds`` rounds of centred similarity scores (T − 1 rewards, then the final
+        population's), each at epsilon_vote / T."""
         return VotePlan(cfg.refinement_rounds, HISTOGRAM)
 
     def refine(self, ctx: RefinementContext) -> Refined:  # noqa: D102 - documented on Refinement
+        cfg, gen = ctx.cfg, ctx.generator
+        plan = self.vote_plan(cfg)
+        rounds, group = plan.rounds, cfg.grpo_group_size
+        history: list[dict] = []
+        notes: list[dict[str, Any]] = []
+        if rounds > 1 and cfg.grpo_iterations > 0:  # 0: no update, the paired control (no reward vote spent)
+            self._train(ctx, plan, rounds - 1, history, notes)
+        texts, codes = (list(ctx.texts), list(ctx.codes)) if not notes else gen.generate(ctx.allocation,
+                                                                                          seed=cfg.seed + rounds)
+        scores = ctx.vote(texts, codes, **plan.request())
+        history += round_rows(len(notes) + 1, texts, codes, scores)
+        notes.append({"round": len(notes) + 1, "texts": len(texts),
+                      "reward_mean": float(np.mean(scores)) if len(scores) else 0.0,
+                      "within_group_spread": within_group_spread(scores, group)})
+        selected = resample_by_code(codes, scores, cfg.sampling_rate, cfg.seed)
+        trained = len(notes) > 1
+        return Refined(texts, codes, selected, np.asarray(scores, dtype=np.float64), notes={"rounds": notes},
+                       trained_generator=trained, history=history,
+                       writers=[REFINED if trained else ctx.writer] * len(texts))
+
+    @staticmethod
+    def _train(ctx: RefinementContext, plan: VotePlan, train_rounds: int, history: list[dict],
+               notes: list[dict[str, Any]]) -> None:
+        """trl's GRPO over ``train_rounds`` rounds of rollouts, each rewarded by one DP vote; appends
+        each round's rows to ``history`` and its note to ``notes``."""
         import torch
         from datasets import Dataset
         from trl import GRPOConfig, GRPOTrainer
@@ -91,14 +154,11 @@ class GRPO(Refinement):
         from common.devices import model_device
 
         cfg, gen = ctx.cfg, ctx.generator
-        plan = self.vote_plan(cfg)
-        rounds, group = plan.rounds, cfg.grpo_group_size
+        group = cfg.grpo_group_size
         groups = group_counts(ctx.allocation, group)
         code_of = {gen.prompt(c): c for c in groups}
         rows = [gen.prompt(c) for c, n in groups.items() for _ in range(n)]
         schema = getattr(gen, "row_schema", None)
-        history: list[dict] = []
-        notes: list[dict[str, Any]] = []
 
         def rollout(batch: list[str], trainer: Any) -> dict[str, Any]:
             # trl hands over each prompt once per completion it wants (its sampler repeats a group's prompt G times)
@@ -109,7 +169,7 @@ class GRPO(Refinement):
             for text, code in zip(texts, codes):
                 by_code.setdefault(code, []).append(text)
             out_ids, out_mask, out_texts = [], [], []
-            for p in batch:  # a text dropped by generation leaves its slot empty: reward 0 below
+            for p in batch:  # a text dropped by generation leaves its slot empty: it ranks last below
                 mine = by_code.get(code_of[p], [])
                 text = mine.pop(0) if mine else ""
                 ids, mask = masked_completion(text, gen.tokenizer, schema)
@@ -122,29 +182,35 @@ class GRPO(Refinement):
 
         def reward(prompts: list[str], completions: list[str], fedsyn_text: list[str], **_: Any) -> list[float]:
             t = len(notes) + 1
-            if t > rounds:
-                raise RuntimeError(f"grpo: trl asked for reward round {t} of {rounds}; no vote beyond the plan")
+            if t > train_rounds:
+                raise RuntimeError(f"grpo: trl asked for reward round {t} of {train_rounds}; no vote beyond the plan")
             codes = [code_of[p] for p in prompts]
             keep = [i for i, text in enumerate(fedsyn_text) if text]
             scores = np.zeros(len(fedsyn_text))
             if keep:
                 scores[keep] = ctx.vote([fedsyn_text[i] for i in keep], [codes[i] for i in keep],
                                         **plan.request())
-            history.extend(round_rows(t, [fedsyn_text[i] for i in keep], [codes[i] for i in keep], scores[keep]))
+            valid = np.zeros(len(fedsyn_text), dtype=bool)
+            valid[keep] = True
+            advantages = rank_advantages(scores, group, cfg.grpo_advantage_clip, valid)
+            history.extend(round_rows(t, [fedsyn_text[i] for i in keep], [codes[i] for i in keep], scores[keep],
+                                      advantage=advantages[keep].tolist()))
             notes.append({"round": t, "texts": len(keep), "groups": len(fedsyn_text) // group,
                           "reward_mean": float(scores[keep].mean()) if keep else 0.0,
-                          "reward_std": float(scores[keep].std()) if keep else 0.0})
-            log.info("[grpo] round %d/%d: %d texts scored (mean DP reward %.3f)", t, rounds, len(keep),
-                     notes[-1]["reward_mean"])
-            return [float(s) for s in scores]
+                          "within_group_spread": within_group_spread(scores, group)})
+            log.info("[grpo] round %d/%d: %d texts scored (within-group spread of the DP scores %.3f)", t,
+                     train_rounds, len(keep), notes[-1]["within_group_spread"])
+            return [float(a) for a in advantages]
 
         on_cpu = model_device(gen.model).type == "cpu" or not torch.cuda.is_available()
         n_groups = len(rows)
         os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is the documented hook we need
         with tempfile.TemporaryDirectory(prefix="fedsyn-grpo-") as out:
+            # one batch of rollouts a round: steps_per_generation x num_iterations steps use it
             args = GRPOConfig(output_dir=out, per_device_train_batch_size=group, num_generations=group,
-                              steps_per_generation=n_groups, max_steps=rounds * n_groups,
-                              num_iterations=1, gradient_accumulation_steps=1,
+                              steps_per_generation=n_groups, num_iterations=cfg.grpo_iterations,
+                              max_steps=train_rounds * n_groups * cfg.grpo_iterations, gradient_accumulation_steps=1,
+                              beta=cfg.grpo_kl, scale_rewards="none",
                               learning_rate=cfg.grpo_learning_rate, save_strategy="no", report_to=[],
                               seed=cfg.seed, logging_steps=1, use_cpu=on_cpu,
                               bf16=not on_cpu and torch.cuda.is_bf16_supported(), gradient_checkpointing=False,
@@ -152,11 +218,14 @@ class GRPO(Refinement):
             trainer = GRPOTrainer(model=gen.model, reward_funcs=reward, args=args,  # type: ignore[arg-type]  # trl: list[float | None]; a list[float] is one
                                   train_dataset=Dataset.from_dict({"prompt": rows}),
                                   processing_class=gen.tokenizer, rollout_func=rollout)
-            result = trainer.train()
+            try:
+                result = trainer.train()
+            finally:  # trl's reference copy of the adapter (beta > 0): the saved weights are the trained adapter alone
+                if "ref" in getattr(gen.model, "peft_config", {}):
+                    gen.model.delete_adapter("ref")
         gen.model.eval()
+        logged = [e for e in trainer.state.log_history if "loss" in e]
+        clipped = [float(e[k]) for e in logged for k in e if k.startswith("clip_ratio") and k.endswith("mean")]
         for note in notes:
-            note["train_loss"] = float(result.training_loss)
-        final_texts, final_codes = gen.generate(ctx.allocation_for(final_size(cfg)), seed=cfg.seed + rounds + 1)
-        return Refined(final_texts, final_codes, np.arange(len(final_codes)), None, notes={"rounds": notes},
-                       trained_generator=bool(notes), history=history,
-                       writers=[REFINED if notes else ctx.writer] * len(final_texts))
+            note.update(train_loss=float(result.training_loss), steps=int(trainer.state.global_step),
+                        clip_ratio=float(np.mean(clipped)) if clipped else 0.0)

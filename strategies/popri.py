@@ -2,36 +2,56 @@
 
 T rounds (``refinement-rounds``); in each:
 
-1. the pool is the generator's samples by the allocation (round 1: the stage-3 pool; later
-   rounds regenerate with the updated generator). The prompt is the control code, so a
-   code's samples are the J responses to one prompt, in groups of J
-   (``popri-samples-per-prompt``, the paper's J = 10);
-2. every voter releases DP similarity scores of the pool (``similarity``: for each record,
-   its cosine similarities to the same-code texts, clipped to L2 norm 1, summed; L2
-   sensitivity 1) at ``epsilon_share = 1/T`` of its vote budget;
-3. in each group, the highest-scored text is *chosen* and the l-th highest
-   (``popri-rejected-rank``, the paper's l = 5) *rejected*;
-4. the generator's trainable weights (its LoRA adapter) are DPO-finetuned on those pairs
-   with ``trl``'s ``DPOTrainer``. The reference is the generator as the round starts (trl
-   copies the adapter), where the paper keeps the public checkpoint: here the generator
-   starts DP-finetuned, and DPO should not pull it back towards the pretrained model.
+1. **On-policy samples.** The pool is the current generator's samples by the profile's
+   allocation: round 1's is the stage-3 pool, written wholly by the finetuned weights for this
+   method (``Refinement.on_policy``: DPO learns from the writer's own samples, so none of the
+   pretrained model's, ``strategies.writers``); each later round's is written afresh by the
+   generator the previous round's DPO left. A prompt is a control code, and a code's samples
+   are cut into groups of J (``popri-samples-per-prompt``, the paper's J = 10): K = s / J groups,
+   each J responses to one prompt, as the paper's K prompts of J samples each.
+2. **DP scores.** Every voter releases its similarity scores of the pool (``popri-histogram``:
+   ``similarity``, the paper's, each record's cosine similarities to the same-code texts clipped
+   to L2 norm 1, summed; or ``centred-similarity``, the same vectors minus their mean, which keeps
+   more of the clip for the differences between texts), sensitivity 1, at ``1/T`` of its vote
+   budget; through secure aggregation where the sites share the noise, as in the paper.
+3. **Preference pairs**: in each group the best-scored text is *chosen* and the ℓ-th best
+   (``popri-rejected-rank``, the paper's ℓ = 5) *rejected*.
+4. **DPO** (``trl.DPOTrainer``, ``popri-loss``: ``dpo``, or ``ipo`` the paper's ablation) on the
+   generator's trainable weights (its LoRA adapter), ``popri-epochs`` epochs (0: no update, the
+   paired control: round 1's pool and scores are then the final population) at
+   ``popri-learning-rate`` and β = ``popri-beta``. A share ``popri-holdout`` of the pairs is held
+   out of training, and **the round's adapter is kept only if it raises the chosen-over-rejected
+   log-probability margin on those pairs**; otherwise the generator goes back to the weights it
+   started the round with. The paper keeps each round's checkpoint with the lowest FID against a
+   validation set of client data; a server here holds no such data, and the held-out pairs are
+   post-processing of released scores, free in ε.
 
-Then the final set, ``max(1, floor(r*s))`` texts by the profile's allocation, is generated
-with the finetuned generator (the paper's output step), so every method ends with the
-same number of texts; the run's saved model is the DPO-finetuned one.
+The last round trains nothing: its pool, written by the last kept adapter, and its released
+scores are the final population, and **the final set is drawn from it by A.4** (the paper's
+sampling), ``floor(r·n_c)`` texts per code as every method, with each code's scores centred on
+their mean first (post-processing: a record's similarity to every text of its code is about the
+same, so uncentred scores would make A.4 draw almost uniformly). So T = 1 is A.4 on one round of
+similarity scores, and T rounds train T − 1 times.
 
-Choices where the paper's setting differs from ours (written down here): POPri's privacy
-unit is a client, so it clips each *client's* mean similarity vector to 1; ours is one
-record of a node, so each *record's* vector is clipped to 1 and the node releases the sum
-(a mean would divide by the private |D|). A trailing group smaller than J is used when it
-has at least l texts. DPO runs 2 epochs (the paper's) at ``popri-learning-rate`` with
-beta = 0.1 (trl's default): the paper's 3e-7 to 8e-7 is for LLaMA-3-8B on 1,800 pairs a
-round and moves a small adapter on a few pairs not at all.
+Choices where the paper's setting differs from ours (written down here): POPri's privacy unit
+is a client, so it clips each *client's* mean similarity vector to 1; ours is one record of a
+node, so each *record's* vector is clipped to 1 and the node releases the sum (a mean would
+divide by the private |D|). A trailing group smaller than J is used when it has at least ℓ
+texts. DPO's reference is the generator as the round starts (trl copies the adapter), where the
+paper keeps the public checkpoint: here the generator starts DP-finetuned, and DPO should not
+pull it back towards the pretrained model. The paper's 3e-7 to 8e-7 learning rate is for
+LLaMA-3-8B's full projections on 1,800 pairs a round; a small adapter on tens of pairs needs
+orders of magnitude more (``popri-learning-rate``). The adapter is phase 1's (its rank and
+modules), not the paper's rank 4 on every projection: the DP-finetuned weights are where
+POPri starts.
 """
 
 from __future__ import annotations
 
+import copy
 import tempfile
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -44,15 +64,14 @@ from strategies.refinement import (
     Refinement,
     RefinementContext,
     VotePlan,
-    final_size,
     round_rows,
 )
+from strategies.resampling import resample_by_code
 
 log = get_logger("fedsyn")
-HISTOGRAM = "similarity"
-DPO_EPOCHS = 2
-DPO_BETA = 0.1
 DPO_BATCH = 8
+LOSS_TYPES = {"dpo": "sigmoid", "ipo": "ipo"}  # popri-loss -> trl's loss_type
+MARGIN_MAX_LENGTH = 512  # tokens of prompt + text scored for the held-out margin (generation writes fewer)
 
 
 def preference_pairs(codes: list[str], scores: np.ndarray, group: int, rejected_rank: int) -> list[tuple[int, int]]:
@@ -77,10 +96,75 @@ def preference_pairs(codes: list[str], scores: np.ndarray, group: int, rejected_
     return pairs
 
 
+def split_pairs(pairs: list[tuple[int, int]], holdout: float,
+                rng: np.random.Generator) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(train, held-out) pairs: ``round(holdout x n)`` pairs drawn at random are held out, at least
+    one when ``holdout`` > 0 and there are two pairs or more, and never all of them (a round trains
+    on one pair at least). Both keep the pairs' order."""
+    n = len(pairs)
+    held = 0 if holdout <= 0 or n < 2 else min(n - 1, max(1, round(holdout * n)))
+    out = set(rng.choice(n, size=held, replace=False).tolist()) if held else set()
+    return [p for i, p in enumerate(pairs) if i not in out], [p for i, p in enumerate(pairs) if i in out]
+
+
+def centred_by_code(codes: list[str], scores: np.ndarray) -> np.ndarray:
+    """Each score minus the mean of its code's scores: the weights A.4 draws the final set by."""
+    codes_arr, s = np.asarray(codes), np.asarray(scores, dtype=np.float64)
+    out = s.copy()
+    for code in set(codes):
+        mine = codes_arr == code
+        out[mine] -= s[mine].mean()
+    return out
+
+
+def logprob_margin(generator: Generator, prompts: list[str], chosen: list[str], rejected: list[str],
+                   batch: int = 16) -> float:
+    """The generator's mean over pairs of log p(chosen | prompt) − log p(rejected | prompt), each the
+    sum over the text's tokens and its eos (what DPO raises); 0.0 for no pair."""
+    import torch
+
+    from common.devices import model_device
+    from common.lm_loss import encode_examples, sequence_nll
+
+    if not prompts:
+        return 0.0
+    model, tok = generator.model, generator.tokenizer
+    was_training, old_side = model.training, tok.padding_side
+    model.eval()
+    tok.padding_side = "right"
+    logp: list[float] = []
+    try:
+        with torch.no_grad():
+            texts, ctx = list(chosen) + list(rejected), list(prompts) * 2
+            for i in range(0, len(texts), batch):
+                enc = encode_examples(tok, texts[i:i + batch], ctx[i:i + batch], MARGIN_MAX_LENGTH, lambda p: p)
+                device = model_device(model)
+                logits = model(input_ids=enc["input_ids"].to(device), attention_mask=enc["attention_mask"].to(device),
+                               position_ids=enc["position_ids"].to(device), use_cache=False).logits
+                nll, count = sequence_nll(logits, enc["labels"].to(device))
+                logp += (-(nll * count)).cpu().tolist()
+    finally:
+        tok.padding_side = old_side
+        model.train(was_training)
+    n = len(prompts)
+    return float(np.mean(np.asarray(logp[:n]) - np.asarray(logp[n:])))
+
+
+@dataclass
+class DPOStats:
+    """What one DPO run did: its optimiser steps and its training loss, mean, first and last step's."""
+
+    steps: int
+    loss: float
+    first_loss: float
+    last_loss: float
+
+
 def dpo_finetune(generator: Generator, prompts: list[str], chosen: list[str], rejected: list[str],
-                 learning_rate: float, seed: int) -> float:
+                 learning_rate: float, seed: int, *, beta: float = 0.1, loss: str = "dpo",
+                 epochs: int = 2) -> DPOStats:
     """DPO-finetune the generator's trainable weights in place on the preference pairs
-    (``trl.DPOTrainer``); returns the mean training loss."""
+    (``trl.DPOTrainer``; ``loss``: ``dpo`` or ``ipo``); returns its steps and losses."""
     import torch
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
@@ -95,10 +179,10 @@ def dpo_finetune(generator: Generator, prompts: list[str], chosen: list[str], re
         # one step of 8 pairs took minutes (benchmarks/README.md). The generator is small, so fp32
         # and no checkpointing on a CPU; bf16 on a GPU that has it.
         args = DPOConfig(output_dir=out, per_device_train_batch_size=min(DPO_BATCH, len(prompts)),
-                         num_train_epochs=DPO_EPOCHS, learning_rate=learning_rate, beta=DPO_BETA,
-                         max_length=None, save_strategy="no", report_to=[], seed=seed, logging_steps=1,
-                         use_cpu=on_cpu, bf16=not on_cpu and torch.cuda.is_bf16_supported(),
-                         gradient_checkpointing=False)
+                         num_train_epochs=epochs, learning_rate=learning_rate, beta=beta,
+                         loss_type=[LOSS_TYPES[loss]], max_length=None, save_strategy="no", report_to=[],
+                         seed=seed, logging_steps=1, use_cpu=on_cpu,
+                         bf16=not on_cpu and torch.cuda.is_bf16_supported(), gradient_checkpointing=False)
         trainer = DPOTrainer(model=generator.model, args=args, train_dataset=data, processing_class=generator.tokenizer)
         try:
             result = trainer.train()
@@ -109,47 +193,88 @@ def dpo_finetune(generator: Generator, prompts: list[str], chosen: list[str], re
             if "ref" in peft_config:
                 generator.model.delete_adapter("ref")
     generator.model.eval()
-    return float(result.training_loss)
+    losses = [float(e["loss"]) for e in trainer.state.log_history if "loss" in e]
+    mean = float(result.training_loss)
+    return DPOStats(int(trainer.state.global_step), mean, losses[0] if losses else mean, losses[-1] if losses else mean)
 
 
 class POPri(Refinement):
-    """T rounds of DP similarity scores -> preference pairs -> DPO on the generator; then regenerate."""
+    """T rounds of on-policy samples -> DP similarity scores -> DPO on preference pairs, each round's
+    adapter kept if held-out pairs say it learned; the last round's scores draw the final set (A.4)."""
 
     name = "popri"
+    on_policy = True
 
     def vote_plan(self, cfg: RunConfig) -> VotePlan:
-        """T = ``refinement-rounds`` rounds of similarity scores, each at epsilon_vote / T."""
-        return VotePlan(cfg.refinement_rounds, HISTOGRAM)
+        """T = ``refinement-rounds`` rounds of ``popri-histogram`` scores, each at epsilon_vote / T."""
+        return VotePlan(cfg.refinement_rounds, cfg.popri_histogram)
 
     def refine(self, ctx: RefinementContext) -> Refined:  # noqa: D102 - documented on Refinement
         cfg, gen = ctx.cfg, ctx.generator
         plan = self.vote_plan(cfg)
         rounds = plan.rounds
         texts, codes = list(ctx.texts), list(ctx.codes)
-        notes: list[dict[str, float]] = []
+        writer = ctx.writer
+        notes: list[dict[str, Any]] = []
         history: list[dict] = []
+        scores = np.zeros(len(texts))
         for t in range(1, rounds + 1):
             if t > 1:
                 texts, codes = gen.generate(ctx.allocation, seed=cfg.seed + t)
             scores = ctx.vote(texts, codes, **plan.request())
+            note: dict[str, Any] = {"round": t, "pool": len(texts)}
+            # the final population: its scores draw the final set, nothing is trained on them. Without
+            # an update (popri-epochs = 0, the paired control) that is round 1's: no vote is spent on pairs
+            if t == rounds or cfg.popri_epochs == 0:
+                history += round_rows(t, texts, codes, scores, role=[None] * len(texts))
+                notes.append(note)
+                break
             pairs = preference_pairs(codes, scores, cfg.popri_samples_per_prompt, cfg.popri_rejected_rank)
+            train, held = split_pairs(pairs, cfg.popri_holdout, np.random.default_rng([cfg.seed, t]))
             role: list[str | None] = [None] * len(texts)
             for i, j in pairs:
                 role[i], role[j] = "chosen", "rejected"
-            history += round_rows(t, texts, codes, scores, role=role)
-            note: dict[str, float] = {"round": t, "pool": len(texts), "pairs": len(pairs)}
-            if pairs:
-                note["dpo_loss"] = dpo_finetune(gen, [gen.prompt(codes[i]) for i, _ in pairs],
-                                                [texts[i] for i, _ in pairs], [texts[j] for _, j in pairs],
-                                                cfg.popri_learning_rate, cfg.seed + t)
+            history += round_rows(t, texts, codes, scores, role=role,
+                                  held_out=[any(k in p for p in held) for k in range(len(texts))])
+            note.update(pairs=len(pairs), train_pairs=len(train), held_out_pairs=len(held))
+            if train:
+                note.update(self._train_round(gen, cfg, t, texts, codes, train, held))
+                writer = REFINED if note["kept"] or writer == REFINED else writer
             else:
                 log.warning("[popri] round %d: no code has %d texts for a preference pair; DPO skipped",
                             t, cfg.popri_rejected_rank)
             notes.append(note)
-            log.info("[popri] round %d/%d: %d texts scored, %d preference pairs%s", t, rounds, len(texts), len(pairs),
-                     f", DPO loss {note['dpo_loss']:.4f}" if "dpo_loss" in note else "")
-        final_texts, final_codes = gen.generate(ctx.allocation_for(final_size(cfg)), seed=cfg.seed + rounds + 1)
-        trained = any("dpo_loss" in n for n in notes)
-        return Refined(final_texts, final_codes, np.arange(len(final_codes)), None, notes={"rounds": notes},
-                       trained_generator=trained, history=history,
-                       writers=[REFINED if trained else ctx.writer] * len(final_texts))
+        selected = resample_by_code(codes, centred_by_code(codes, scores), cfg.sampling_rate, cfg.seed)
+        trained = any(n.get("kept") for n in notes)
+        return Refined(texts, codes, selected, np.asarray(scores, dtype=np.float64), notes={"rounds": notes},
+                       trained_generator=trained, history=history, writers=[writer] * len(texts))
+
+    @staticmethod
+    def _train_round(gen: Generator, cfg: RunConfig, t: int, texts: list[str], codes: list[str],
+                     train: list[tuple[int, int]], held: list[tuple[int, int]]) -> dict[str, Any]:
+        """One round's DPO on ``train``, kept if the margin on ``held`` rises (no held pair: kept);
+        the round's note (steps, losses, margins, kept)."""
+        def margin(pairs: list[tuple[int, int]]) -> float:
+            return logprob_margin(gen, [gen.prompt(codes[i]) for i, _ in pairs], [texts[i] for i, _ in pairs],
+                                  [texts[j] for _, j in pairs])
+
+        before_weights = copy.deepcopy(gen.weights()) if held else None
+        before = margin(held) if held else 0.0
+        stats = dpo_finetune(gen, [gen.prompt(codes[i]) for i, _ in train], [texts[i] for i, _ in train],
+                             [texts[j] for _, j in train], cfg.popri_learning_rate, cfg.seed + t,
+                             beta=cfg.popri_beta, loss=cfg.popri_loss, epochs=cfg.popri_epochs)
+        note: dict[str, Any] = {"dpo_steps": stats.steps, "dpo_loss": stats.loss, "dpo_first_loss": stats.first_loss,
+                                "dpo_last_loss": stats.last_loss, "train_margin": margin(train)}
+        kept = True
+        if held:
+            after = margin(held)
+            kept = after > before
+            note.update(held_out_margin_before=before, held_out_margin_after=after)
+            if not kept:
+                gen.load(before_weights)
+        note["kept"] = kept
+        log.info("[popri] round %d: %d pairs (%d held out), %d DPO steps, loss %.4f -> %.4f; held-out margin "
+                 "%s -> %s: adapter %s", t, len(train) + len(held), len(held), stats.steps, stats.first_loss,
+                 stats.last_loss, f"{before:.3f}" if held else "-",
+                 f"{note['held_out_margin_after']:.3f}" if held else "-", "kept" if kept else "discarded")
+        return note

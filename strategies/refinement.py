@@ -149,6 +149,10 @@ class Refinement(ABC):
     # ask of them, so each can say up front whether its budget covers the run (a method that
     # votes while saying False is still bounded by every node's ledger).
     asks_votes: bool = True
+    # Whether the method trains the generator on the generator's own samples (POPri's DPO pairs, GRPO's
+    # rollouts): then the stage-3 pool is written wholly by the weights it trains, none of it by the
+    # pretrained model (``strategies.writers``), or round 1's pairs would be off-policy.
+    on_policy: bool = False
 
     def vote_plan(self, cfg: RunConfig) -> VotePlan | None:
         """The votes this method asks for in a run of ``cfg``; None: none, or not declared (then

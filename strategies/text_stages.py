@@ -116,7 +116,8 @@ class TextStages:
             # res.arrays the rest
             res.pretrained_share, res.writers_note = effective_share(
                 self.cfg.pretrained_share, finetuned=res.finetuned,
-                votes=self.refinement.asks_votes and bool(self.session.members.voters))
+                votes=self.refinement.asks_votes and bool(self.session.members.voters),
+                on_policy=self.refinement.on_policy)
             log.info("writers: %s", res.writers_note)
             pool = generate_pool(self.generator, res.allocation,
                                  pretrained_counts(res.allocation, res.pretrained_share, res.pretrained_codes),

@@ -25,11 +25,13 @@ The split applies only where it can be judged and where there are two writers:
 - nobody votes (a refinement that asks no votes, such as ``none`` or ``uniform``, or no voter in
   the run): nothing could choose between the writers, so the pool is the finetuned model's alone,
   the paper's, and ``fedsyn plan`` and the log say so;
+- the refinement trains the generator on its samples (POPri, GRPO: ``Refinement.on_policy``): its
+  pairs and rollouts must be the trained writer's own, so the pool is the finetuned model's alone;
 - a code phase 1 saw too little of (``coverage-floor``, opt-in) is written by θ⁰ alone: the
   special case of a share of 1 for that code, decided from the noisy profiles.
 
 A refinement that writes new texts (PE's variations, POPri's regenerations) writes them with the
-weights the generator holds, tagged ``ctx.writer``; POPri's DPO-trained model is ``refined``.
+weights the generator holds, tagged ``ctx.writer``; a text POPri's or GRPO's trained model wrote is ``refined``.
 """
 
 from __future__ import annotations
@@ -51,15 +53,19 @@ from strategies.result import FedSynResult
 PRETRAINED_PROMPT = "instruction"
 
 
-def effective_share(share: float, *, finetuned: bool, votes: bool) -> tuple[float, str]:
+def effective_share(share: float, *, finetuned: bool, votes: bool, on_policy: bool = False) -> tuple[float, str]:
     """The share of each code's pool θ⁰ writes in this run, and why, from the run-config
-    ``share``, whether phase 1 trained the weights (``finetuned``) and whether any vote will
-    judge the pool (``votes``: the refinement asks votes and the run has a voter)."""
+    ``share``, whether phase 1 trained the weights (``finetuned``), whether any vote will
+    judge the pool (``votes``: the refinement asks votes and the run has a voter) and whether the
+    refinement trains the generator on its own samples (``on_policy``, ``Refinement.on_policy``)."""
     if not finetuned:
         return 1.0, "phase 1 did not train: every text is written by the pretrained model"
     if not votes:
         return 0.0, ("no vote judges the pool (no voter, or a refinement without votes): every text is written by "
                      "the finetuned model (pretrained-share does not apply)")
+    if on_policy:
+        return 0.0, ("the refinement trains the generator on its own samples: every text is written by the finetuned "
+                     "model it trains (pretrained-share does not apply)")
     return share, (f"each code's pool {share:.0%} by the pretrained model, {1 - share:.0%} by the finetuned one; "
                    "the votes choose between them")
 

@@ -641,7 +641,8 @@ def _vector(reply: Message) -> np.ndarray:
 # ----------------------------------------------------------------------- every release, once
 CANDIDATES = (("a text about x", CODES[0]), ("one about y", CODES[1]), ("record 0 about z", CODES[2]),
               ("record 3 about x and its subject xxx", CODES[0]), ("review 4: a fine film about y", CODES[1]))
-VOTE_KINDS = ("knn-vote", "contrastive-vote", "nearest-neighbour", "similarity")  # every registered histogram
+# every registered histogram
+VOTE_KINDS = ("knn-vote", "contrastive-vote", "nearest-neighbour", "similarity", "centred-similarity")
 # the marginals a table's release counts: every column alone and two pairs (L2 sensitivity sqrt(5))
 CLIQUES = '[["topic"], ["stars"], ["size"], ["topic", "stars"], ["stars", "size"]]'
 

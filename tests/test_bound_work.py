@@ -38,7 +38,8 @@ def _inputs(seed: int, n: int, pool: int = 30, dim: int = 8):
 HISTOGRAMS = {"knn-vote": lambda *a, **kw: voting.knn_votes(*a, 3, **kw),
               "nearest-neighbour": lambda *a, **kw: voting.knn_votes(*a, 1, **kw),
               "contrastive-vote": lambda *a, **kw: voting.contrastive_votes(*a, 3, **kw),
-              "similarity": voting.similarity_scores}
+              "similarity": voting.similarity_scores,
+              "centred-similarity": lambda *a, **kw: voting.similarity_scores(*a, centred=True, **kw)}
 
 
 @pytest.mark.parametrize("name", sorted(HISTOGRAMS))
@@ -109,7 +110,8 @@ def test_finding7_the_sensitivity_holds_with_the_filler(name):
     from common.histograms import sensitivity
 
     fn = HISTOGRAMS[name]
-    bound = {"knn-vote": math.sqrt(3), "nearest-neighbour": 1.0, "contrastive-vote": math.sqrt(6), "similarity": 1.0}
+    bound = {"knn-vote": math.sqrt(3), "nearest-neighbour": 1.0, "contrastive-vote": math.sqrt(6), "similarity": 1.0,
+             "centred-similarity": 1.0}
     assert sensitivity(name, {"num-votes": 3}) == pytest.approx(bound[name])
     local, codes, syn, syn_codes = _inputs(11, 41)
     for i in range(40):  # D = the first 40 records, D' = D plus record 40 with each code in turn

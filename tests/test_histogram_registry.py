@@ -59,7 +59,8 @@ def test_a_registered_histogram_votes_through_the_node_and_the_plan_reads_it(toy
 
 
 def test_an_unknown_histogram_is_named_with_the_known_ones():
-    with pytest.raises(ConfigError, match=r"'nope' is unknown on this node; known: \['contrastive-vote'"):
+    known = r"known: \['centred-similarity', 'contrastive-vote'"
+    with pytest.raises(ConfigError, match=r"'nope' is unknown on this node; " + known):
         vote_histogram("nope", TextData(["x"], ["a"]), ["y"], ["a"], {}, RunConfig())
     with pytest.raises(ConfigError, match="known: "):
         histograms.histogram("nope")
@@ -148,4 +149,4 @@ def test_the_shipped_histograms_state_their_bounds():
     params = {"num-votes": 3}
     assert {n: (h.sensitivity(params), h.formula) for n, h in HISTOGRAMS.items()} == {
         "knn-vote": (math.sqrt(3), "sqrt(K)"), "contrastive-vote": (math.sqrt(6), "sqrt(2K)"),
-        "nearest-neighbour": (1.0, "1"), "similarity": (1.0, "1")}
+        "nearest-neighbour": (1.0, "1"), "similarity": (1.0, "1"), "centred-similarity": (1.0, "1")}

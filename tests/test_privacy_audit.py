@@ -151,7 +151,7 @@ def test_the_audit_passes_the_node_as_built(site, capsys, monkeypatch, tmp_path)
     assert code == 0, text
     rows = {line.split()[0]: line.split() for line in text.splitlines() if line.startswith(("profile", "vote:"))}
     assert set(rows) == {"profile", "vote:knn-vote", "vote:contrastive-vote", "vote:nearest-neighbour",
-                         "vote:similarity"}
+                         "vote:similarity", "vote:centred-similarity"}
     stated, lower = float(rows["profile"][1]), float(rows["profile"][2])
     assert 0 < lower <= stated  # the bound is informative and below the statement
     assert rows["profile"][-1] == "ok" and "1/1" in " ".join(rows["profile"])  # the measured sensitivity is 1

@@ -62,7 +62,7 @@ def test_the_matrix_scores_what_embedding_the_records_then_would(tmp_path, build
     cfg = RunConfig(max_length=WINDOW // 2)
     texts = ["the match ended in a draw", "markets fell on monday", "a new phone"]
     codes = ["topic=a", "topic=b", "topic=a"]
-    for name in ("knn-vote", "contrastive-vote", "nearest-neighbour", "similarity"):
+    for name in ("knn-vote", "contrastive-vote", "nearest-neighbour", "similarity", "centred-similarity"):
         cached, _ = vote_histogram(name, records, texts, codes, {"num-votes": 2}, cfg, bound=BOUND,
                                    embedded=node.embedded(VOCABULARY, False, MINILM, cfg.vote_window, cfg.precision))
         fresh, _ = vote_histogram(name, records, texts, codes, {"num-votes": 2}, cfg, bound=BOUND)

@@ -18,7 +18,7 @@ from common.voting import contrastive_votes, knn_votes, similarity_scores
 from fedsyn_server.outputs import write_outputs
 from strategies.popri import preference_pairs
 from strategies.private_evolution import next_generation
-from strategies.refinement import Refinement, build_refinement, final_size
+from strategies.refinement import Refinement, build_refinement
 from strategies.resampling import resample_by_code
 from tests import test_strategy
 from tests.test_strategy import nodes_for, run, run_config
@@ -61,6 +61,7 @@ PURE = {
     "nearest-neighbour": (lambda *a: knn_votes(*a, 1), 1.0),
     "contrastive-vote": (lambda *a: contrastive_votes(*a, 3), math.sqrt(6)),
     "similarity": (similarity_scores, 1.0),
+    "centred-similarity": (lambda *a: similarity_scores(*a, centred=True), 1.0),
 }
 
 
@@ -255,18 +256,26 @@ def test_multi_round_refinements_split_epsilon_vote_across_their_rounds(dataset,
                 dropped = [r["score"] for r in by_round[t] if r["control_code"] == code and not r["survived"]]
                 assert kept and min(kept) >= max(dropped, default=-math.inf)
     else:
-        assert len(res.selected) == len(res.pool_texts) == pytest.approx(final_size(cfg), abs=len(res.allocation))
-        assert all(r["pairs"] > 0 and math.isfinite(r["dpo_loss"]) for r in res.refinement["rounds"])
+        # rounds 1 and 2 train on their pairs; round 3 is the final population, drawn from by A.4
+        population = Counter(res.pool_codes)
+        assert all(per_code[c] == max(1, math.floor(cfg.sampling_rate * n)) for c, n in population.items())
+        assert [r["text"] for r in last] == res.pool_texts and [r["score"] for r in last] == pytest.approx(res.votes)
+        assert {r["role"] for r in last} == {None} and "pairs" not in res.refinement["rounds"][2]
+        trained = res.refinement["rounds"][:2]
+        assert all(r["pairs"] > 0 and r["dpo_steps"] > 0 and math.isfinite(r["dpo_loss"]) for r in trained)
+        assert all(r["held_out_pairs"] >= 1 and r["train_pairs"] + r["held_out_pairs"] == r["pairs"] for r in trained)
         j = cfg.popri_samples_per_prompt
-        for t, note in zip((1, 2, 3), res.refinement["rounds"]):
+        for t, note in zip((1, 2), trained):
             assert Counter(r["role"] for r in by_round[t]) == {"chosen": note["pairs"], "rejected": note["pairs"],
                                                               None: len(by_round[t]) - 2 * note["pairs"]}
+            assert sum(r["held_out"] for r in by_round[t]) == 2 * note["held_out_pairs"]
             for code in {r["control_code"] for r in by_round[t]}:  # each group of J: its top text is chosen
                 mine = [r for r in by_round[t] if r["control_code"] == code]
                 for group in (mine[k:k + j] for k in range(0, len(mine), j)):
                     top = max(group, key=lambda r: r["score"])
                     assert top["role"] == ("chosen" if len(group) >= cfg.popri_rejected_rank else None)
-        assert res.generator_refined  # the saved model is the DPO-finetuned one, and only its adapter
+        # the saved model is a kept DPO adapter, and only its adapter, exactly when a round kept one
+        assert res.generator_refined == any(r["kept"] for r in trained)
         from fedsyn_server.synthesis import ServerModel
 
         assert list(res.arrays.keys()) == list(ServerModel(cfg).weights().keys())
@@ -328,22 +337,25 @@ def test_grpo_masks_the_servers_column_names_out_of_a_rows_completion():
 
 def test_grpo_learns_from_the_dp_votes_alone_one_round_each(dataset, tmp_path):
     """``refinement = "grpo"`` through the strategy with the real ClientApp: trl's reward is one
-    similarity vote round per round, at epsilon_vote / T on every voter; the adapter moves and is
-    what the run saves; the final set is regenerated at the common final size."""
-    rc = run_config(dataset, refinement="grpo", **{"num-server-rounds": 1, "refinement-rounds": 2,
+    centred-similarity vote round per training round, at epsilon_vote / T on every voter; the adapter
+    moves and is what the run saves; the last round scores the trained generator's population and
+    A.4 draws the common final size from it."""
+    rc = run_config(dataset, refinement="grpo", **{"num-server-rounds": 1, "refinement-rounds": 3,
                                                    "grpo-group-size": 4})
     res, grid, _ = run(rc, nodes_for(rc, 3, tmp_path))
     cfg = RunConfig.from_flower(rc)
     assert not res.failures
-    assert [(c["histogram"], c["epsilon-share"]) for c in _vote_configs(grid)] == [("similarity", 0.5)] * 2
+    assert [(c["histogram"], c["epsilon-share"]) for c in _vote_configs(grid)] == [("centred-similarity",
+                                                                                    pytest.approx(1 / 3))] * 3
     for weak in (101, 102):
-        assert [r["round"] for r in _vote_releases(res, weak)] == [1, 2]
+        assert [r["round"] for r in _vote_releases(res, weak)] == [1, 2, 3]
         assert res.ledgers[weak]["epsilon-spent"] == pytest.approx(cfg.epsilon)
     rounds = res.refinement["rounds"]
-    assert [r["round"] for r in rounds] == [1, 2] and all(r["texts"] > 0 for r in rounds)
-    assert all(math.isfinite(r["train_loss"]) for r in rounds)
+    assert [r["round"] for r in rounds] == [1, 2, 3] and all(r["texts"] > 0 for r in rounds)
+    assert all(math.isfinite(r["train_loss"]) and r["steps"] > 0 for r in rounds[:2])
     assert res.generator_refined
-    assert len(res.selected) == len(res.pool_texts) == pytest.approx(final_size(cfg), abs=len(res.allocation))
+    per_code = Counter(res.pool_codes[i] for i in res.selected)
+    assert all(per_code[c] == max(1, math.floor(cfg.sampling_rate * n)) for c, n in Counter(res.pool_codes).items())
 
 
 # --------------------------------------------------------------------------- vote plans (no Flower)
@@ -390,7 +402,8 @@ def test_the_plan_and_the_nodes_read_one_sensitivity_per_histogram():
     from strategies.refinement import planned_votes
 
     params = {"num-votes": 3}
-    expected = {"knn-vote": math.sqrt(3), "contrastive-vote": math.sqrt(6), "nearest-neighbour": 1.0, "similarity": 1.0}
+    expected = {"knn-vote": math.sqrt(3), "contrastive-vote": math.sqrt(6), "nearest-neighbour": 1.0, "similarity": 1.0,
+                "centred-similarity": 1.0}
     records = TextData(["x"], ["a"])
     for name, value in expected.items():
         assert histograms.sensitivity(name, params) == pytest.approx(value)

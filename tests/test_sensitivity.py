@@ -102,7 +102,8 @@ def test_finding3_every_release_is_within_its_stated_sensitivity(tmp_path, shape
     the neighbour's record in the view (some payload moves)."""
     distances = check(shape, neighbour, tmp_path)
     answered = {x.release for x in distances}
-    votes = {f"vote:{h}" for h in ("knn-vote", "contrastive-vote", "nearest-neighbour", "similarity")}
+    votes = {f"vote:{h}" for h in ("knn-vote", "contrastive-vote", "nearest-neighbour", "similarity",
+                                    "centred-similarity")}
     assert EXPECTED[shape.path] | (votes if shape.path != "marginals" else set()) <= answered, answered
     assert max(x.distance for x in distances) > 0, distances
 

@@ -59,6 +59,10 @@ def test_the_share_applies_only_where_two_writers_exist_and_a_vote_judges_them()
     assert share == 0.0 and "finetuned model" in why and "pretrained-share does not apply" in why
     share, why = effective_share(0.4, finetuned=False, votes=True)
     assert share == 1.0 and "pretrained model" in why
+    # POPri and GRPO train the writer on its own samples: none of the pool is the pretrained model's
+    share, why = effective_share(0.4, finetuned=True, votes=True, on_policy=True)
+    assert share == 0.0 and "own samples" in why
+    assert effective_share(0.4, finetuned=False, votes=True, on_policy=True)[0] == 1.0  # θ⁰ is then the writer trained
 
 
 def test_each_code_gets_its_share_rounded_half_up_and_coverage_floor_codes_all_of_it():

@@ -1,0 +1,224 @@
+"""Issue 74: POPri's DPO and GRPO move what they train, and each test fails when the update is a no-op.
+
+The scores here are a teacher's, not a federation's: each text's mean, over its tokens, of a fixed
+direction in the tiny generator's own embedding space. A generator can learn that (it raises the
+logits of the tokens along it), so a working update raises it and a no-op does not. The Flower path
+(votes from real ClientApps, the ledgers) is ``tests/test_refinement.py``'s; the maths, pure, is below.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from common.config import RunConfig
+from strategies.grpo import GRPO, rank_advantages, within_group_spread
+from strategies.popri import POPri, centred_by_code, logprob_margin, preference_pairs, split_pairs
+from strategies.refinement import REFINED, RefinementContext
+
+CODES = ["topic=a", "topic=b"]
+
+
+# --------------------------------------------------------------------------- pure maths
+def test_split_pairs_holds_out_a_share_but_never_all_and_keeps_the_order():
+    pairs = [(2 * i, 2 * i + 1) for i in range(8)]
+    train, held = split_pairs(pairs, 0.25, np.random.default_rng(0))
+    assert len(held) == 2 and len(train) == 6 and sorted(train + held) == pairs
+    assert train == sorted(train) and held == sorted(held)
+    assert split_pairs(pairs, 0.0, np.random.default_rng(0)) == (pairs, [])
+    assert split_pairs(pairs[:1], 0.5, np.random.default_rng(0)) == (pairs[:1], [])  # one pair: trained on
+    assert len(split_pairs(pairs[:2], 0.9, np.random.default_rng(0))[0]) == 1  # never all held out
+
+
+def test_centred_scores_sum_to_zero_per_code_and_keep_each_codes_order():
+    codes = ["a", "a", "b", "b", "b"]
+    s = np.array([10.0, 12.0, 3.0, 1.0, 2.0])
+    c = centred_by_code(codes, s)
+    assert c.tolist() == [-1.0, 1.0, 1.0, -1.0, 0.0]
+
+
+def test_rank_advantages_are_standardised_ranks_per_group_clipped_and_invalid_last():
+    s = np.array([0.3, -5.0, 100.0, 0.1, 7.0, 7.5])
+    a = rank_advantages(s, 3, 5.0)
+    z = (np.arange(3) - 1) / np.std(np.arange(3))
+    assert a[:3].tolist() == pytest.approx([0.0, z[0], z[2]])  # ranks, not values: 100 counts as one step up
+    assert a[3:].tolist() == pytest.approx([z[0], z[1], z[2]])
+    groups = a.reshape(2, 3)
+    assert groups.mean(axis=1) == pytest.approx([0, 0]) and groups.std(axis=1) == pytest.approx([1, 1])
+    # a text generation dropped ranks below every scored one of its group
+    b = rank_advantages(s, 3, 5.0, valid=np.array([True, True, False, True, True, True]))
+    assert b[2] == pytest.approx(z[0]) and b[1] == pytest.approx(z[1])
+    assert rank_advantages(s, 3, 0.5).max() == 0.5  # the clip acts where the ranks reach it
+    assert rank_advantages(np.array([1.0, 2.0, 3.0]), 2, 5.0)[2] == 0.0  # a group of one: no advantage
+    assert within_group_spread(np.array([0.0, 2.0, 5.0, 5.0]), 2) == pytest.approx(0.5)
+
+
+def test_centred_similarity_removes_each_records_level_and_keeps_its_preferences():
+    from common.voting import similarity_scores
+
+    rng = np.random.default_rng(0)
+    syn = rng.normal(size=(6, 8))
+    syn /= np.linalg.norm(syn, axis=1, keepdims=True)
+    loc = syn[:2] + 0.1 * rng.normal(size=(2, 8))
+    loc /= np.linalg.norm(loc, axis=1, keepdims=True)
+    codes, syn_codes = ["a", "a"], ["a", "a", "a", "b", "b", "b"]
+    plain = similarity_scores(loc, codes, syn, syn_codes)
+    centred = similarity_scores(loc, codes, syn, syn_codes, centred=True)
+    assert centred[3:].tolist() == [0.0] * 3 and abs(centred[:3].sum()) < 1e-9  # per record, per code: mean 0
+    assert np.argsort(centred[:3]).tolist() == np.argsort(plain[:3]).tolist()  # same preferences (no clip acts)
+
+
+# --------------------------------------------------------------------------- the teacher
+@pytest.fixture(scope="module")
+def generator():
+    from fedsyn_server.synthesis import ServerModel
+
+    return ServerModel(RunConfig(model="tiny-gpt2", max_new_tokens=8, seed=0, temperature=1.0))
+
+
+class Teacher:
+    """A text's mean, over its tokens, of a fixed direction of the generator's embeddings (standardised)."""
+
+    def __init__(self, gen) -> None:
+        emb = gen.model.get_input_embeddings().weight.detach().numpy()
+        u = np.random.default_rng(1).normal(size=emb.shape[1])
+        p = emb @ (u / np.linalg.norm(u))
+        self.value, self.tok = (p - p.mean()) / p.std(), gen.tokenizer
+
+    def __call__(self, texts: list[str]) -> np.ndarray:
+        ids = [self.tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+        return np.array([float(self.value[i].mean()) if i else 0.0 for i in ids])
+
+
+class Votes:
+    """A ``ctx.vote`` that answers with the teacher's scores of the texts (and records the requests)."""
+
+    def __init__(self, teacher: Teacher) -> None:
+        self.teacher, self.requests = teacher, []
+
+    def __call__(self, texts, codes, histogram="knn-vote", epsilon_share=1.0, **params):
+        self.requests.append((histogram, epsilon_share, len(texts)))
+        return self.teacher(texts)
+
+
+def _fresh(gen, teacher: Teacher, n: int = 48) -> float:
+    """The teacher's mean score of ``n`` fresh samples per code (seed fixed: the weights decide)."""
+    texts, _ = gen.generate({c: n for c in CODES}, seed=12345)
+    return float(teacher(texts).mean())
+
+
+def _ctx(gen, cfg: RunConfig, votes: Votes) -> RefinementContext:
+    allocation = {c: cfg.num_synthetic // len(CODES) for c in CODES}
+    texts, codes = gen.generate(allocation, seed=cfg.seed)
+    return RefinementContext(cfg=cfg, texts=texts, codes=codes, allocation=allocation,
+                             profile=np.ones(len(CODES)), vocabulary=list(CODES), generator=gen, vote=votes,
+                             rng=np.random.default_rng(0))
+
+
+# --------------------------------------------------------------------------- DPO
+def test_dpo_raises_the_chosen_over_rejected_margin_on_held_out_pairs(generator):
+    """Pairs of the teacher's preference: DPO on some raises the log-probability margin on others it
+    never saw. A no-op update (the weights as they were) leaves the margin where it was."""
+    from strategies.popri import dpo_finetune
+
+    gen, teacher = generator, Teacher(generator)
+    start = gen.weights()
+    try:
+        texts, codes = gen.generate({c: 160 for c in CODES}, seed=3)
+        pairs = preference_pairs(codes, teacher(texts), 8, 5)
+        train, held = split_pairs(pairs, 0.3, np.random.default_rng(0))
+
+        def margin(ps):
+            return logprob_margin(gen, [gen.prompt(codes[i]) for i, _ in ps], [texts[i] for i, _ in ps],
+                                  [texts[j] for _, j in ps])
+
+        before = margin(held)
+        stats = dpo_finetune(gen, [gen.prompt(codes[i]) for i, _ in train], [texts[i] for i, _ in train],
+                             [texts[j] for _, j in train], 5e-2, 0, epochs=4)
+        after = margin(held)
+        assert stats.steps >= len(train) * 4 // 8 and stats.last_loss < stats.first_loss < 0.70  # the loss fell
+        # what it trains, measured on pairs it did not train on (the tiny model moves little: its
+        # distribution is close to uniform; +0.36 nats measured)
+        assert after > before + 0.2, (before, after)
+        gen.load(start)
+        assert margin(held) == pytest.approx(before, abs=1e-4)  # the measure reads the weights, nothing else
+    finally:
+        gen.load(start)
+
+
+def test_popri_keeps_an_adapter_that_learned_and_moves_fresh_samples(generator):
+    """Two rounds: round 1's pairs train the generator, its held-out pairs keep the adapter, round 2
+    is the final population drawn by A.4 from its scores, and fresh samples score higher than before."""
+    gen, teacher = generator, Teacher(generator)
+    start = gen.weights()
+    try:
+        cfg = RunConfig(model="tiny-gpt2", max_new_tokens=8, num_synthetic=320, refinement="popri",
+                        refinement_rounds=2, popri_samples_per_prompt=8, popri_rejected_rank=5,
+                        popri_learning_rate=5e-2, popri_epochs=4, popri_holdout=0.25)
+        before = _fresh(gen, teacher)
+        votes = Votes(teacher)
+        out = POPri().refine(_ctx(gen, cfg, votes))
+        note = out.notes["rounds"][0]
+        assert note["kept"] and note["held_out_margin_after"] > note["held_out_margin_before"]
+        assert note["pairs"] == 40 and note["held_out_pairs"] == 10 and note["dpo_steps"] == 4 * math.ceil(30 / 8)
+        assert note["dpo_last_loss"] < note["dpo_first_loss"]
+        assert votes.requests == [("similarity", 0.5, 320)] * 2
+        assert out.trained_generator and set(out.writers) == {REFINED}
+        # the final set: floor(r * n_c) per code, A.4 from the last round's scores (the population is round 2's)
+        assert len(out.selected) == sum(math.floor(cfg.sampling_rate * 160) for _ in CODES)
+        assert out.votes.tolist() == pytest.approx(teacher(out.texts).tolist())
+        assert out.history[-1]["round"] == 2 and len([r for r in out.history if r["round"] == 2]) == len(out.texts)
+        assert _fresh(gen, teacher) > before + 0.03  # measured +0.064; at a learning rate of 1e-9, +0.000
+    finally:
+        gen.load(start)
+
+
+def test_popri_discards_a_rounds_adapter_when_the_held_out_margin_does_not_rise(generator, monkeypatch):
+    """A DPO that moves the weights the wrong way (here: a no-op followed by noise) is caught by the
+    held-out pairs and the generator goes back to the round's start."""
+    import strategies.popri as popri
+    from common.weights import trainable_state
+
+    gen, teacher = generator, Teacher(generator)
+    start = gen.weights()
+
+    def wrong(g, prompts, chosen, rejected, lr, seed, **_):  # the rejected texts as the chosen: unlearns
+        return real(g, prompts, rejected, chosen, lr, seed, epochs=4)
+
+    real = popri.dpo_finetune
+    monkeypatch.setattr(popri, "dpo_finetune", wrong)
+    try:
+        before = {k: np.array(v, copy=True) for k, v in trainable_state(gen.model).items()}
+        cfg = RunConfig(model="tiny-gpt2", max_new_tokens=8, num_synthetic=320, refinement="popri",
+                        refinement_rounds=2, popri_samples_per_prompt=8, popri_learning_rate=5e-2)
+        out = POPri().refine(_ctx(gen, cfg, Votes(teacher)))
+        note = out.notes["rounds"][0]
+        assert not note["kept"] and note["held_out_margin_after"] <= note["held_out_margin_before"]
+        assert not out.trained_generator and REFINED not in out.writers
+        assert all(np.array_equal(before[k], v) for k, v in trainable_state(gen.model).items())
+    finally:
+        gen.load(start)
+
+
+# --------------------------------------------------------------------------- GRPO
+def test_grpo_raises_the_reward_of_fresh_samples(generator):
+    """Rank advantages of the teacher's scores, two iterations a batch, KL 0.01: fresh samples of the
+    trained generator score higher; the last round scores its population and A.4 draws the final set."""
+    gen, teacher = generator, Teacher(generator)
+    start = gen.weights()
+    try:
+        cfg = RunConfig(model="tiny-gpt2", max_new_tokens=8, num_synthetic=64, refinement="grpo",
+                        refinement_rounds=4, grpo_group_size=8, grpo_learning_rate=2e-2, grpo_iterations=2)
+        before = _fresh(gen, teacher)
+        votes = Votes(teacher)
+        out = GRPO().refine(_ctx(gen, cfg, votes))
+        assert [h for h, _, _ in votes.requests] == ["centred-similarity"] * 4
+        assert [r["round"] for r in out.notes["rounds"]] == [1, 2, 3, 4]
+        assert out.notes["rounds"][0]["steps"] == 3 * 8 * 2  # 3 training rounds x 8 groups x 2 iterations
+        assert out.trained_generator and "ref" not in gen.model.peft_config
+        assert len(out.selected) == sum(math.floor(cfg.sampling_rate * 32) for _ in CODES)
+        assert _fresh(gen, teacher) > before + 0.05  # measured +0.095; at a learning rate of 1e-9, +0.0006
+    finally:
+        gen.load(start)

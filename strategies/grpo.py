@@ -4,7 +4,8 @@
 T rounds (``refinement-rounds``). Rounds 1 to T − 1 are one ``trl`` training run; in each:
 
 1. **Rollouts by the server's generator.** For every code, groups of G texts
-   (``grpo-group-size``) are sampled by ``Generator.generate``, handed to trl as its
+   (``grpo-group-size``; round 1's from the stage-3 pool, which the same weights wrote, since
+   ``on_policy``) are sampled by ``Generator.generate``, handed to trl as its
    ``rollout_func``: trl's loop, our sampler (for a table, the row writer under each column's
    grammar). The number of groups per code follows the profile's allocation of the pool.
 2. **The reward is one DP vote round.** trl's reward function is ``ctx.vote`` on the round's
@@ -164,8 +165,13 @@ class GRPO(Refinement):
             # trl hands over each prompt once per completion it wants (its sampler repeats a group's prompt G times)
             want = Counter(code_of[p] for p in batch)
             t = len(notes) + 1
-            texts, codes = gen.generate(want, seed=cfg.seed + 7919 * t)
             by_code: dict[str, list[str]] = {}
+            if t == 1:  # round 1's rollouts: the stage-3 pool, the same weights' samples (on_policy), not written twice
+                for text, code in zip(ctx.texts, ctx.codes):
+                    if len(by_code.setdefault(code, [])) < want.get(code, 0):
+                        by_code[code].append(text)
+            short = {c: n - len(by_code.get(c, [])) for c, n in want.items() if n > len(by_code.get(c, []))}
+            texts, codes = gen.generate(short, seed=cfg.seed + 7919 * t) if short else ([], [])
             for text, code in zip(texts, codes):
                 by_code.setdefault(code, []).append(text)
             out_ids, out_mask, out_texts = [], [], []
@@ -225,7 +231,7 @@ class GRPO(Refinement):
                     gen.model.delete_adapter("ref")
         gen.model.eval()
         logged = [e for e in trainer.state.log_history if "loss" in e]
-        clipped = [float(e[k]) for e in logged for k in e if k.startswith("clip_ratio") and k.endswith("mean")]
+        clipped = [float(e["clip_ratio/region_mean"]) for e in logged if "clip_ratio/region_mean" in e]  # trl's share
         for note in notes:
             note.update(train_loss=float(result.training_loss), steps=int(trainer.state.global_step),
                         clip_ratio=float(np.mean(clipped)) if clipped else 0.0)

@@ -197,9 +197,9 @@ def test_dpo_trains_the_adapter_in_fp32_without_checkpointing_on_a_cpu_and_gener
     gen = ServerModel(RunConfig(model="tiny-gpt2", max_new_tokens=4))
     before = {k: np.array(v, copy=True) for k, v in trainable_state(gen.model).items()}
     prompt = gen.prompt("topic=sport")
-    loss = dpo_finetune(gen, [prompt] * 4, ["a goal in the last minute"] * 4, ["shares fell on monday"] * 4, 1e-3, 0)
+    stats = dpo_finetune(gen, [prompt] * 4, ["a goal in the last minute"] * 4, ["shares fell on monday"] * 4, 1e-3, 0)
     model = gen.model
-    assert math.isfinite(loss) and not model.training
+    assert math.isfinite(stats.loss) and stats.steps == 2 and not model.training  # 2 epochs of one batch of 4
     assert any(not np.array_equal(before[k], v) for k, v in trainable_state(model).items())  # the adapter moved
     assert not model.is_gradient_checkpointing and next(model.parameters()).dtype == torch.float32
     assert "ref" not in getattr(model, "peft_config", {})  # trl's reference copy is gone

@@ -48,7 +48,6 @@ POPri starts.
 
 from __future__ import annotations
 
-import copy
 import tempfile
 from dataclasses import dataclass
 from typing import Any
@@ -234,12 +233,14 @@ class POPri(Refinement):
             role: list[str | None] = [None] * len(texts)
             for i, j in pairs:
                 role[i], role[j] = "chosen", "rejected"
+            held_texts = {k for p in held for k in p}
             history += round_rows(t, texts, codes, scores, role=role,
-                                  held_out=[any(k in p for p in held) for k in range(len(texts))])
+                                  held_out=[k in held_texts for k in range(len(texts))])
             note.update(pairs=len(pairs), train_pairs=len(train), held_out_pairs=len(held))
             if train:
                 note.update(self._train_round(gen, cfg, t, texts, codes, train, held))
-                writer = REFINED if note["kept"] or writer == REFINED else writer
+                if note["kept"]:
+                    writer = REFINED
             else:
                 log.warning("[popri] round %d: no code has %d texts for a preference pair; DPO skipped",
                             t, cfg.popri_rejected_rank)
@@ -254,14 +255,15 @@ class POPri(Refinement):
                      train: list[tuple[int, int]], held: list[tuple[int, int]]) -> dict[str, Any]:
         """One round's DPO on ``train``, kept if the margin on ``held`` rises (no held pair: kept);
         the round's note (steps, losses, margins, kept)."""
-        def margin(pairs: list[tuple[int, int]]) -> float:
-            return logprob_margin(gen, [gen.prompt(codes[i]) for i, _ in pairs], [texts[i] for i, _ in pairs],
-                                  [texts[j] for _, j in pairs])
+        def triples(pairs: list[tuple[int, int]]) -> tuple[list[str], list[str], list[str]]:
+            return [gen.prompt(codes[i]) for i, _ in pairs], [texts[i] for i, _ in pairs], [texts[j] for _, j in pairs]
 
-        before_weights = copy.deepcopy(gen.weights()) if held else None
+        def margin(pairs: list[tuple[int, int]]) -> float:
+            return logprob_margin(gen, *triples(pairs))
+
+        before_weights = gen.weights() if held else None  # a copy: trainable_state copies every tensor
         before = margin(held) if held else 0.0
-        stats = dpo_finetune(gen, [gen.prompt(codes[i]) for i, _ in train], [texts[i] for i, _ in train],
-                             [texts[j] for _, j in train], cfg.popri_learning_rate, cfg.seed + t,
+        stats = dpo_finetune(gen, *triples(train), cfg.popri_learning_rate, cfg.seed + t,
                              beta=cfg.popri_beta, loss=cfg.popri_loss, epochs=cfg.popri_epochs)
         note: dict[str, Any] = {"dpo_steps": stats.steps, "dpo_loss": stats.loss, "dpo_first_loss": stats.first_loss,
                                 "dpo_last_loss": stats.last_loss, "train_margin": margin(train)}

@@ -75,9 +75,9 @@ def run_config(data: str, model: str) -> dict[str, Any]:
 
 
 def node_config(kind: str, data: str, state: Path, bound: int) -> dict[str, Any]:
-    """A deployed node's policy: ``bound`` records, a budget no reply here can spend."""
+    """A deployed node's policy: ``bound`` records, a budget no reply here can spend, votes at the run's window."""
     return {"tier": TIERS[kind], "data-path": data, "max-records": bound, "state-dir": str(state),
-            "epsilon": 1e6, "control-columns": "topic"}
+            "epsilon": 1e6, "control-columns": "topic", "vote-window": 2 * MAX_LENGTH}
 
 
 def message(kind: str, vocabulary: list[str], texts: list[str], codes: list[str], arrays, cfg: RunConfig):

@@ -71,6 +71,38 @@ def read_stamped(path: str | Path, fmt: int, stamp: dict[str, Any]) -> tuple[dic
     return head, body
 
 
+def stamp_of(path: str | Path) -> dict[str, Any] | None:
+    """The ``stamp`` in the head of a file ``write_stamped`` wrote (its first line only: the body is
+    not read), or None when it is missing, unreadable or not such a file."""
+    try:
+        with Path(path).open("rb") as fh:
+            head = json.loads(fh.readline())
+    except (OSError, ValueError):
+        return None
+    stamp = head.get("stamp") if isinstance(head, dict) else None
+    return stamp if isinstance(stamp, dict) else None
+
+
+def prune_stamped(folder: str | Path, pattern: str, keep: Path, superseded: Callable[[dict[str, Any]], bool]
+                  ) -> list[Path]:
+    """Remove the files of ``folder`` matching ``pattern`` (``write_stamped``'s), other than ``keep``,
+    whose stamp ``superseded`` says ``keep`` replaces; files it cannot read or whose stamp is another
+    owner's are left. Returns the paths removed. A reader that opened one before keeps its data (POSIX
+    unlinks the name, not the open file); a removal that fails is left for the next prune."""
+    removed = []
+    for path in sorted(Path(folder).glob(pattern)):
+        if path == keep or path.name.startswith("."):
+            continue
+        stamp = stamp_of(path)
+        if stamp is not None and superseded(stamp):
+            try:
+                path.unlink()
+            except OSError:
+                continue
+            removed.append(path)
+    return removed
+
+
 def atomic_write_text(path: str | Path, text: str) -> Path:
     """Write ``text`` to ``path`` via a temp file in the same folder and ``os.replace``."""
     return _atomic_write(path, lambda fh: fh.write(text))

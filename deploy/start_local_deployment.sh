@@ -137,34 +137,61 @@ mkdir -p "$work/cli"
 flwr_cli() { FLWR_HOME="$work/cli" "$bin_dir/flwr" "$@"; }
 
 # --------------------------------------------------------------------------- SuperNodes
-i=0
-for file in "${files[@]}"; do
-    node=$(basename "${file%.*}")
-    tier=$([[ $i -lt $strong ]] && echo strong || echo weak)
+# Each node's gate, approval and node-check (loading the models, reading its file into its view and
+# embedding it: most of the start-up) run side by side, then the SuperNodes start: three nodes' checks
+# one after another took most of a minute (issue 75: a local deployment serves within 60 s).
+node_name() { basename "${1%.*}"; }
+node_tier() { [[ $1 -lt $strong ]] && echo strong || echo weak; }
+node_config_of() {
+    echo "tier=\"$2\" data-path=\"$1\" max-records=$max_records state-dir=\"$work/nodes/$(node_name "$1")/state\" epsilon=$epsilon"
+}
+prepare_node() {  # FILE TIER: the node's folders, key, FAB gate, approval and node-check; its exit code says
+    local file=$1 tier=$2 node dir
+    node=$(node_name "$file")
     dir="$work/nodes/$node"
     mkdir -p "$dir/flwr-home" "$dir/state"
+    if [[ $auth == 1 ]]; then
+        [[ -f "$dir/node_key" ]] || "$(dirname "$0")/generate_node_keys.sh" "$dir" node_key > /dev/null
+    fi
+    # The node's FAB gate: its launcher first in its PATH, its allow-list approving --app.
+    "$bin_dir/fedsyn" node install-launcher "$dir/gate" --allow-list "$dir/allow-list.txt" > /dev/null \
+        && "$bin_dir/fedsyn" node approve "$app" --allow-list "$dir/allow-list.txt" \
+            --note "start_local_deployment.sh" > "$dir/approve.log" 2>&1 || { echo approve > "$dir/failed"; return 1; }
+    # Flower runs no app code at SuperNode start: check the data and the gate now, not at the first request.
+    # One user runs everything here (a try-out): --same-user says so; an institution uses start_node.sh --run-as.
+    PATH="$dir/gate:$PATH" "$bin_dir/fedsyn" node-check --node-config "$(node_config_of "$file" "$tier")" \
+        --same-user > "$dir/node-check.log" 2>&1 || { echo node-check > "$dir/failed"; return 1; }
+}
+preparing=()
+i=0
+for file in "${files[@]}"; do
+    rm -f "$work/nodes/$(node_name "$file")/failed"
+    prepare_node "$file" "$(node_tier $i)" &
+    preparing+=($!)
+    i=$((i + 1))
+done
+for pid in "${preparing[@]}"; do wait "$pid" || true; done
+i=0
+for file in "${files[@]}"; do
+    node=$(node_name "$file")
+    tier=$(node_tier $i)
+    dir="$work/nodes/$node"
+    if [[ -f "$dir/failed" ]]; then
+        [[ $(cat "$dir/failed") == approve ]] && fail "cannot approve $app" "$dir/approve.log"
+        fail "SuperNode $node cannot start: its data, node config or FAB gate is unusable" "$dir/node-check.log"
+    fi
+    built=$(grep -o "embedded the node's records as [0-9]* rows in [0-9.]* s" "$dir/node-check.log" | tail -1 || true)
+    [[ -z "$built" ]] || echo "node-check $node: $built (max-records=$max_records: a bound 10x larger takes about 10x)"
     node_args=(--superlink "127.0.0.1:$port" --port "$(free_port)")
     if [[ -n "$tls" ]]; then node_args+=(--root-certificates "$tls/ca.crt"); else node_args+=(--insecure); fi
     if [[ $auth == 1 ]]; then
-        [[ -f "$dir/node_key" ]] || "$(dirname "$0")/generate_node_keys.sh" "$dir" node_key > /dev/null
         flwr_cli supernode register "$dir/node_key.pub" "$name" --name "$node" > "$dir/register.log" 2>&1 \
             || fail "flwr supernode register failed for $node" "$dir/register.log"
         node_args+=(--auth-supernode-private-key "$dir/node_key")
     fi
-    node_config="tier=\"$tier\" data-path=\"$file\" max-records=$max_records state-dir=\"$dir/state\" epsilon=$epsilon"
-    # The node's FAB gate: its launcher first in its PATH, its allow-list approving --app.
-    "$bin_dir/fedsyn" node install-launcher "$dir/gate" --allow-list "$dir/allow-list.txt" > /dev/null
-    "$bin_dir/fedsyn" node approve "$app" --allow-list "$dir/allow-list.txt" \
-        --note "start_local_deployment.sh" > "$dir/approve.log" 2>&1 || fail "cannot approve $app" "$dir/approve.log"
-    # Flower runs no app code at SuperNode start: check the data and the gate now, not at the first request.
-    # One user runs everything here (a try-out): --same-user says so; an institution uses start_node.sh --run-as.
-    PATH="$dir/gate:$PATH" "$bin_dir/fedsyn" node-check --node-config "$node_config" --same-user > "$dir/node-check.log" 2>&1 \
-        || fail "SuperNode $node cannot start: its data, node config or FAB gate is unusable" "$dir/node-check.log"
-    built=$(grep -o "embedded the node's records as [0-9]* rows in [0-9.]* s" "$dir/node-check.log" | tail -1 || true)
-    [[ -z "$built" ]] || echo "node-check $node: $built (max-records=$max_records: a bound 10x larger takes about 10x)"
     # the gate's flower-supernode: Flower's own, reading no app bundle that is not approved or over the bounds
     PATH="$dir/gate:$PATH" FLWR_HOME="$dir/flwr-home" nohup "$dir/gate/flower-supernode" "${node_args[@]}" \
-        --node-config "$node_config" > "$dir/supernode.log" 2>&1 < /dev/null &
+        --node-config "$(node_config_of "$file" "$tier")" > "$dir/supernode.log" 2>&1 < /dev/null &
     echo "$! supernode $node" >> "$pidfile"
     echo "SuperNode  PID $!  $node ($tier, epsilon=$epsilon)  ledger $dir/state  log $dir/supernode.log"
     i=$((i + 1))

@@ -172,6 +172,7 @@ def vote(msg: Message, node: Node, cfg: RunConfig, req: Request) -> RecordDict:
     texts, codes = [str(t) for t in cand["texts"]], [str(c) for c in cand["codes"]]  # type: ignore[union-attr]  # lists (flwr types a value as any scalar or list)
     if len(texts) != len(codes):
         raise ConfigError(f"{len(texts)} candidate texts but {len(codes)} codes")
+    node.policy.check_candidates(len(texts))  # a vote's work grows with them: the policy bounds it, not the server
     name = str(req.params.get("histogram", "knn-vote"))
     free_text = cfg.free_text is not None  # a table's free text alone
     records = node.records(req.vocabulary, free_text)

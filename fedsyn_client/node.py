@@ -27,7 +27,7 @@ import numpy as np
 
 from common.config import RunConfig
 from common.data import TextData, dataset_fingerprint, load_node_data
-from common.io import folder_write_problem
+from common.io import folder_write_problem, prune_stamped
 from common.logs import get_logger
 from common.rows import Schema, canonical, load_schema, split_record
 from fedsyn_client import refusals
@@ -154,6 +154,10 @@ class Node:
             except OSError as err:  # the vote goes on with the matrix in memory; the next one builds again
                 log.warning("could not keep the node's embedding matrix %s (%s): the next vote builds it again",
                             path, err)
+            else:  # one matrix per (view, embedder, text kind): another window or precision is superseded
+                gone = prune_stamped(path.parent, "emb-*.bin", path, lambda old: _same_matrix(stamp, old))
+                if gone:
+                    log.info("removed the superseded matrix file(s) %s", ", ".join(p.name for p in gone))
         self._matrices[key] = found
         return found
 
@@ -269,8 +273,7 @@ def _matrices(node: Node) -> str:
     window of a run with the default max-length (or the policy's, when smaller): what the first vote
     would otherwise build (issue 61). Returns what was done, for the ready line."""
     policy = node.policy
-    window = RunConfig(max_length=min(RunConfig().max_length, policy.max_length)).vote_window
-    precision = RunConfig().precision
+    window, precision = policy.vote_windows[0], policy.vote_precisions[0]  # the pinned terms (deployed: one each)
     free_text = bool(policy.table_schema) and load_schema(policy.table_schema).text_column is not None
     done = []
     from common.models import EMBEDDER_ALIASES
@@ -278,8 +281,9 @@ def _matrices(node: Node) -> str:
     for embedder in dict.fromkeys(EMBEDDER_ALIASES.get(e, e) for e in policy.embedders):
         matrix = node.matrix(free_text, embedder, window, precision)
         done.append(f"{embedder} ({matrix.shape[0]} x {matrix.shape[1]})")
-    return (f"records embedded at a window of {window} tokens for {', '.join(done)}: a vote reads them from the state "
-            "folder (a run with another max-length or embedder builds its own at its first vote)")
+    return (f"records embedded at a window of {window} tokens ({precision}) for {', '.join(done)}: a vote reads "
+            f"them from the state folder; a run asking another vote window (2 x max-length) or precision is refused "
+            f"(node-config vote-window, vote-precision)")
 
 
 def _measurable(policy: NodePolicy) -> str:
@@ -389,6 +393,7 @@ def _policy(run_id: str, node_config_items: tuple[tuple[str, str], ...], cfg: Ru
         control_columns=cfg.control_columns, vocabulary=bench.vocabulary, state_dir=state, partition=(pid, num),
         model=cfg.model, embedder=cfg.embedder, finetune=cfg.finetune, table_schema=canonical(cfg.schema()),
         max_length=cfg.max_length, accounting=cfg.accounting, min_honest_nodes=cfg.min_honest_nodes,
+        vote_window=cfg.vote_window, precision=cfg.precision,
     )
 
 
@@ -434,6 +439,7 @@ def _view(policy: NodePolicy, state_dir: str) -> tuple[TextData, Snapshot]:
     stamp = {**terms, "size": stat.st_size, "mtime-ns": stat.st_mtime_ns}
     found = read_snapshot(path, stamp)
     if found is not None:
+        _prune_views(state_dir, path, stamp)
         return found[0], Snapshot(path, stamp, found[1])
     # the node's own log only: this one request's time depends on the file (node-check builds it first)
     log.warning("reading data-path %r into the node's view %s (no view yet, or the file changed): this request's "
@@ -448,7 +454,36 @@ def _view(policy: NodePolicy, state_dir: str) -> tuple[TextData, Snapshot]:
     if found is None:
         raise NodeSetupError(f"the node's view {path} cannot be read back after writing it; check the state-dir's "
                              "disk and permissions", refusals.DATA)
+    _prune_views(state_dir, path, stamp)
     return found[0], Snapshot(path, stamp, found[1])
+
+
+def _same_matrix(stamp: dict[str, Any], other: dict[str, Any]) -> bool:
+    """Whether a matrix's ``other`` stamp is of the same view, embedder and text kind as ``stamp``'s (at
+    another window or precision: superseded by it)."""
+    embedder = other.get("embedder")
+    return (other.get("snapshot") == stamp["snapshot"] and other.get("free-text") == stamp["free-text"]
+            and isinstance(embedder, dict) and embedder.get("name") == stamp["embedder"]["name"])
+
+
+def _same_node(stamp: dict[str, Any], other: Any) -> bool:
+    """Whether a view's ``other`` stamp is of this node's data file under other terms: a view a node
+    config change (max-records, columns, max-length) or an upgrade left behind. The ledgers of one state
+    folder share the views of a file (their terms are the same); views of other data files are another
+    node's, never touched."""
+    return isinstance(other, dict) and other.get("data-path") == stamp["data-path"]
+
+
+def _prune_views(state_dir: str, current: Path, stamp: dict[str, Any]) -> None:
+    """Remove this node's superseded views and every matrix embedded from one (issue 75: state of
+    other terms is not kept). Only the node's own log says so: which files a folder holds is the
+    operator's to see, and the work is the folder's, never the records'."""
+    removed = prune_stamped(state_dir, "view-*.bin", current, lambda old: _same_node(stamp, old))
+    removed += prune_stamped(state_dir, "emb-*.bin", current,
+                             lambda old: old.get("snapshot") != stamp and _same_node(stamp, old.get("snapshot")))
+    if removed:
+        log.info("removed %d superseded view and matrix file(s) of this node from %s: %s", len(removed), state_dir,
+                 ", ".join(p.name for p in removed))
 
 
 def readable_schema(schema: Schema, policy: NodePolicy) -> Schema:

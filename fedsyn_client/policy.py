@@ -24,6 +24,8 @@ a node's records can lose, and what runs on them, comes from here, never from th
 | unconfirmed holds | ``max-unconfirmed-holds`` (default 1)   | 1                                |
 | reply retention   | ``keep-replies-days`` (default 30; 0 = forever) | 30 (the store is the run's)  |
 | token cap         | ``max-length`` (default 512): the longest ``max-length`` a request may ask | the run's ``max-length`` |
+| vote terms        | ``vote-window`` (default 128, or 2 x ``max-length`` when smaller) and ``vote-precision`` (default ``auto``): the one window and precision every vote is computed under, so one records' matrix per embedder is built and kept | the run's |
+| work per request  | ``max-candidates`` (20,000 a vote), ``max-local-steps`` (200 DP-SGD steps a round), ``max-batch-size`` (1,024 expected rows a step), ``max-rounds`` (100 rounds of a phase a run: a training run's ``num-server-rounds``, a round's ``epsilon-share`` at least 1/100), ``max-marginal-cells`` (4,000,000 a marginals request): each request's work and reply stay below them | the same |
 | trust (secure aggregation) | ``min-honest-nodes`` (default 1: nobody), ``peer-keys`` (a file of the peers' SuperNode public keys), ``identity-key`` (its own SuperNode private key) | run config ``min-honest-nodes``; every site counts |
 | accounting        | ``accounting`` (default ``pld``: a privacy-loss distribution prices each release, ``common.calibration``; ``basic``: epsilons add up, the paper's) | run config ``accounting`` |
 | public size bound | ``max-records`` (**required**): every release does the work of exactly this many records; a file with more is subsampled once (``fedsyn_client.view``) | none: the partition's size, no padding |
@@ -51,13 +53,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.config import ACCOUNTING, DEFAULT_ACCOUNTING
-from common.dp import TIERS
+from common.config import ACCOUNTING, DEFAULT_ACCOUNTING, PRECISIONS, RunConfig
+from common.dp import TIERS, TRAIN
 from common.phases import is_phase, phase as phase_named, phases as registered_phases
 from common.plugins import FINETUNE_MODES
 from common.records import ERR_POLICY
 from fedsyn_client.refusals import (
+    RULE_BATCH,
+    RULE_CANDIDATES,
     RULE_CAP,
+    RULE_CELLS,
     RULE_COLUMNS,
     RULE_DELTA,
     RULE_EMBEDDER,
@@ -66,7 +71,11 @@ from fedsyn_client.refusals import (
     RULE_MAX_LENGTH,
     RULE_MODEL,
     RULE_PHASE,
+    RULE_ROUNDS,
+    RULE_STEPS,
     RULE_VOCABULARY,
+    RULE_VOTE_PRECISION,
+    RULE_VOTE_WINDOW,
     Refusal,
 )
 
@@ -79,6 +88,22 @@ DEFAULT_FINETUNE = FINETUNE_MODES
 # The longest max-length (tokens a record is cut to) a request may ask: memory and time of a
 # training round grow with it, so the server may not move them at will (issue 45).
 DEFAULT_MAX_LENGTH = 512
+# The vote window (2 x max-length) a deployed node embeds its records at unless its operator pins
+# another: a run's default max-length's, what node-check builds. Each window would be one more
+# records' matrix (max-records rows, built in minutes to hours), so the server may not choose it (issue 75).
+DEFAULT_VOTE_WINDOW = RunConfig().vote_window
+DEFAULT_VOTE_PRECISION = RunConfig().precision
+# The most candidates one vote request may carry: each is embedded and compared with every record
+# slot, so a vote's time and memory grow with them. A 600-text run's pool is 2,400 (issue 74).
+DEFAULT_MAX_CANDIDATES = 20_000
+# DP-SGD's work is local-steps x batch-size rows a round, num-server-rounds rounds (the presets ask at
+# most 50 steps of 256); a phase's rounds split its budget by epsilon-share, so without a floor on the
+# share a server could ask any number of them, each a full pass over the bound's rows.
+DEFAULT_MAX_LOCAL_STEPS = 200
+DEFAULT_MAX_BATCH_SIZE = 1024
+DEFAULT_MAX_ROUNDS = 100
+# The most cells one marginals request may count: its work and reply grow with them (32 MB of floats)
+DEFAULT_MAX_MARGINAL_CELLS = 4_000_000
 SIMULATION_KEYS = ("partition-id", "num-partitions")  # set by Flower's simulation engine
 
 class PolicyError(ValueError):
@@ -116,6 +141,11 @@ class Ask:
     finetune: str = ""
     table_schema: str = ""  # common.rows.canonical of the run's table schema; "" = a text column
     max_length: int = 0  # the tokens a record is cut to (training; the vote window is twice it)
+    vote_window: int = 0  # the run's vote window (2 x max-length): the tokens a vote embeds of each text
+    vote_precision: str = ""  # the run's precision (a vote embeds at it)
+    local_steps: int = 0  # DP-SGD steps a training round
+    batch_size: int = 0  # DP-SGD's expected rows a step
+    rounds: int = 0  # training rounds the run asks (num-server-rounds)
     measured: tuple[str, ...] = ()  # a marginals request: the columns it counts (other phases: NodePolicy.reads)
 
 
@@ -141,6 +171,14 @@ class NodePolicy:
     embedders: tuple[str, ...] = DEFAULT_EMBEDDERS
     finetune_modes: tuple[str, ...] = DEFAULT_FINETUNE
     max_length: int = DEFAULT_MAX_LENGTH  # the longest max-length a request may ask
+    # the vote terms a request may ask (deployed: the pinned one; precision: those computing alike here)
+    vote_windows: tuple[int, ...] = (DEFAULT_VOTE_WINDOW,)
+    vote_precisions: tuple[str, ...] = (DEFAULT_VOTE_PRECISION,)
+    max_candidates: int = DEFAULT_MAX_CANDIDATES  # the most candidates a vote request may carry
+    max_local_steps: int = DEFAULT_MAX_LOCAL_STEPS
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
+    max_rounds: int = DEFAULT_MAX_ROUNDS  # rounds of one phase a run may ask (the share's floor is 1/it)
+    max_marginal_cells: int = DEFAULT_MAX_MARGINAL_CELLS
     max_records: int = 0  # the public size bound (0 in simulation: the partition's size, public there)
     accounting: str = DEFAULT_ACCOUNTING  # how this node composes its releases (common.config.ACCOUNTING)
     measurable_columns: tuple[str, ...] = ()  # the columns any release may read; () = all of the schema's
@@ -185,12 +223,42 @@ class NodePolicy:
                                                  f"cap max-length = {self.max_length} (node-config max-length)")
         if ask.delta is not None:
             self._check_delta(ask.delta)
+        if any(name == TRAIN for name, _ in ask.phases):  # DP-SGD's work: steps x rows, rounds of it
+            for value, most, rule, key in ((ask.local_steps, self.max_local_steps, RULE_STEPS, "local-steps"),
+                                           (ask.batch_size, self.max_batch_size, RULE_BATCH, "batch-size"),
+                                           (ask.rounds, self.max_rounds, RULE_ROUNDS, "num-server-rounds")):
+                if value > most:
+                    raise PolicyRefused(rule, f"the run asks for {key} = {value}, above this node's cap "
+                                              f"{_CAP_KEYS[key]} = {most} (node-config {_CAP_KEYS[key]})")
         for name, eps in ask.phases:
             self._check_phase(name, eps)
             kind = phase_named(name)
             self._check_columns(name, ask.measured if kind.reads == "measured" else self.reads(name))
             for key, allowed in kind.requires:  # the models the phase runs (common.phases)
                 _allowed(_REQUIRED_RULES[key], key, getattr(ask, key), getattr(self, allowed))
+
+    def check_share(self, share: float) -> None:
+        """Refuse a round asking less than 1/``max-rounds`` of its phase's budget: the rounds of a phase
+        split it, so the floor bounds how many rounds of work one run can ask of the node."""
+        if share * self.max_rounds < 1 - 1e-9:
+            raise PolicyRefused(RULE_ROUNDS, f"the request asks epsilon-share = {share:g} of its phase, below 1 / "
+                                             f"max-rounds = 1/{self.max_rounds}: a run may ask at most "
+                                             f"{self.max_rounds} rounds of a phase (node-config max-rounds)")
+
+    def check_cells(self, cells: int) -> None:
+        """Refuse a marginals request counting more than ``max-marginal-cells`` cells."""
+        if cells > self.max_marginal_cells:
+            raise PolicyRefused(RULE_CELLS, f"the marginals request asks for {cells} cells, above this node's cap "
+                                            f"max-marginal-cells = {self.max_marginal_cells} (node-config "
+                                            "max-marginal-cells)")
+
+    def check_candidates(self, count: int) -> None:
+        """Refuse (``PolicyRefused``) a vote request carrying more than ``max-candidates`` candidates,
+        before any is embedded."""
+        if count > self.max_candidates:
+            raise PolicyRefused(RULE_CANDIDATES, f"the vote request carries {count} candidates, above this node's "
+                                                 f"cap max-candidates = {self.max_candidates} (node-config "
+                                                 "max-candidates)")
 
     def reads(self, name: str) -> tuple[str, ...]:
         """The table columns a release of ``phase`` reads of each record on this node, in the
@@ -250,8 +318,19 @@ class NodePolicy:
                                           f"this node's cap max-epsilon-{phase} = {cap:g}")
 
 
+# the node-config key capping each work-scaling run-config key
+_CAP_KEYS = {"local-steps": "max-local-steps", "batch-size": "max-batch-size", "num-server-rounds": "max-rounds"}
+
 # the fixed refusal text (what the server is told) for a model a phase requires and the policy does not allow
-_REQUIRED_RULES = {"model": RULE_MODEL, "finetune": RULE_FINETUNE, "embedder": RULE_EMBEDDER}
+_REQUIRED_RULES = {"model": RULE_MODEL, "finetune": RULE_FINETUNE, "embedder": RULE_EMBEDDER,
+                   "vote_window": RULE_VOTE_WINDOW, "vote_precision": RULE_VOTE_PRECISION}
+# what a refused vote term can be changed to (the run's side, then the operator's)
+_FIXES = {
+    "vote_window": "the vote window is 2 x the run's max-length: ask max-length = {half}, or the node's operator "
+                   "pins vote-window = {value} and runs `fedsyn node-check` to build its matrix",
+    "vote_precision": "ask precision = {allowed}, or the node's operator pins vote-precision = {value} and runs "
+                      "`fedsyn node-check` to build its matrix",
+}
 
 # (what the release reads, what the institution or the server can do) for a refused column, by what
 # the phase reads (``Phase.reads``; a record's text by the table's kind)
@@ -281,10 +360,14 @@ def _schema(table_schema: str) -> Any:
     return load_schema(table_schema)
 
 
-def _allowed(rule: str, key: str, value: str, allowed: tuple[str, ...]) -> None:
+def _allowed(rule: str, key: str, value: Any, allowed: tuple[Any, ...]) -> None:
     if value not in allowed:
-        raise PolicyRefused(rule, f"the run asks for {key} = {value!r}; this node's policy allows "
-                                  f"{key} = {','.join(allowed)!r} (node-config {key})")
+        name = key.replace("_", "-")
+        fix = _FIXES.get(key, "").format(half=allowed[0] // 2 if isinstance(allowed[0], int) else "",
+                                         value=value, allowed=allowed[0])
+        raise PolicyRefused(rule, f"the run asks for {name} = {value!r}; this node's policy allows "
+                                  f"{name} = {','.join(map(str, allowed))!r} (node-config {name})"
+                                  + (f": {fix}" if fix else ""))
 
 
 # --------------------------------------------------------------------------- building
@@ -445,6 +528,30 @@ def _table(phases: tuple[str, ...]) -> tuple[NodeKey, ...]:
                          lambda v: f"node-config max-length = {v:g} must be an integer in [8, 8192] (default "
                                    f"{DEFAULT_MAX_LENGTH}): the longest max-length a request may ask"),),
                 policy_field="max_length", to=int),
+        NodeKey("vote-window", f"the vote window (tokens of each text a vote embeds: 2 x a run's max-length) every "
+                               f"vote is computed under; the records' matrix is built for it (default "
+                               f"{DEFAULT_VOTE_WINDOW}, or 2 x max-length when that is smaller)", _float, 0.0,
+                checks=((lambda v: v == 0 or (16 <= v <= 16384 and v == int(v) and v % 2 == 0),
+                         lambda v: f"node-config vote-window = {v:g} must be an even integer in [16, 16384] (2 x a "
+                                   f"run's max-length; default {DEFAULT_VOTE_WINDOW})"),), to=int),
+        NodeKey("vote-precision", f"the precision every vote is embedded at: auto (bf16 where this node's hardware "
+                                  f"computes it natively) or fp32 (default {DEFAULT_VOTE_PRECISION})", _text,
+                DEFAULT_VOTE_PRECISION,
+                checks=((lambda v: v in PRECISIONS,
+                         lambda v: f"node-config vote-precision = {v!r} must be one of {', '.join(PRECISIONS)}"),)),
+        NodeKey("max-candidates", f"the most candidates one vote request may carry (default "
+                                  f"{DEFAULT_MAX_CANDIDATES})", _float, float(DEFAULT_MAX_CANDIDATES),
+                checks=((lambda v: 1 <= v <= 10_000_000 and v == int(v),
+                         lambda v: f"node-config max-candidates = {v:g} must be an integer in [1, 10000000]"),),
+                policy_field="max_candidates", to=int),
+        *(_cap_key_of(name, doc, default) for name, doc, default in (
+            ("max-local-steps", "the most DP-SGD steps a training round may ask (local-steps)",
+             DEFAULT_MAX_LOCAL_STEPS),
+            ("max-batch-size", "the largest DP-SGD batch (expected rows a step) a run may ask (batch-size)",
+             DEFAULT_MAX_BATCH_SIZE),
+            ("max-rounds", "the most rounds of one phase a run may ask: a training run's num-server-rounds, and a "
+                           "round's epsilon-share at least 1/max-rounds", DEFAULT_MAX_ROUNDS),
+            ("max-marginal-cells", "the most cells one marginals request may count", DEFAULT_MAX_MARGINAL_CELLS))),
         NodeKey("max-records", "the public bound on the records: every release does the work of exactly this many "
                                "(required)", _float,
                 required=("node-config max-records is missing: the public bound on this node's record count. Every "
@@ -475,6 +582,14 @@ def _table(phases: tuple[str, ...]) -> tuple[NodeKey, ...]:
         NodeKey("identity-key", "this node's SuperNode private key (a file), which signs its secure-aggregation keys "
                                 "(with min-honest-nodes > 1)", _identity_key, "", policy_field="identity_key"),
     )
+
+
+def _cap_key_of(name: str, doc: str, default: int) -> NodeKey:
+    """A work cap's node-config key: an integer >= 1, ``default`` when absent (issue 75)."""
+    return NodeKey(name, f"{doc} (default {default})", _float, float(default),
+                   checks=((lambda v: 1 <= v <= 1e9 and v == int(v),
+                            lambda v: f"node-config {name} = {v:g} must be an integer >= 1 (default {default})"),),
+                   policy_field=name.replace("-", "_"), to=int)
 
 
 def _peer_keys(key: str, raw: Any) -> tuple[str, ...]:
@@ -603,24 +718,40 @@ def _policy(values: Mapping[str, Any], table: Sequence[NodeKey], phases: Sequenc
     notes = () if values["control-codes"] else (
         "node-config control-codes is not set: this node accepts the server's public vocabulary and drops "
         "records whose code is not in it; set control-codes to pin the vocabulary",)
+    window = values["vote-window"] or min(DEFAULT_VOTE_WINDOW, 2 * values["max-length"])
+    if window > 2 * values["max-length"]:
+        raise PolicyError(f"node-config vote-window = {window} is above 2 x max-length = {2 * values['max-length']}: "
+                          "no run this node serves could ask it; raise max-length or lower vote-window")
     return NodePolicy(**{k.policy_field: values[k.name] for k in table if k.policy_field}, phase_caps=caps,
-                      table_schema=canonical(schema) if schema is not None else "", warnings=notes)
+                      table_schema=canonical(schema) if schema is not None else "", warnings=notes,
+                      vote_windows=(window,), vote_precisions=computing_alike(values["vote-precision"]))
+
+
+def computing_alike(precision: str) -> tuple[str, ...]:
+    """``precision`` and every other precision that embeds exactly as it does on this node's hardware
+    (on a CPU without native bf16, auto is fp32): a vote at any of them reads the same matrix."""
+    from common.devices import default_device, native_bf16
+
+    bf16 = native_bf16(default_device())
+    return tuple(p for p in PRECISIONS if (p == "auto" and bf16) == (precision == "auto" and bf16))
 
 
 def simulation_policy(tier: str, epsilon: float, delta: float, text_column: str,
                       control_columns: Sequence[str], vocabulary: Sequence[str], state_dir: str,
                       partition: tuple[int, int], model: str, embedder: str, finetune: str,
                       table_schema: str = "", max_length: int = DEFAULT_MAX_LENGTH,
-                      accounting: str = DEFAULT_ACCOUNTING, min_honest_nodes: int = 1) -> NodePolicy:
+                      accounting: str = DEFAULT_ACCOUNTING, min_honest_nodes: int = 1,
+                      vote_window: int = DEFAULT_VOTE_WINDOW, precision: str = DEFAULT_VOTE_PRECISION) -> NodePolicy:
     """The policy of a simulated node: built from the run config, since no institution exists
-    (its models and table schema are the run's own)."""
+    (its models, table schema and vote terms are the run's own; a simulated node keeps no matrix)."""
     return NodePolicy(tier=tier, epsilon=epsilon, delta=delta, text_column=text_column,
                       control_columns=tuple(control_columns), control_codes=tuple(vocabulary),
                       table_schema=table_schema,
                       state_dir=state_dir, simulated=True, partition=tuple(partition),
                       models=(model,), embedders=(embedder,), finetune_modes=(finetune,),
                       max_length=max(DEFAULT_MAX_LENGTH, max_length), accounting=accounting,
-                      min_honest_nodes=int(min_honest_nodes))
+                      min_honest_nodes=int(min_honest_nodes), vote_windows=(vote_window,),
+                      vote_precisions=(precision,))
 
 
 def _canonical(key: str) -> str:

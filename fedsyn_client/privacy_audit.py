@@ -464,15 +464,16 @@ class Audit:
 
 def audit_run_config(policy: Any, overrides: dict[str, Any] | None = None) -> RunConfig:
     """The run the audit asks the node's releases of: the default run on the node's own columns,
-    schema, embedder and budget (a run the node's policy admits), then ``overrides`` (run-config
-    keys, as ``flwr run --run-config`` takes them)."""
+    schema, embedder, vote window and precision and budget (a run the node's policy admits), then
+    ``overrides`` (run-config keys, as ``flwr run --run-config`` takes them)."""
     base = RunConfig()
     embedder = base.embedder if base.embedder in policy.embedders else policy.embedders[0]
     model = base.model if base.model in policy.models else policy.models[0]
     epsilon = policy.epsilon if math.isfinite(policy.epsilon) else base.epsilon
+    precision = base.precision if base.precision in policy.vote_precisions else policy.vote_precisions[0]
     cfg = replace(base, text_column=policy.text_column, control_columns=tuple(policy.control_columns),
                   table_schema=policy.table_schema, embedder=embedder, model=model, epsilon=epsilon,
-                  accounting=policy.accounting)
+                  accounting=policy.accounting, max_length=policy.vote_windows[0] // 2, precision=precision)
     if overrides:
         cfg = RunConfig.from_flower({**cfg.to_flower(), **overrides})
     return cfg

@@ -116,7 +116,10 @@ def authorise(msg: Message, context: Context, policy: NodePolicy, cfg: RunConfig
                          vocabulary=vocabulary, phases=tuple(planned.items()), delta=conf.get("delta"),
                          model=cfg.model, embedder=cfg.embedder, finetune=cfg.finetune,
                          table_schema=canonical(cfg.schema()), max_length=cfg.max_length,
-                         measured=measured_columns(cfg, conf) if kind != TIER and phase_named(kind).reads == "measured"
+                         vote_window=cfg.vote_window, vote_precision=cfg.precision, local_steps=cfg.local_steps,
+                         batch_size=cfg.batch_size, rounds=cfg.num_server_rounds,
+                         measured=measured_columns(cfg, conf, policy)
+                         if kind != TIER and phase_named(kind).reads == "measured"
                          else ()))  # a marginals request's cliques name the columns it counts
     if kind == TIER:
         return Request(run_id=key, phase=TIER, epsilon=float(sum(planned.values())), delta=0.0, phase_budget=0.0,
@@ -124,6 +127,7 @@ def authorise(msg: Message, context: Context, policy: NodePolicy, cfg: RunConfig
     share = conf.get("epsilon-share", 1.0)
     if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
         raise ConfigError(f"epsilon-share = {share!r}; must be in (0, 1]")
+    policy.check_share(float(share))
     budget, cap = planned[kind], policy.cap(kind)
     # delta is split like epsilon: however many rounds a server asks for, the phase's rounds
     # together cost at most (epsilon, delta) of the phase; a delta per round would grow with them
@@ -134,14 +138,10 @@ def authorise(msg: Message, context: Context, policy: NodePolicy, cfg: RunConfig
                    cap=(cap, policy.cap_window_days) if cap is not None else None, accounting=policy.accounting)
 
 
-# The most cells one marginals request may ask for: the work and the reply grow with them, so a
-# server may not ask for an arbitrarily large vector (4 million floats: 32 MB)
-MAX_MARGINAL_CELLS = 4_000_000
-
-
-def measured_columns(cfg: RunConfig, conf: dict[str, Any]) -> tuple[str, ...]:
-    """The columns a marginals request's cliques name, checked against the run's schema and the
-    size limit; ``ConfigError`` (nothing read, nothing spent) for a malformed request."""
+def measured_columns(cfg: RunConfig, conf: dict[str, Any], policy: NodePolicy) -> tuple[str, ...]:
+    """The columns a marginals request's cliques name, checked against the run's schema (``ConfigError``
+    for a malformed request) and the policy's ``max-marginal-cells`` (``PolicyRefused``): nothing read,
+    nothing spent."""
     from common.marginals import cells, column_sizes
 
     schema = cfg.schema()
@@ -158,8 +158,7 @@ def measured_columns(cfg: RunConfig, conf: dict[str, Any]) -> tuple[str, ...]:
         raise ConfigError(f"the marginals request names columns {unknown} that are not counted columns of the run's "
                           "table-schema (a free-text column never is)")
     total = sum(cells(c, sizes) for c in cliques)
-    if total > MAX_MARGINAL_CELLS:
-        raise ConfigError(f"the marginals request asks for {total} cells, above {MAX_MARGINAL_CELLS}")
+    policy.check_cells(total)
     return tuple(a for a in schema.names if any(a in c for c in cliques))
 
 

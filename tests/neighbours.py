@@ -112,7 +112,7 @@ class Shape:
     def node_config(self, data: str, state: Path, tier: str = "weak") -> dict[str, Any]:
         """The node's ``--node-config`` for ``data`` (its state in ``state``)."""
         config = {"tier": tier, "data-path": data, "max-records": self.max_records, "state-dir": str(state),
-                  "epsilon": self.epsilon}
+                  "epsilon": self.epsilon, "vote-window": 32}  # the run's max-length 16: votes at 32 tokens
         return {**config, **({"table-schema": self.schema} if self.table else {})}
 
     def describe(self) -> str:

@@ -63,7 +63,7 @@ def _send(data: str, state: Path, message_type: str, rc: dict | None = None, tie
     _fresh()
     # "basic": these tests' arithmetic (a release costs exactly its epsilon); "pld" is test_pld_ledger's
     config = {"tier": tier, "data-path": data, "max-records": 100, "state-dir": str(state), "epsilon": BUDGET,
-              "accounting": "basic", **(node_config or {})}
+              "accounting": "basic", "vote-window": 32, **(node_config or {})}  # votes at the run's 2 x 16 tokens
     node = client_node(app, 5, config, rc or _rc(data), run_id=run_id)
     set_task_identity()
     conf.setdefault("codes", VOCAB)

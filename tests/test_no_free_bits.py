@@ -76,11 +76,14 @@ def test_vote_rounds_share_one_split_per_run(pair, tmp_path):
 
 def test_a_changed_run_config_term_is_another_request(pair, tmp_path):
     """The stored reply of a vote is replayed for the same request only: the same message under
-    another embedder window (max-length) is not the request that reply answered."""
+    another run-config term its computation reads (the seed) is not the request that reply answered.
+    (Another embedder window never reaches the ledger: the node's policy pins it, issue 75.)"""
     state = tmp_path / "s"
-    first, again, other = play([_vote(1, 1.0), _vote(1, 1.0), _vote(1, 1.0, **{"max-length": 24})], pair[0], state)
+    first, again, other, window = play([_vote(1, 1.0), _vote(1, 1.0), _vote(1, 1.0, seed=7),
+                                        _vote(1, 1.0, **{"max-length": 24})], pair[0], state)
     assert first.kind == again.kind == "release" and first.structure == again.structure
     assert other.error == (R.ERR_BUDGET, "refused: budget: released before for another request")
+    assert window.error == (R.ERR_POLICY, "refused: policy: vote window not the node's")
 
 
 def test_an_empty_data_file_is_served_and_node_check_tells_the_operator(tmp_path, capsys):

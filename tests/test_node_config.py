@@ -28,7 +28,9 @@ BAD = {
     "control-codes": None, "epsilon": 0, "delta": 1, "cap-window-days": -1, "model": "", "embedder": ",",
     "finetune": "lora,qlora", "max-unconfirmed-holds": 1.5, "keep-replies-days": "forever", "max-length": 7,
     "max-records": 0, "accounting": "rdp", "measurable-columns": "sex", "min-honest-nodes": 0,
-    "peer-keys": "/no/such/peer-keys.txt", "identity-key": "/no/such/node.key",
+    "peer-keys": "/no/such/peer-keys.txt", "identity-key": "/no/such/node.key", "vote-window": 33,
+    "vote-precision": "bf16", "max-candidates": 0, "max-local-steps": 0, "max-batch-size": 0, "max-rounds": 0,
+    "max-marginal-cells": 0,
     **{f"max-epsilon-{phase}": 9.0 for phase in PHASES},
 }
 

@@ -90,14 +90,16 @@ def test_a_matrix_of_another_snapshot_embedder_or_window_is_never_used(tmp_path,
     _write(tmp_path / "d.csv", 30)
     node = _node(tmp_path)
     node.matrix(False, MINILM, WINDOW, PRECISION)
+    first = set((tmp_path / "s").glob("emb-*.bin"))
     node.matrix(False, MINILM, 2 * WINDOW, PRECISION)  # another window: built, not the first one's rows
+    assert not first & set((tmp_path / "s").glob("emb-*.bin"))  # and it supersedes the first (issue 75)
     node.matrix(False, MINILM_VADER, WINDOW, PRECISION)  # another embedder
     node.matrix(True, MINILM, WINDOW, PRECISION)  # another text (a table's free-text column)
-    assert len(builds) == 4 and len(list((tmp_path / "s").glob("emb-*.bin"))) == 4
+    assert len(builds) == 4 and len(list((tmp_path / "s").glob("emb-*.bin"))) == 3  # one per embedder and text
     # another precision: a matrix of its own where "auto" means bf16 on this hardware, the same one where not
     own = int(uses_bf16("cpu", PRECISION))
     node.matrix(False, MINILM, WINDOW, "fp32")
-    assert len(builds) == 4 + own and len(list((tmp_path / "s").glob("emb-*.bin"))) == 4 + own
+    assert len(builds) == 4 + own and len(list((tmp_path / "s").glob("emb-*.bin"))) == 3
     # another snapshot's matrix copied onto this one's file: its stamp differs, so it is built again
     (tmp_path / "e.csv").write_bytes((tmp_path / "d.csv").read_bytes())
     _write(tmp_path / "d.csv", 12)
@@ -128,7 +130,8 @@ def test_node_check_builds_the_matrix_and_a_vote_then_embeds_no_record(tmp_path,
               "max-records": BOUND, "control-columns": "topic", "audit-dir": str(tmp_path / "audit")}
     node_module._open.cache_clear()
     ready = check_node(config)
-    assert "records embedded at a window of 128 tokens for all-MiniLM-L6-v2 (24 x 384)" in ready and builds == [1]
+    assert "records embedded at a window of 128 tokens (auto) for all-MiniLM-L6-v2 (24 x 384)" in ready
+    assert builds == [1]
     node = _node(tmp_path)
 
     def no_build(*a, **k):

@@ -57,7 +57,7 @@ def _run(tmp_path: Path, honest: int = 4, strangers: int = 0, epsilon: float = 8
         listed = [pub for j, (_, pub) in enumerate(keys) if j != i]
         peers.write_text("\n".join(listed[:1] + others if strangers else listed) + "\n")
         state = str((states or tmp_path) / f"state{nid}")
-        config = {"tier": tier, "data-path": data, "max-records": 100, "state-dir": state,
+        config = {"tier": tier, "data-path": data, "max-records": 100, "state-dir": state, "vote-window": 32,
                   "epsilon": epsilon, "min-honest-nodes": honest, "identity-key": str(keys[i][0]),
                   "peer-keys": str(peers)}
         nodes[nid] = client_node(app, nid, config, rc, run_id=run_id)

@@ -55,7 +55,7 @@ def _node(data: str, state: Path, rc: dict, run_id: int, tier: str = "weak", **n
     # "basic" (the paper's: a release costs exactly its epsilon), which these tests' arithmetic was
     # written on; the default "pld" is tested in test_pld_ledger, test_calibration and the neighbours
     config = {"tier": tier, "data-path": data, "max-records": 100, "state-dir": str(state), "epsilon": BUDGET,
-              "accounting": "basic", **nc}
+              "accounting": "basic", "vote-window": 32, **nc}  # votes at the run's 2 x max-length 16
     return client_node(app, 5, config, rc, run_id=run_id)
 
 
@@ -226,7 +226,8 @@ def _run_strategy(tmp_path, nodes_cfg: dict[int, tuple[str, str]], rc: dict, dro
     nodes = {}
     for nid, (tier, data) in nodes_cfg.items():
         fn = client_node(app, nid, {"tier": tier, "data-path": data, "max-records": 100,
-                                    "state-dir": str(tmp_path / f"state{nid}"), "epsilon": 8.0}, rc, run_id=11)
+                                    "state-dir": str(tmp_path / f"state{nid}"), "epsilon": 8.0,
+                                    "vote-window": 2 * int(rc["max-length"])}, rc, run_id=11)
         if nid == drop_vote_reply:  # the node releases its vote, but the reply is lost on the way
             fn = (lambda real: lambda m: None if m.metadata.message_type == R.MSG_VOTE and real(m) else real(m))(fn)
         nodes[nid] = fn

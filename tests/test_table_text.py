@@ -99,6 +99,7 @@ def _node(tmp_path, rc, node_config=None):
 
 
 def test_a_marginal_never_counts_the_free_text_and_nothing_is_spent(tmp_path):
+    from fedsyn_client.policy import NodePolicy
     from fedsyn_client.release import measured_columns
 
     rc = {**PRESET, "epsilon": 8.0}
@@ -110,8 +111,9 @@ def test_a_marginal_never_counts_the_free_text_and_nothing_is_spent(tmp_path):
                          dst_node_id=7))
     assert reply.has_error() and reply.error.code in R.ERR_NOTHING_SPENT
     with pytest.raises(ConfigError, match="free-text column never is"):  # what the node's own log says
-        measured_columns(codes, conf)
-    assert measured_columns(codes, {**conf, "cliques": '[["sentiment", "words"]]'}) == ("sentiment", "words")
+        measured_columns(codes, conf, NodePolicy(tier="weak", epsilon=1.0))
+    assert measured_columns(codes, {**conf, "cliques": '[["sentiment", "words"]]'}, NodePolicy(tier="weak", epsilon=1.0)
+                            ) == ("sentiment", "words")
 
 
 def test_the_text_phases_read_the_free_text_alone_and_the_marginals_the_row_alone(tmp_path):

@@ -16,7 +16,8 @@ class Vote(Phase):
     name = VOTE
     message = R.MSG_VOTE
     reply = R.VOTES
-    requires = (("embedder", "embedders"),)
+    # the embedder, and the window and precision it embeds at: the node's records' matrix is built for them
+    requires = (("embedder", "embedders"), ("vote_window", "vote_windows"), ("vote_precision", "vote_precisions"))
 
     def missing(self, cfg: RunConfig, tiers: set[str]) -> str | None:  # noqa: D102 - documented on Phase
         # voters = "all": every node votes; "weak" (the paper's): the weak nodes alone

@@ -141,8 +141,8 @@ class Ask:
     finetune: str = ""
     table_schema: str = ""  # common.rows.canonical of the run's table schema; "" = a text column
     max_length: int = 0  # the tokens a record is cut to (training; the vote window is twice it)
-    vote_window: int = 0  # the run's vote window (2 x max-length): the tokens a vote embeds of each text
-    vote_precision: str = ""  # the run's precision (a vote embeds at it)
+    vote_window: int = DEFAULT_VOTE_WINDOW  # the run's vote window (2 x max-length): the tokens a vote embeds
+    vote_precision: str = DEFAULT_VOTE_PRECISION  # the run's precision (a vote embeds at it)
     local_steps: int = 0  # DP-SGD steps a training round
     batch_size: int = 0  # DP-SGD's expected rows a step
     rounds: int = 0  # training rounds the run asks (num-server-rounds)

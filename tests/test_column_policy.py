@@ -40,7 +40,8 @@ def _node(tmp_path: Path, tier: str, measurable: str) -> tuple[Context, dict, Pa
     rc = {**ROWS_PRESET, "dataset": str(path), "epsilon": 8.0, "num-votes": 2}
     config = {"tier": tier, "data-path": str(path), "max-records": 50, "epsilon": 8.0,
               "state-dir": str(tmp_path / "state"), "table-schema": rc["table-schema"], "control-columns": "diagnosis",
-              "accounting": "basic", "measurable-columns": measurable}
+              "accounting": "basic", "measurable-columns": measurable,
+              "vote-window": 2 * int(rc["max-length"])}  # the preset's max-length 72: its operator pins 144
     node_module._policy.cache_clear()
     node_module._open.cache_clear()
     return Context(run_id=5, node_id=9, node_config=config, state=RecordDict(), run_config=rc), rc, \

@@ -115,7 +115,7 @@ def test_an_embedder_that_cannot_load_is_refused_before_the_reservation(pair, tm
 
         rc = {**neighbours.base_run_config(data), **dict(step_.rc)}
         config = {"tier": "weak", "data-path": data, "max-records": 100, "state-dir": str(state_), "epsilon": BUDGET,
-                  "embedder": "/nonexistent/embedder"}
+                  "embedder": "/nonexistent/embedder", "vote-window": 32}  # the harness's max-length 16
         node = client_node(ca.app, 5, config, rc, run_id=1)
         set_task_identity()
         content = RecordDict({R.CONFIG: ConfigRecord(dict(step_.conf)),

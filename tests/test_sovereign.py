@@ -312,7 +312,8 @@ def test_a_node_whose_data_cannot_be_loaded_says_so_without_quoting_records(data
     broken = tmp_path / "notes.jsonl"
     broken.write_text('{"text": "patient 7 secret note", "topic": "x"}\n{"text": "patient 8 secret, "topic": "y"}\n')
     node = client_node(app, 5, {"tier": "weak", "data-path": str(broken), "max-records": 100,
-                                "state-dir": str(tmp_path / "s"), "epsilon": 8.0}, _rc(data), run_id=4)
+                                "state-dir": str(tmp_path / "s"), "epsilon": 8.0, "vote-window": 32}, _rc(data),
+                         run_id=4)
     with caplog.at_level("ERROR"):
         reply = _ask(node, R.MSG_TIER)
     assert reply.error.code == ERR_CONFIG

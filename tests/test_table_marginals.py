@@ -202,7 +202,7 @@ def test_a_deployed_site_releases_its_marginals_at_half_its_epsilon_per_round(tm
     ('[["diagnosis", "diagnosis"]]', None, {}, R.ERR_CONFIG),  # a column twice
     ('{"a": 1}', None, {}, R.ERR_CONFIG),  # not a list of cliques
     ('[["mean area", "mean radius", "mean texture", "mean perimeter", "mean concavity", "mean smoothness"]]', None,
-     {"marginal-bins": 1024}, R.ERR_CONFIG),  # 1024^6 cells: more than a request may ask
+     {"marginal-bins": 1024}, R.ERR_POLICY),  # 1024^6 cells: above the node's max-marginal-cells
     ('[["diagnosis", "mean area"]]', {"measurable-columns": "diagnosis,mean radius"}, {}, R.ERR_POLICY),
     ('[["diagnosis"]]', {"max-epsilon-marginals": 2.0}, {}, R.ERR_POLICY),  # a cap below the run's 8
 ], ids=["unknown-column", "repeated-column", "malformed", "too-many-cells", "not-measurable", "capped"])

@@ -218,18 +218,14 @@ class NodePolicy:
             raise PolicyRefused(RULE_EPSILON, f"the run asks for epsilon = {ask.epsilon:g} per node, above this "
                                               f"node's budget epsilon = {self.epsilon:g}")
         self._check_vocabulary(ask.vocabulary)
-        if ask.max_length > self.max_length:
-            raise PolicyRefused(RULE_MAX_LENGTH, f"the run asks for max-length = {ask.max_length}, above this node's "
-                                                 f"cap max-length = {self.max_length} (node-config max-length)")
+        _within(RULE_MAX_LENGTH, "the run asks for max-length", ask.max_length, "max-length", self.max_length)
         if ask.delta is not None:
             self._check_delta(ask.delta)
         if any(name == TRAIN for name, _ in ask.phases):  # DP-SGD's work: steps x rows, rounds of it
-            for value, most, rule, key in ((ask.local_steps, self.max_local_steps, RULE_STEPS, "local-steps"),
-                                           (ask.batch_size, self.max_batch_size, RULE_BATCH, "batch-size"),
-                                           (ask.rounds, self.max_rounds, RULE_ROUNDS, "num-server-rounds")):
-                if value > most:
-                    raise PolicyRefused(rule, f"the run asks for {key} = {value}, above this node's cap "
-                                              f"{_CAP_KEYS[key]} = {most} (node-config {_CAP_KEYS[key]})")
+            _within(RULE_STEPS, "the run asks for local-steps", ask.local_steps, "max-local-steps",
+                    self.max_local_steps)
+            _within(RULE_BATCH, "the run asks for batch-size", ask.batch_size, "max-batch-size", self.max_batch_size)
+            _within(RULE_ROUNDS, "the run asks for num-server-rounds", ask.rounds, "max-rounds", self.max_rounds)
         for name, eps in ask.phases:
             self._check_phase(name, eps)
             kind = phase_named(name)
@@ -247,18 +243,12 @@ class NodePolicy:
 
     def check_cells(self, cells: int) -> None:
         """Refuse a marginals request counting more than ``max-marginal-cells`` cells."""
-        if cells > self.max_marginal_cells:
-            raise PolicyRefused(RULE_CELLS, f"the marginals request asks for {cells} cells, above this node's cap "
-                                            f"max-marginal-cells = {self.max_marginal_cells} (node-config "
-                                            "max-marginal-cells)")
+        _within(RULE_CELLS, "the marginals request's cells", cells, "max-marginal-cells", self.max_marginal_cells)
 
     def check_candidates(self, count: int) -> None:
         """Refuse (``PolicyRefused``) a vote request carrying more than ``max-candidates`` candidates,
         before any is embedded."""
-        if count > self.max_candidates:
-            raise PolicyRefused(RULE_CANDIDATES, f"the vote request carries {count} candidates, above this node's "
-                                                 f"cap max-candidates = {self.max_candidates} (node-config "
-                                                 "max-candidates)")
+        _within(RULE_CANDIDATES, "the vote request's candidates", count, "max-candidates", self.max_candidates)
 
     def reads(self, name: str) -> tuple[str, ...]:
         """The table columns a release of ``phase`` reads of each record on this node, in the
@@ -318,8 +308,12 @@ class NodePolicy:
                                           f"this node's cap max-epsilon-{phase} = {cap:g}")
 
 
-# the node-config key capping each work-scaling run-config key
-_CAP_KEYS = {"local-steps": "max-local-steps", "batch-size": "max-batch-size", "num-server-rounds": "max-rounds"}
+def _within(rule: str, asked: str, value: int, key: str, most: int) -> None:
+    """Refuse (``PolicyRefused``, ``rule``) a request whose ``asked`` is ``value``, above the policy's cap
+    ``key`` = ``most``: every request's work is bounded by the node, not the server (issue 75)."""
+    if value > most:
+        raise PolicyRefused(rule, f"{asked} = {value}, above this node's cap {key} = {most} (node-config {key})")
+
 
 # the fixed refusal text (what the server is told) for a model a phase requires and the policy does not allow
 _REQUIRED_RULES = {"model": RULE_MODEL, "finetune": RULE_FINETUNE, "embedder": RULE_EMBEDDER,
@@ -539,11 +533,8 @@ def _table(phases: tuple[str, ...]) -> tuple[NodeKey, ...]:
                 DEFAULT_VOTE_PRECISION,
                 checks=((lambda v: v in PRECISIONS,
                          lambda v: f"node-config vote-precision = {v!r} must be one of {', '.join(PRECISIONS)}"),)),
-        NodeKey("max-candidates", f"the most candidates one vote request may carry (default "
-                                  f"{DEFAULT_MAX_CANDIDATES})", _float, float(DEFAULT_MAX_CANDIDATES),
-                checks=((lambda v: 1 <= v <= 10_000_000 and v == int(v),
-                         lambda v: f"node-config max-candidates = {v:g} must be an integer in [1, 10000000]"),),
-                policy_field="max_candidates", to=int),
+        _cap_key_of("max-candidates", "the most candidates one vote request may carry", DEFAULT_MAX_CANDIDATES,
+                    most=10_000_000),
         *(_cap_key_of(name, doc, default) for name, doc, default in (
             ("max-local-steps", "the most DP-SGD steps a training round may ask (local-steps)",
              DEFAULT_MAX_LOCAL_STEPS),
@@ -584,11 +575,12 @@ def _table(phases: tuple[str, ...]) -> tuple[NodeKey, ...]:
     )
 
 
-def _cap_key_of(name: str, doc: str, default: int) -> NodeKey:
-    """A work cap's node-config key: an integer >= 1, ``default`` when absent (issue 75)."""
+def _cap_key_of(name: str, doc: str, default: int, most: int = 10**9) -> NodeKey:
+    """A work cap's node-config key: an integer in [1, ``most``], ``default`` when absent (issue 75)."""
     return NodeKey(name, f"{doc} (default {default})", _float, float(default),
-                   checks=((lambda v: 1 <= v <= 1e9 and v == int(v),
-                            lambda v: f"node-config {name} = {v:g} must be an integer >= 1 (default {default})"),),
+                   checks=((lambda v: 1 <= v <= most and v == int(v),
+                            lambda v: f"node-config {name} = {v:g} must be an integer in [1, {most}] (default "
+                                      f"{default})"),),
                    policy_field=name.replace("-", "_"), to=int)
 
 

@@ -3,9 +3,13 @@
 # file, all on loopback (127.0.0.1), each with its own FLWR_HOME as if on its own host.
 #
 # Usage: deploy/start_local_deployment.sh DATA_DIR [options]
+#        deploy/start_local_deployment.sh --example [options]
 #
 #   DATA_DIR        a folder of .csv/.jsonl/.parquet files; one SuperNode per file (its
 #                   name is the file's stem), with the run's text and control columns
+#   --example       no data of your own: three nodes (clinic_b strong, hospital_a and practice_c
+#                   weak) on 30 disjoint BBC News articles each (text, topic; from the shipped
+#                   corpus), written to WORK/example-data; it prints the `flwr run` to try
 #   --work DIR      where everything goes (default ./fedsyn-local): pids, logs, ledgers
 #   --strong N      the first N files (sorted by name) are strong nodes, the rest weak (1)
 #   --epsilon E     every node's own total budget, node-config epsilon (8.0)
@@ -14,10 +18,11 @@
 #   --auth          SuperNode authentication (needs --tls): a key pair per node
 #                   (generate_node_keys.sh), registered with `flwr supernode register`
 #   --name NAME     the SuperLink connection written to the CLI's config.toml (fedsyn-local)
-#   --max-records N each node's public size bound (node-config max-records; default 1000, a try-out's):
-#                   every release does the work of N records, and node-check embeds N rows once per
-#                   snapshot before the node serves (it prints how long that took; 10x the bound, 10x
-#                   the time: an institution's 10,000 take minutes a node on two cores)
+#   --max-records N each node's public size bound (node-config max-records; default 300, a try-out's:
+#                   the three example nodes serve within a minute on two cores): every release does
+#                   the work of N records, and node-check embeds N rows once per snapshot before the
+#                   node serves (it prints how long that took; 10x the bound, 10x the time: 1,000
+#                   about 35 s a node side by side on two cores, an institution's 10,000 minutes)
 #   --app DIR       the app every node approves in its FAB gate (default: this checkout)
 #
 # Each SuperNode runs behind its own FAB gate (WORK/nodes/NAME/gate/, a launcher per task process,
@@ -33,7 +38,9 @@ usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' 
 [[ $# -ge 1 && "$1" != "-h" && "$1" != "--help" ]] || { usage; [[ $# -ge 1 ]] && exit 0 || exit 2; }
 
 data_dir=$1; shift
-work=./fedsyn-local; max_records=1000; strong=1; epsilon=8.0; port=""; tls=""; auth=0; name=fedsyn-local
+example=0
+[[ "$data_dir" == "--example" ]] && { example=1; data_dir=""; }
+work=./fedsyn-local; max_records=300; strong=1; epsilon=8.0; port=""; tls=""; auth=0; name=fedsyn-local
 app=$(cd "$(dirname "$0")/.." && pwd)
 while [[ $# -gt 0 ]]; do
     case $1 in
@@ -72,6 +79,20 @@ export TOKENIZERS_PARALLELISM=false
 unset FLWR_INTERNAL_GRPC_CONTROL_API FLWR_INTERNAL_GRPC_FLEET_API  # HTTP APIs only
 
 # --------------------------------------------------------------------------- inputs
+if [[ $example == 1 ]]; then  # the shipped small data: 30 BBC articles a node, none shared
+    mkdir -p "$work/example-data"
+    data_dir=$work/example-data
+    "$python" - "$data_dir" <<'PY' || die "cannot write the example data (is fedsyn installed in $python's venv?)"
+import sys
+from pathlib import Path
+
+from common.tables import load_table
+
+rows = load_table("bbc-news")[["text", "topic"]].sample(frac=1.0, random_state=0).reset_index(drop=True)
+for i, name in enumerate(("hospital_a", "clinic_b", "practice_c")):
+    rows.iloc[30 * i:30 * (i + 1)].to_csv(Path(sys.argv[1]) / f"{name}.csv", index=False)
+PY
+fi
 [[ -d "$data_dir" ]] || die "data folder $data_dir does not exist"
 data_dir=$(cd "$data_dir" && pwd)
 mapfile -t files < <(find "$data_dir" -maxdepth 1 -type f \( -name '*.csv' -o -name '*.jsonl' -o -name '*.parquet' \) | sort)
@@ -215,5 +236,10 @@ echo
 echo "PIDs: $(awk '{printf "%s ", $1}' "$pidfile")(in $pidfile)"
 echo "Run fedsyn on it (the server's dataset is a public file, used for the vocabulary and held-out loss):"
 echo "  FLWR_HOME=$work/cli FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 FLWR_TELEMETRY_ENABLED=0 \\"
-echo "    flwr run /path/to/fedsyn $name --stream --run-config 'min-nodes=${#files[@]} dataset=\"/path/to/public.csv\" control-codes=\"...\"'"
+if [[ $example == 1 ]]; then
+    echo "    flwr run $app $name --stream --run-config 'min-nodes=${#files[@]}'"
+    echo "  (the default run: its public BBC set gives the vocabulary; the nodes' articles are drawn from it, a try-out's shortcut)"
+else
+    echo "    flwr run /path/to/fedsyn $name --stream --run-config 'min-nodes=${#files[@]} dataset=\"/path/to/public.csv\" control-codes=\"...\"'"
+fi
 echo "Stop it: $(dirname "$0")/stop_local_deployment.sh $work"

@@ -20,6 +20,7 @@ from common.config import ConfigError, RunConfig
 from common.data import TextData, dataset_fingerprint
 from common.histograms import HISTOGRAMS
 from common.voting import finite_rows, padded
+from fedsyn_client import fixed_work
 from fedsyn_client.record_matrix import embed_slots
 
 Compute = Callable[[], np.ndarray]
@@ -88,12 +89,19 @@ def candidate_embeddings(texts: list[str], embedder_name: str, max_tokens: int |
                          precision: str = "fp32") -> np.ndarray:
     """Embeddings of a vote round's candidates (public texts from the server). The last round's
     are kept: in simulation one worker process serves many nodes the same candidates, and each
-    would embed them again (10^4 texts x 50 weak nodes); a deployed node embeds them once anyway."""
+    would embed them again (10^4 texts x 50 weak nodes); a deployed node embeds them once anyway.
+
+    Each text is first cut to the window's bytes (``fixed_work.row_bytes``, as the records are): a
+    tokenizer reads a whole text before it truncates, so a server sending megabyte candidates would
+    otherwise set the node's work (issue 75); the cut leaves every window a text fills as it was."""
     import hashlib
     import json
 
     from common.models import embed, load_embedder
 
+    if max_tokens is not None:
+        limit = fixed_work.row_bytes(max_tokens)
+        texts = [fixed_work.cut(t, limit) for t in texts]
     key = (embedder_name, max_tokens, precision, hashlib.sha256(json.dumps(texts).encode()).hexdigest())
     if _CANDIDATES.get("key") != key:
         _CANDIDATES.clear()

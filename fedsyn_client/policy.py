@@ -70,6 +70,7 @@ from fedsyn_client.refusals import (
     RULE_FINETUNE,
     RULE_MAX_LENGTH,
     RULE_MODEL,
+    RULE_OPEN_ROUNDS,
     RULE_PHASE,
     RULE_ROUNDS,
     RULE_STEPS,
@@ -104,6 +105,9 @@ DEFAULT_MAX_BATCH_SIZE = 1024
 DEFAULT_MAX_ROUNDS = 100
 # The most cells one marginals request may count: its work and reply grow with them (32 MB of floats)
 DEFAULT_MAX_MARGINAL_CELLS = 4_000_000
+# The most masked rounds (issue 73) whose keys a node keeps at once: a run has one open at a time
+# (a phase's rounds follow one another); each is a file kept until its last step or for a day.
+DEFAULT_MAX_OPEN_ROUNDS = 16
 SIMULATION_KEYS = ("partition-id", "num-partitions")  # set by Flower's simulation engine
 
 class PolicyError(ValueError):
@@ -179,6 +183,7 @@ class NodePolicy:
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
     max_rounds: int = DEFAULT_MAX_ROUNDS  # rounds of one phase a run may ask (the share's floor is 1/it)
     max_marginal_cells: int = DEFAULT_MAX_MARGINAL_CELLS
+    max_open_rounds: int = DEFAULT_MAX_OPEN_ROUNDS  # masked rounds whose keys the node keeps at once
     max_records: int = 0  # the public size bound (0 in simulation: the partition's size, public there)
     accounting: str = DEFAULT_ACCOUNTING  # how this node composes its releases (common.config.ACCOUNTING)
     measurable_columns: tuple[str, ...] = ()  # the columns any release may read; () = all of the schema's
@@ -244,6 +249,11 @@ class NodePolicy:
     def check_cells(self, cells: int) -> None:
         """Refuse a marginals request counting more than ``max-marginal-cells`` cells."""
         _within(RULE_CELLS, "the marginals request's cells", cells, "max-marginal-cells", self.max_marginal_cells)
+
+    def check_open_rounds(self, count: int) -> None:
+        """Refuse a masked round that would be the node's ``count``-th open one, above ``max-open-rounds``."""
+        _within(RULE_OPEN_ROUNDS, "the masked rounds open on this node", count, "max-open-rounds",
+                self.max_open_rounds)
 
     def check_candidates(self, count: int) -> None:
         """Refuse (``PolicyRefused``) a vote request carrying more than ``max-candidates`` candidates,
@@ -542,7 +552,9 @@ def _table(phases: tuple[str, ...]) -> tuple[NodeKey, ...]:
              DEFAULT_MAX_BATCH_SIZE),
             ("max-rounds", "the most rounds of one phase a run may ask: a training run's num-server-rounds, and a "
                            "round's epsilon-share at least 1/max-rounds", DEFAULT_MAX_ROUNDS),
-            ("max-marginal-cells", "the most cells one marginals request may count", DEFAULT_MAX_MARGINAL_CELLS))),
+            ("max-marginal-cells", "the most cells one marginals request may count", DEFAULT_MAX_MARGINAL_CELLS),
+            ("max-open-rounds", "the most masked rounds whose keys the node keeps at once",
+             DEFAULT_MAX_OPEN_ROUNDS))),
         NodeKey("max-records", "the public bound on the records: every release does the work of exactly this many "
                                "(required)", _float,
                 required=("node-config max-records is missing: the public bound on this node's record count. Every "

@@ -35,9 +35,10 @@ RULE_STEPS = "local-steps above the node's cap"
 RULE_BATCH = "batch-size above the node's cap"
 RULE_ROUNDS = "rounds above the node's cap"
 RULE_CELLS = "marginal cells above the node's cap"
+RULE_OPEN_ROUNDS = "open masked rounds above the node's cap"
 RULES = (RULE_COLUMNS, RULE_EPSILON, RULE_VOCABULARY, RULE_DELTA, RULE_CAP, RULE_PHASE, RULE_MODEL, RULE_EMBEDDER,
          RULE_FINETUNE, RULE_MAX_LENGTH, RULE_VOTE_WINDOW, RULE_VOTE_PRECISION, RULE_CANDIDATES, RULE_STEPS, RULE_BATCH,
-         RULE_ROUNDS, RULE_CELLS)
+         RULE_ROUNDS, RULE_CELLS, RULE_OPEN_ROUNDS)
 
 # secure aggregation's refusals (facts of the round's messages and the node's trust, never of the records)
 SECAGG_REASONS = (MALFORMED, UNTRUSTED, FORGED, INCONSISTENT, REPLAYED)

@@ -100,7 +100,7 @@ def serve(msg: Message, node: Node, req: Request, histogram: str, compute: Calla
         if step == R.ADVERTISE:
             if path.exists():
                 raise SecAggRefused(REPLAYED, "this round was advertised before")
-            _prune(path.parent)
+            open_round(node.policy, path)
             sites = _int(payload, "sites")
             needed = noise_needed(node, req, shift)
             honest = node.policy.min_honest_nodes
@@ -220,9 +220,26 @@ class SkellamShare(Mechanism):
 
 # ----------------------------------------------------------------- the round's state on the node
 def round_path(policy: NodePolicy, req: Request, session: str) -> Path:
-    """The private file of this round's state in the node's state folder."""
-    name = hashlib.sha256(f"{req.run_id}|{req.phase}|{req.round}|{session}".encode()).hexdigest()[:32]
+    """The private file of this round's state in the node's state folder: named by the ledger (two
+    nodes may share a folder), the round (run, phase, round) and the server's session, so that the
+    node's open rounds and a round's earlier sessions can be found by name."""
+    def tag(text: str) -> str:
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    name = f"{tag(policy.ledger_id)}-{tag(f'{req.run_id}|{req.phase}|{req.round}')}-{tag(session)}"
     return state_folder(policy) / "secagg" / f"{name}.json"
+
+
+def open_round(policy: NodePolicy, path: Path) -> None:
+    """Before a round is advertised at ``path``: remove this round's earlier sessions (a session the
+    server started again supersedes its state: keys no later step may use) and rounds abandoned for a
+    day, then refuse (``PolicyRefused``) a round beyond the ``max-open-rounds`` this node keeps at once.
+    Each open round is a file of keys: the server, not the node, would otherwise choose how many."""
+    _prune(path.parent)
+    ledger, round_, _ = path.stem.split("-")
+    for earlier in path.parent.glob(f"{ledger}-{round_}-*.json"):
+        earlier.unlink(missing_ok=True)
+    policy.check_open_rounds(len(list(path.parent.glob(f"{ledger}-*.json"))) + 1)
 
 
 def round_context(msg: Message, req: Request, session: str) -> bytes:

@@ -31,6 +31,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from common.io import read_jsonl
@@ -495,14 +496,12 @@ DEPLOY = APP_DIR / "deploy"
 
 
 def test_local_deployment_scripts_with_tls_and_node_auth(tmp_path):
-    """generate_certs.sh + start_local_deployment.sh --tls --auth: registered nodes come online
-    over TLS, an unregistered key is turned away, stop_local_deployment.sh stops every PID."""
+    """generate_certs.sh + start_local_deployment.sh --example --tls --auth: the three example nodes
+    (their shipped data) come online over TLS, an unregistered key is turned away,
+    stop_local_deployment.sh stops every PID."""
     root = Path(tempfile.mkdtemp(prefix="fedsyn-scripts-", dir=tmp_path))
-    data = root / "data"
-    data.mkdir()
-    _write_csv(data / "hospital_a.csv", 100)
-    _write_csv(data / "clinic_b.csv", 200)
     work = root / "work"
+    data = work / "example-data"  # written by --example: 30 BBC articles a node
     env = flwr_env(root / "home")
     env["FLWR_BIN"] = str(BIN)
 
@@ -517,13 +516,15 @@ def test_local_deployment_scripts_with_tls_and_node_auth(tmp_path):
         san = run("openssl", "x509", "-in", root / "certs" / "server.pem", "-noout", "-ext", "subjectAltName")
         assert "127.0.0.1" in san.stdout and "superlink.example.org" in san.stdout, san.stdout
 
-        start = run(DEPLOY / "start_local_deployment.sh", data, "--work", work, "--tls", root / "certs", "--auth",
-                    "--name", "local-tls", "--max-records", "100", timeout=180)
+        start = run(DEPLOY / "start_local_deployment.sh", "--example", "--work", work, "--tls", root / "certs",
+                    "--auth", "--name", "local-tls", "--max-records", "100", timeout=180)
         pid_lines = (work / "pids").read_text().split() if (work / "pids").exists() else []
         roles = {pid_lines[i + 2]: int(pid_lines[i]) for i in range(0, len(pid_lines) - 2, 3)}  # PID ROLE NAME
         started = list(roles.values())
         assert start.returncode == 0, start.stdout + start.stderr
-        assert len(started) == 3 and all(alive(p) for p in started), start.stdout
+        assert len(started) == 4 and all(alive(p) for p in started), start.stdout
+        assert sorted(p.name for p in data.iterdir()) == ["clinic_b.csv", "hospital_a.csv", "practice_c.csv"]
+        assert all(len(pd.read_csv(p)) == 30 for p in data.iterdir())
         for pid in started:
             assert str(pid) in start.stdout  # the PIDs are printed too
 
@@ -533,8 +534,8 @@ def test_local_deployment_scripts_with_tls_and_node_auth(tmp_path):
         listed = subprocess.run([str(BIN / "flwr"), "supernode", "list", "local-tls", "--format", "json"], env=cli,
                                 capture_output=True, text=True, timeout=60, check=False)
         nodes = json.loads(listed.stdout)["nodes"]
-        assert [n["status"] for n in nodes] == ["online", "online"], listed.stdout
-        for name, tier in (("hospital_a", "weak"), ("clinic_b", "strong")):
+        assert [n["status"] for n in nodes] == ["online"] * 3, listed.stdout
+        for name, tier in (("hospital_a", "weak"), ("clinic_b", "strong"), ("practice_c", "weak")):
             assert f'tier="{tier}"' in processes().get(roles[name], "")
 
         # A SuperNode whose key the operator did not register is refused (no SuperExec:
@@ -551,7 +552,7 @@ def test_local_deployment_scripts_with_tls_and_node_auth(tmp_path):
             rogue.stdout + rogue.stderr)
 
         trees = with_descendants(started)
-        assert len(trees) > 3  # each SuperLink/SuperNode runs a SuperExec child
+        assert len(trees) > 4  # each SuperLink/SuperNode runs a SuperExec child
         stop = run(DEPLOY / "stop_local_deployment.sh", work)
         assert stop.returncode == 0, stop.stdout + stop.stderr
         time.sleep(0.5)

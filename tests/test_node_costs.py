@@ -12,6 +12,7 @@ when it is superseded, and another node's state in the same folder is left alone
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import pytest
@@ -155,7 +156,7 @@ def test_state_of_other_terms_is_removed_when_superseded_and_another_nodes_is_ke
 
 
 def _ask(data: str, state: Path, rc: dict, message_type: str, tier: str = "weak", conf: dict | None = None,
-         **nc) -> Message:
+         arrays: Any = None, **nc) -> Message:
     from flwr.app import ArrayRecord
 
     _fresh()
@@ -164,7 +165,7 @@ def _ask(data: str, state: Path, rc: dict, message_type: str, tier: str = "weak"
     node = client_node(app, 5, config, rc, run_id=1)
     set_task_identity()
     content = RecordDict({R.CONFIG: ConfigRecord({"codes": VOCAB, "delta": 1e-5, "server-round": 1, **(conf or {})}),
-                          R.ARRAYS: ArrayRecord()})
+                          R.ARRAYS: ArrayRecord() if arrays is None else arrays})
     return node(Message(content=content, message_type=message_type, dst_node_id=5))
 
 
@@ -196,3 +197,62 @@ def test_a_round_below_one_over_max_rounds_of_its_phase_is_refused(tmp_path):
             assert reply.error.reason == "refused: policy: rounds above the node's cap"
             assert _spent(state) == 0.0
     assert 0 < _spent(state) <= BUDGET
+
+
+def test_a_vote_at_the_candidate_cap_embeds_at_most_the_cap_of_window_sized_texts(tmp_path, monkeypatch):
+    """The work of a vote at its caps: however long the server makes each candidate (a megabyte here),
+    the node tokenizes at most ``max-candidates`` texts of the pinned window's bytes; a tokenizer reads
+    a whole text before it truncates, so uncut candidates were the server's to size (failed before)."""
+    from common import models
+    from fedsyn_client import fixed_work, histograms
+
+    data, state = _csv(tmp_path / "d.csv"), tmp_path / "state"
+    seen: list[tuple[int, int]] = []  # (texts, longest in bytes) of each call embedding the candidates
+    real = models.embed
+
+    def embed(embedder, texts, *a, **kw):
+        if not kw.get("fixed_width"):  # the records' matrix is built at fixed width (its own bound)
+            seen.append((len(texts), max(len(t.encode("utf-8")) for t in texts)))
+        return real(embedder, texts, *a, **kw)
+
+    monkeypatch.setattr(models, "embed", embed)
+    histograms._CANDIDATES.clear()
+    huge = ConfigRecord({"texts": ["x y " * 250_000] * 6, "codes": [VOCAB[i % 2] for i in range(6)]})
+    reply = _vote_with(data, state, huge, **{"vote-window": 32, "max-candidates": 6})
+    assert not reply.has_error(), reply.error
+    assert seen and all(n <= 6 and longest <= fixed_work.row_bytes(32) for n, longest in seen), seen
+
+
+def _vote_with(data: str, state: Path, candidates: ConfigRecord, **nc) -> Message:
+    _fresh()
+    config = {"tier": "weak", "data-path": data, "max-records": 30, "state-dir": str(state), "epsilon": BUDGET, **nc}
+    node = client_node(app, 5, config, _rc(data, 16), run_id=1)
+    set_task_identity()
+    content = RecordDict({
+        R.CONFIG: ConfigRecord({"codes": VOCAB, "delta": 1e-5, "server-round": 1, "epsilon-share": 0.1,
+                                "num-votes": 2}),
+        R.CANDIDATES: candidates})
+    return node(Message(content=content, message_type=R.MSG_VOTE, dst_node_id=5))
+
+
+def test_a_training_round_at_the_step_cap_does_that_many_steps_in_bounded_passes(tmp_path, monkeypatch):
+    """The work of a training round at its caps: ``max-local-steps`` DP-SGD steps, not one more, each
+    run in passes of at most ``TOKENS_PER_PASS`` tokens however large the Poisson batch (the batch is
+    the server's ``batch-size`` up to ``max-batch-size``, on a bound of ``max-records`` slots)."""
+    from fedsyn_client import training
+    from fedsyn_server.synthesis import ServerModel
+
+    data, state = _csv(tmp_path / "d.csv"), tmp_path / "state"
+    steps: list[int] = []
+    widths: list[int] = []
+    real_step, real_loss = training._private_step, training._loss
+    monkeypatch.setattr(training, "_private_step", lambda *a, **k: steps.append(1) or real_step(*a, **k))
+    monkeypatch.setattr(training, "_loss",
+                        lambda gsm, part, *a, **k: widths.append(int(part[0].numel())) or real_loss(gsm, part, *a, **k))
+    rc = _rc(data, 16, **{"local-steps": 3, "batch-size": 30})
+    arrays = ServerModel(RunConfig.from_flower(rc)).initial_arrays()
+    reply = _ask(data, state, rc, R.MSG_TRAIN, tier="strong", conf={"epsilon-share": 1.0},
+                 **{"max-local-steps": 3, "max-batch-size": 30}, arrays=arrays)
+    assert not reply.has_error(), reply.error
+    assert len(steps) == 3
+    assert widths and max(widths) <= training.TOKENS_PER_PASS

@@ -31,7 +31,7 @@ class Server:
     """Drives one masked profile round over three real sites, one step at a time."""
 
     def __init__(self, tmp_path: Path, honest: int = 3, extra: str = "", epsilon: float = 8.0,
-                 states: Path | None = None, run_id: int = 41) -> None:
+                 states: Path | None = None, run_id: int = 41, node_config: dict | None = None) -> None:
         tmp_path.mkdir(parents=True, exist_ok=True)
         data = write_topic_csv(tmp_path / "data.csv", TOPICS, per_topic=10)
         if extra:  # one more record at the top of the file: the neighbouring dataset
@@ -49,12 +49,13 @@ class Server:
             self.nodes[nid] = client_node(app, nid, {
                 "tier": "weak", "data-path": data, "max-records": 50, "state-dir": str(self.states[nid]),
                 "epsilon": epsilon, "min-honest-nodes": honest, "identity-key": str(keys[i][0]),
-                "peer-keys": str(peers), "control-codes": ",".join(VOCAB)}, rc, run_id=run_id)
+                "peer-keys": str(peers), "control-codes": ",".join(VOCAB), **(node_config or {})}, rc, run_id=run_id)
         set_task_identity()
         self.session = secrets.token_hex(16)
 
-    def ask(self, nid: int, step: str, payload: dict, session: str | None = None) -> Message:
-        conf = {"codes": VOCAB, "delta": 1e-5, R.SECAGG_STEP: step, R.SECAGG_SESSION: session or self.session}
+    def ask(self, nid: int, step: str, payload: dict, session: str | None = None, **extra: int) -> Message:
+        conf = {"codes": VOCAB, "delta": 1e-5, R.SECAGG_STEP: step, R.SECAGG_SESSION: session or self.session,
+                **extra}
         msg = Message(content=RecordDict({R.CONFIG: ConfigRecord(conf),
                                           R.SECAGG: ConfigRecord({"payload": json.dumps(payload)})}),
                       message_type=R.MSG_PROFILE, dst_node_id=nid)
@@ -172,6 +173,28 @@ def test_a_step_replayed_or_a_round_under_a_new_session_gets_nothing(tmp_path: P
     reply = again.ask(11, R.MASK, {"bundles": {str(k): b64(v) for k, v in inbox2[11].items()}})
     assert _refusal(reply) == "refused: budget: released before for another request"
     assert server.spent(11) == pytest.approx(spent)
+
+
+def test_the_server_cannot_make_a_node_keep_more_open_rounds_than_its_cap(tmp_path: Path) -> None:
+    """Issue 75: each advertised round is a file of keys the node keeps until the round's last step (or
+    a day). A new session of a round supersedes the old one's keys; past node-config max-open-rounds a
+    round is refused before it is opened, with a fixed text, nothing spent (failed before: every
+    session of every round was kept)."""
+    server = Server(tmp_path, node_config={"max-open-rounds": 2})
+    folder = server.states[11] / "secagg"
+
+    def advertise(rnd: int, session: str) -> Message:
+        return server.ask(11, R.ADVERTISE, {"sites": 3}, session=session, **{"server-round": rnd})
+
+    first, second = secrets.token_hex(16), secrets.token_hex(16)
+    assert not advertise(1, first).has_error()
+    assert not advertise(1, second).has_error() and len(list(folder.glob("*.json"))) == 1
+    # the superseded session's keys are gone: its next step gets nothing
+    assert _refusal(server.ask(11, R.SHARE, {"adverts": [], "bits": 40}, session=first, **{"server-round": 1})) == \
+        "refused: secure aggregation: a step asked twice or out of order"
+    assert not advertise(2, first).has_error() and len(list(folder.glob("*.json"))) == 2
+    assert _refusal(advertise(3, first)) == "refused: policy: open masked rounds above the node's cap"
+    assert len(list(folder.glob("*.json"))) == 2 and server.spent(11) == 0.0
 
 
 def test_a_malformed_payload_is_a_fixed_text_and_spends_nothing(tmp_path: Path) -> None:

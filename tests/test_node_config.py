@@ -30,7 +30,7 @@ BAD = {
     "max-records": 0, "accounting": "rdp", "measurable-columns": "sex", "min-honest-nodes": 0,
     "peer-keys": "/no/such/peer-keys.txt", "identity-key": "/no/such/node.key", "vote-window": 33,
     "vote-precision": "bf16", "max-candidates": 0, "max-local-steps": 0, "max-batch-size": 0, "max-rounds": 0,
-    "max-marginal-cells": 0,
+    "max-marginal-cells": 0, "max-open-rounds": 0,
     **{f"max-epsilon-{phase}": 9.0 for phase in PHASES},
 }
 

@@ -51,15 +51,21 @@ def _fresh() -> None:
 
 
 def _vote(data: str, state: Path, rc: dict, candidates: int = 4, run_id: int = 1, **nc) -> Message:
+    texts = [f"a candidate about {'xy'[i % 2]} number {i}" for i in range(candidates)]
+    return _vote_with(data, state, ConfigRecord({"texts": texts, "codes": [VOCAB[i % 2] for i in range(candidates)]}),
+                      rc, run_id, **nc)
+
+
+def _vote_with(data: str, state: Path, candidates: ConfigRecord, rc: dict, run_id: int = 1, **nc) -> Message:
+    """A vote request carrying ``candidates`` to a weak node of ``data`` with node config ``nc``."""
     _fresh()
     config = {"tier": "weak", "data-path": data, "max-records": 30, "state-dir": str(state), "epsilon": BUDGET, **nc}
     node = client_node(app, 5, config, rc, run_id=run_id)
     set_task_identity()
-    texts = [f"a candidate about {'xy'[i % 2]} number {i}" for i in range(candidates)]
     content = RecordDict({
         R.CONFIG: ConfigRecord({"codes": VOCAB, "delta": 1e-5, "server-round": 1, "epsilon-share": 0.1,
                                 "num-votes": 2}),
-        R.CANDIDATES: ConfigRecord({"texts": texts, "codes": [VOCAB[i % 2] for i in range(candidates)]})})
+        R.CANDIDATES: candidates})
     return node(Message(content=content, message_type=R.MSG_VOTE, dst_node_id=5))
 
 
@@ -218,21 +224,9 @@ def test_a_vote_at_the_candidate_cap_embeds_at_most_the_cap_of_window_sized_text
     monkeypatch.setattr(models, "embed", embed)
     histograms._CANDIDATES.clear()
     huge = ConfigRecord({"texts": ["x y " * 250_000] * 6, "codes": [VOCAB[i % 2] for i in range(6)]})
-    reply = _vote_with(data, state, huge, **{"vote-window": 32, "max-candidates": 6})
+    reply = _vote_with(data, state, huge, _rc(data, 16), **{"vote-window": 32, "max-candidates": 6})
     assert not reply.has_error(), reply.error
     assert seen and all(n <= 6 and longest <= fixed_work.row_bytes(32) for n, longest in seen), seen
-
-
-def _vote_with(data: str, state: Path, candidates: ConfigRecord, **nc) -> Message:
-    _fresh()
-    config = {"tier": "weak", "data-path": data, "max-records": 30, "state-dir": str(state), "epsilon": BUDGET, **nc}
-    node = client_node(app, 5, config, _rc(data, 16), run_id=1)
-    set_task_identity()
-    content = RecordDict({
-        R.CONFIG: ConfigRecord({"codes": VOCAB, "delta": 1e-5, "server-round": 1, "epsilon-share": 0.1,
-                                "num-votes": 2}),
-        R.CANDIDATES: candidates})
-    return node(Message(content=content, message_type=R.MSG_VOTE, dst_node_id=5))
 
 
 def test_a_training_round_at_the_step_cap_does_that_many_steps_in_bounded_passes(tmp_path, monkeypatch):

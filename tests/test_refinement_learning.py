@@ -15,7 +15,7 @@ import pytest
 
 from common.config import RunConfig
 from strategies.grpo import GRPO, rank_advantages, within_group_spread
-from strategies.popri import POPri, centred_by_code, logprob_margin, preference_pairs, split_pairs
+from strategies.popri import DPOStats, POPri, centred_by_code, logprob_margin, preference_pairs, split_pairs
 from strategies.refinement import REFINED, RefinementContext
 
 CODES = ["topic=a", "topic=b"]
@@ -134,14 +134,21 @@ def test_dpo_raises_the_chosen_over_rejected_margin_on_held_out_pairs(generator)
             return logprob_margin(gen, [gen.prompt(codes[i]) for i, _ in ps], [texts[i] for i, _ in ps],
                                   [texts[j] for _, j in ps])
 
+        def trained(ps) -> tuple[float, DPOStats]:
+            gen.load(start)
+            stats = dpo_finetune(gen, [gen.prompt(codes[i]) for i, _ in ps], [texts[i] for i, _ in ps],
+                                 [texts[j] for _, j in ps], 5e-2, 0, epochs=4)
+            return margin(held), stats
+
         before = margin(held)
-        stats = dpo_finetune(gen, [gen.prompt(codes[i]) for i, _ in train], [texts[i] for i, _ in train],
-                             [texts[j] for _, j in train], 5e-2, 0, epochs=4)
-        after = margin(held)
+        after, stats = trained(train)
         assert stats.steps >= len(train) * 4 // 8 and stats.last_loss < stats.first_loss < 0.70  # the loss fell
-        # what it trains, measured on pairs it did not train on (the tiny model moves little: its
-        # distribution is close to uniform; +0.36 nats measured)
-        assert after > before + 0.2, (before, after)
+        # what it trains, measured on pairs it did not train on, against the same DPO on the pairs reversed:
+        # the margin moves the way the pairs point (the tiny model moves little, its distribution close to
+        # uniform, and how much depends on the host's kernels: +0.36 nats on one host, +0.12 against -0.12
+        # reversed on another, so the test asks for the direction and a gap, not one host's size)
+        reversed_after, _ = trained([(j, i) for i, j in train])
+        assert reversed_after < before < after and after - reversed_after > 0.1, (reversed_after, before, after)
         gen.load(start)
         assert margin(held) == pytest.approx(before, abs=1e-4)  # the measure reads the weights, nothing else
     finally:

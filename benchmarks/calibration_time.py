@@ -2,7 +2,7 @@
 
 The default run's node-side noise solving under one rule: the strong node's profile, DP-SGD and
 vote, the weak node's profile and vote, as the nodes solve them (``common.calibration``). Timed
-as whole processes, pld against basic, by farm-bench (benchmarks/README.md, issue 47)."""
+as whole processes, pld against basic, by paired whole-process timing (benchmarks/README.md, issue 47)."""
 
 from __future__ import annotations
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import io
 import json
 import math
 from collections import defaultdict
@@ -30,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from common.io import atomic_write_text, read_jsonl
+from common.io import atomic_write_csv, read_jsonl
 
 
 def round_snr(scores: list[float], codes: list[str], group: int, sigma: float) -> float:
@@ -139,8 +138,10 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
     from fedsyn_server.outputs import save_figure
 
     cells = sorted({r["cell"] for r in rows})
-    trained = sorted({r["method"] for r in rows if f"{r['method']}-no-update" in {q["method"] for q in rows}})
+    methods = {r["method"] for r in rows}
+    trained = sorted(m for m in methods if f"{m}-no-update" in methods)
     acc = {(r["method"], r["cell"], int(r["seed"])): float(r["accuracy"]) for r in rows}
+    seeds = sorted({s for _, _, s in acc})
     fig, axes = plt.subplots(1, len(cells), figsize=(1.6 + 1.5 * len(trained) * len(cells), 4.2),
                              sharey=True, squeeze=False)
     for ax, cell in zip(axes[0], cells):
@@ -152,11 +153,10 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
                         va="bottom", color="grey", transform=ax.get_yaxis_transform())
         for i, method in enumerate(trained):
             x = np.array([2 * i, 2 * i + 0.8])
-            for (m, c, seed), v in sorted(acc.items()):
-                control = acc.get((f"{method}-no-update", cell, seed))
-                if (m, c) == (method, cell) and control is not None:
-                    ax.plot(x, [control, v], "o-", color=f"C{seed}", lw=1, ms=4,
-                            label=f"seed {seed}" if i == 0 else None)
+            for seed in seeds:
+                pair = [acc.get((f"{method}-no-update", cell, seed)), acc.get((method, cell, seed))]
+                if None not in pair:
+                    ax.plot(x, pair, "o-", color=f"C{seed}", lw=1, ms=4, label=f"seed {seed}" if i == 0 else None)
         ax.set_xticks([2 * i + d for i in range(len(trained)) for d in (0, 0.8)],
                       [t for m in trained for t in ("no update", m.removeprefix("dp-"))], rotation=60, fontsize=7)
         ax.set_title(cell.replace("partitioning=", "") or "-", fontsize=9)
@@ -186,11 +186,7 @@ def main() -> None:
         print(line)
     if args.csv:
         rows.sort(key=lambda r: (r["cell"], r["method"], int(r["seed"])))
-        text = io.StringIO()
-        writer = csv.DictWriter(text, fieldnames=keys, lineterminator="\n")
-        writer.writeheader()
-        writer.writerows(rows)
-        atomic_write_text(args.csv, text.getvalue())
+        atomic_write_csv(args.csv, rows, keys)
     if args.plot:
         print(f"wrote {plot(rows, args.plot)}")
 

@@ -119,6 +119,7 @@ class RunConfig:
     grpo_iterations: int = 2  # optimisation passes per batch of rollouts (> 1: PPO's ratio clip acts); 0: no update
     grpo_kl: float = 0.01  # the KL penalty's beta, against the weights the refinement starts from
     grpo_advantage_clip: float = 5.0  # |advantage| at most this (Concordia's)
+    grpo_groups: int = 0  # groups of rollouts a training round; 0: the pool's (num-synthetic / G)
     voters: str = "all"  # VOTERS; "all" chosen by issue 46's grid (docs/results.md), "weak" is the paper's
     accounting: str = DEFAULT_ACCOUNTING  # simulated nodes' rule (a deployed node's is its node-config accounting)
     # simulated sites' trust (issue 73): each counts on this many sites, itself included, adds 1/sqrt(t) of
@@ -223,6 +224,7 @@ class RunConfig:
              "an integer in [0, 16] (0: no update, the paired control)"),
             ("grpo-kl", 0 <= self.grpo_kl <= 10, "a float in [0, 10] (0: no KL term)"),
             ("grpo-advantage-clip", self.grpo_advantage_clip > 0, "a float > 0"),
+            ("grpo-groups", self.grpo_groups >= 0, "an integer >= 0 (0: as many as the pool's num-synthetic / G)"),
             ("voters", self.voters in VOTERS, f"one of {list(VOTERS)}"),
             ("accounting", self.accounting in ACCOUNTING, f"one of {list(ACCOUNTING)}"),
             ("min-honest-nodes", self.min_honest_nodes >= 1, "an integer >= 1 (1: every site adds the whole noise)"),

@@ -7,7 +7,10 @@ T rounds (``refinement-rounds``). Rounds 1 to T − 1 are one ``trl`` training r
    (``grpo-group-size``; round 1's from the stage-3 pool, which the same weights wrote, since
    ``on_policy``) are sampled by ``Generator.generate``, handed to trl as its
    ``rollout_func``: trl's loop, our sampler (for a table, the row writer under each column's
-   grammar). The number of groups per code follows the profile's allocation of the pool.
+   grammar). The number of groups per code follows the profile's allocation of the pool; their
+   number in all is the pool's (num-synthetic / G) or ``grpo-groups``, which decouples what a
+   round trains on from the final population's size (at 2,400 texts, 300 groups would be about
+   1,200 steps a cell on two CPU cores; 30 are the preset's 120).
 2. **The reward is one DP vote round.** trl's reward function is ``ctx.vote`` on the round's
    texts with the ``centred-similarity`` histogram (each record's cosine similarities to the
    same-code texts minus their mean over them, clipped to L2 norm 1, summed; sensitivity 1,
@@ -48,6 +51,7 @@ import numpy as np
 
 from common.config import RunConfig
 from common.logs import get_logger
+from strategies.allocation import allocate_exactly
 from strategies.refinement import REFINED, Refined, Refinement, RefinementContext, VotePlan, round_rows
 from strategies.resampling import resample_by_code
 
@@ -55,10 +59,16 @@ log = get_logger("fedsyn")
 HISTOGRAM = "centred-similarity"
 
 
-def group_counts(allocation: dict[str, int], group: int) -> dict[str, int]:
-    """Groups of ``group`` texts per code for a round: the allocation of the pool, rounded to whole
-    groups (at least one for every code the allocation gives a text)."""
-    return {c: max(1, round(n / group)) for c, n in allocation.items() if n > 0}
+def group_counts(allocation: dict[str, int], group: int, total: int = 0) -> dict[str, int]:
+    """Groups of ``group`` texts per code for a training round, at least one for every code the
+    allocation gives a text. ``total`` 0: the allocation of the pool, rounded to whole groups;
+    ``total`` > 0 (``grpo-groups``): that many groups shared in proportion to the allocation by
+    largest remainders (so more than ``total`` only where there are more codes than groups)."""
+    codes = [c for c, n in allocation.items() if n > 0]
+    if total <= 0:
+        return {c: max(1, round(allocation[c] / group)) for c in codes}
+    shares = allocate_exactly(np.array([allocation[c] for c in codes], dtype=np.float64), total)
+    return {c: max(1, int(k)) for c, k in zip(codes, shares)}
 
 
 def masked_completion(text: str, tokenizer: Any, schema: Any | None) -> tuple[list[int], list[int]]:
@@ -156,7 +166,7 @@ class GRPO(Refinement):
 
         cfg, gen = ctx.cfg, ctx.generator
         group = cfg.grpo_group_size
-        groups = group_counts(ctx.allocation, group)
+        groups = group_counts(ctx.allocation, group, cfg.grpo_groups)
         code_of = {gen.prompt(c): c for c in groups}
         rows = [gen.prompt(c) for c, n in groups.items() for _ in range(n)]
         schema = getattr(gen, "row_schema", None)

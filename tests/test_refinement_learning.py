@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from common.config import RunConfig
-from strategies.grpo import GRPO, rank_advantages, within_group_spread
+from strategies.grpo import GRPO, group_counts, rank_advantages, within_group_spread
 from strategies.popri import DPOStats, POPri, centred_by_code, logprob_margin, preference_pairs, split_pairs
 from strategies.refinement import REFINED, RefinementContext
 
@@ -53,6 +53,15 @@ def test_rank_advantages_are_standardised_ranks_per_group_clipped_and_invalid_la
     assert rank_advantages(s, 3, 0.5).max() == 0.5  # the clip acts where the ranks reach it
     assert rank_advantages(np.array([1.0, 2.0, 3.0]), 2, 5.0)[2] == 0.0  # a group of one: no advantage
     assert within_group_spread(np.array([0.0, 2.0, 5.0, 5.0]), 2) == pytest.approx(0.5)
+
+
+def test_group_counts_follow_the_pool_or_grpo_groups_shared_as_the_allocation():
+    alloc = {"a": 1200, "b": 600, "c": 590, "d": 10, "e": 0}
+    assert group_counts(alloc, 8) == {"a": 150, "b": 75, "c": 74, "d": 1}  # the pool's: 300 groups
+    # 30 in all: shares 15, 7.5, 7.375, 0.125; largest remainders give b the 30th; d's floor of one the 31st
+    assert group_counts(alloc, 8, 30) == {"a": 15, "b": 8, "c": 7, "d": 1}
+    assert group_counts(alloc, 8, 2) == {"a": 1, "b": 1, "c": 1, "d": 1}  # fewer groups than codes: one each
+    assert group_counts({"a": 5}, 8) == {"a": 1}
 
 
 def test_centred_similarity_removes_each_records_level_and_keeps_its_preferences():
@@ -253,5 +262,24 @@ def test_grpo_raises_the_reward_of_fresh_samples(generator):
         assert out.trained_generator and "ref" not in gen.model.peft_config
         assert len(out.selected) == sum(math.floor(cfg.sampling_rate * 32) for _ in CODES)
         assert _fresh(gen, teacher) > before + 0.04  # +0.093 to +0.105 over 4 seeds; lr 1e-9: +0.00000
+    finally:
+        gen.load(start)
+
+
+def test_grpo_groups_trains_on_that_many_groups_and_the_last_round_scores_the_whole_pool(generator):
+    """``grpo-groups`` sets what a training round rolls out (its votes, its steps), not the final
+    population: that is still num-synthetic texts, scored once more, and A.4 draws from them."""
+    gen, teacher = generator, Teacher(generator)
+    start = gen.weights()
+    try:
+        cfg = RunConfig(model="tiny-gpt2", max_new_tokens=8, num_synthetic=64, refinement="grpo",
+                        refinement_rounds=3, grpo_group_size=4, grpo_groups=2, grpo_iterations=1)
+        votes = Votes(teacher)
+        out = GRPO().refine(_ctx(gen, cfg, votes))
+        # two training rounds of one group per code (2 x 4 texts), then the 64-text population
+        assert votes.requests == [("centred-similarity", 1 / 3, 8)] * 2 + [("centred-similarity", 1 / 3, 64)]
+        assert [r["groups"] for r in out.notes["rounds"][:2]] == [2, 2]
+        assert out.notes["rounds"][0]["steps"] == 2 * 2 * 1  # 2 training rounds x 2 groups x 1 iteration
+        assert len(out.texts) == 64 and len(out.selected) == sum(math.floor(cfg.sampling_rate * 32) for _ in CODES)
     finally:
         gen.load(start)
